@@ -1,0 +1,125 @@
+"""Typed exceptions raised by hybridflow; every message says what was expected, what was got and how to fix it.
+
+Plugins raise these too, so a user catches one family (:class:`HybridflowError`) whatever backend failed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HybridflowError",
+    "PluginLoadError",
+    "PluginValidationError",
+    "RegistryError",
+    "DuplicateNameError",
+    "UnknownNameError",
+    "ConfigError",
+    "DatasetError",
+    "RewardError",
+    "VersionMismatchError",
+    "WorkerError",
+    "DeadlineExceededError",
+    "LayoutError",
+    "ReshardError",
+    "CheckpointError",
+    "PlacementError",
+    "EngineError",
+]
+
+
+class HybridflowError(Exception):
+    """Base class of every error hybridflow raises on purpose."""
+
+
+class PluginLoadError(HybridflowError):
+    """A plugin's entry point failed to import or register."""
+
+    def __init__(
+        self,
+        *,
+        plugin: str,
+        distribution: str,
+        version: str,
+        entry_point: str,
+        cause: BaseException,
+        fix: str,
+    ) -> None:
+        self.plugin = plugin
+        self.distribution = distribution
+        self.version = version
+        self.entry_point = entry_point
+        self.cause = cause
+        self.fix = fix
+        super().__init__(
+            f'Plugin "{plugin}" ({distribution} {version}, entry point {entry_point}) failed to import: '
+            f"{type(cause).__name__}: {cause}. {fix}"
+        )
+
+
+class PluginValidationError(HybridflowError):
+    """A plugin implements a hook that does not exist or with the wrong signature."""
+
+
+class RegistryError(HybridflowError):
+    """Base class of registry errors."""
+
+
+class DuplicateNameError(RegistryError):
+    """A name was registered twice in the same registry."""
+
+
+class UnknownNameError(RegistryError, KeyError):
+    """A registry lookup for a name that nobody registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigError(HybridflowError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class DatasetError(HybridflowError, ValueError):
+    """A dataset file is missing, empty, unreadable or lacks a required column."""
+
+
+class RewardError(HybridflowError):
+    """A reward function raised, returned NaN or returned the wrong shape."""
+
+
+class VersionMismatchError(HybridflowError):
+    """Inputs of one transfer disagree on ``policy_version`` or ``iteration``."""
+
+
+class WorkerError(HybridflowError):
+    """A remote worker raised; carries the rank and the worker's traceback."""
+
+    def __init__(self, message: str, *, rank: int | None = None, method: str | None = None,
+                 remote_traceback: str = "") -> None:
+        self.rank = rank
+        self.method = method
+        self.remote_traceback = remote_traceback
+        super().__init__(message)
+
+
+class DeadlineExceededError(HybridflowError, TimeoutError):
+    """A remote call did not finish within its deadline (the watchdog fired)."""
+
+
+class LayoutError(HybridflowError, ValueError):
+    """A parallel layout or shard spec is invalid (sizes do not divide, axes unknown, ...)."""
+
+
+class ReshardError(HybridflowError):
+    """A reshard plan could not be built or executed."""
+
+
+class CheckpointError(HybridflowError):
+    """A checkpoint is missing, incomplete or corrupted."""
+
+
+class PlacementError(HybridflowError):
+    """No placement satisfies the memory floors or the device count."""
+
+
+class EngineError(HybridflowError):
+    """A training or rollout engine was misconfigured or misused."""

@@ -1,0 +1,115 @@
+"""Every pluggy hook a hybridflow plugin can implement, grouped by what it supplies.
+
+Stability: public. Hooks take keyword arguments only. Registration hooks are ``historic=True``: a plugin
+registered after the call still receives it, so the order in which plugins load never matters. Each receives one
+:class:`~hybridflow.registry.Registry` and adds entries to it; return values are ignored. Duplicate names across
+plugins raise :class:`~hybridflow.errors.DuplicateNameError` naming both owners.
+
+This module defines the contracts only; :mod:`hybridflow.plugins` loads plugins and calls the hooks, and
+:mod:`hybridflow.registries` holds the registries the hooks fill.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from hybridflow.registry import Registry
+
+__all__ = ["hookspec", "hookimpl", "PROJECT_NAME"]
+
+PROJECT_NAME = "hybridflow"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --- engines ---------------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def hybridflow_register_training_engines(*, registry: Registry[Any]) -> None:
+    """Register training engine factories (e.g. ``"fsdp"``, ``"megatron"``).
+
+    Runs once when plugins are loaded (``hybridflow.plugins.load_plugins``), in the driver and again in every
+    worker process that builds an engine. Each entry is a callable ``factory(*, role, config, device) ->
+    TrainingEngine`` (see :class:`hybridflow.engines.TrainingEngineFactory`). Import the backend (torch,
+    megatron-core, ...) inside the factory, never at module import, so listing plugins stays cheap.
+    """
+
+
+@hookspec(historic=True)
+def hybridflow_register_rollout_engines(*, registry: Registry[Any]) -> None:
+    """Register rollout engine factories (e.g. ``"hf"``, ``"vllm"``, ``"sglang"``).
+
+    Runs once at plugin load, in the driver and in each rollout worker. Each entry is a callable
+    ``factory(*, config, device) -> RolloutEngine`` (see :class:`hybridflow.engines.RolloutEngineFactory`).
+    Selecting one is a config change only (``rollout.engine: vllm``).
+    """
+
+
+# --- data movement ---------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def hybridflow_register_transfer_protocols(*, registry: Registry[Any]) -> None:
+    """Register transfer protocols: how a worker method's inputs are split to ranks and outputs gathered back.
+
+    Runs once at plugin load. Entries implement :class:`hybridflow.transfer.TransferProtocol`. The same registry
+    is filled by user code through ``hybridflow.transfer.register(name, protocol)``.
+    """
+
+
+@hookspec(historic=True)
+def hybridflow_register_layouts(*, registry: Registry[Any]) -> None:
+    """Register layout builders: the per-parameter shard specs of an engine's weights.
+
+    Runs once at plugin load. Each entry is a callable returning a
+    :class:`hybridflow.resharding.ModelLayout` for given parameter shapes and parallel sizes; the reshard
+    planner uses the training engine's layout as source and the rollout engine's as target.
+    """
+
+
+# --- placement -------------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def hybridflow_register_cost_models(*, registry: Registry[Any]) -> None:
+    """Register per-engine cost models used by auto device mapping (``hybridflow plan``).
+
+    Runs once at plugin load. Entries implement :class:`hybridflow.placement.CostModel`; an engine without one
+    is estimated by the analytical simulator alone.
+    """
+
+
+# --- algorithms and rewards ------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def hybridflow_register_rewards(*, registry: Registry[Any]) -> None:
+    """Register rule-based reward functions by name.
+
+    Runs once at plugin load. Each entry is a callable ``fn(*, responses, ground_truths, data_sources,
+    extra) -> list[float]``; see :mod:`hybridflow.rewards`.
+    """
+
+
+@hookspec(historic=True)
+def hybridflow_register_algorithms(*, registry: Registry[Any]) -> None:
+    """Register algorithm drivers (optional; PPO, GRPO, ... ship with the core).
+
+    Runs once at plugin load. Each entry is an :class:`hybridflow.algorithms.Algorithm`.
+    """
+
+
+# --- reporting -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def hybridflow_report_capabilities() -> dict[str, str] | None:
+    """Describe what this plugin can and cannot do on this machine, for ``hybridflow plugins``.
+
+    Called when listing plugins. Return ``{capability: status}`` such as ``{"sleep_mode": "absent on CPU"}``;
+    all non-None results are shown, each under its plugin. Must not import a heavy backend.
+    """
