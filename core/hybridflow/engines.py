@@ -1,0 +1,244 @@
+"""What a training or rollout engine plugin implements: typed configs and ``typing.Protocol`` interfaces.
+
+Stability: public (plugin authors code against it). The core never builds an engine itself; it looks a factory up
+in :mod:`hybridflow.registries` by the name the config gives and calls it inside a worker process.
+
+Batch column conventions (all tensors, batch dim first; P = prompt length, R = response length):
+
+- prompts in: ``input_ids`` [B, P] left-padded, ``attention_mask`` [B, P]
+- after ``generate``: ``prompts`` [B, P], ``responses`` [B, R] right-padded with pad id, ``input_ids`` and
+  ``attention_mask`` [B, P+R], ``position_ids`` [B, P+R], ``response_mask`` [B, R] (1 on generated tokens up to and
+  including EOS), ``rollout_log_probs`` [B, R] (log-prob of each sampled token under the sampling distribution
+  before temperature/top-k/top-p, i.e. the policy's own log-prob), and meta ``policy_version``.
+- ``compute_log_probs`` adds ``log_probs`` [B, R] (and ``entropy`` [B, R] when asked); ``compute_values`` adds
+  ``values`` [B, R]; ``compute_scores`` adds ``scores`` [B].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from hybridflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hybridflow.batch import Batch
+
+__all__ = [
+    "Role",
+    "ModelSpec",
+    "ParallelConfig",
+    "OptimConfig",
+    "TrainingEngineConfig",
+    "SamplingParams",
+    "RolloutEngineConfig",
+    "MeshInfo",
+    "LossFn",
+    "TrainingEngine",
+    "RolloutEngine",
+    "TrainingEngineFactory",
+    "RolloutEngineFactory",
+    "ROLLOUT_CAPABILITIES",
+]
+
+Role = Literal["actor", "critic", "reference", "reward_model"]
+ROLES: tuple[str, ...] = ("actor", "critic", "reference", "reward_model")
+
+#: optional rollout capabilities an engine may report in ``capabilities``
+ROLLOUT_CAPABILITIES = ("sleep", "update_weights_in_memory", "log_probs", "seed")
+
+
+def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'≥ 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Which model to build: an HF directory (``path``) or an HF config dict with random init (``config``)."""
+
+    path: str | None = None
+    config: Mapping[str, Any] | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.config is None):
+            raise ConfigError(
+                "model needs exactly one of `path` (an HF model directory) or `config` (an HF config dict for "
+                f"random init); got path={self.path!r}, config={'set' if self.config else None}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """Training layout sizes; data parallel size is what is left of the world size when 0."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size, allow_zero=True)
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tensor_parallel_size × pipeline_parallel_size = "
+                f"{model_parallel}; change the pool size or the parallel sizes"
+            )
+        data = world_size // model_parallel
+        if self.data_parallel_size and self.data_parallel_size != data:
+            raise ConfigError(
+                f"data_parallel_size={self.data_parallel_size} but the pool has {world_size} devices for "
+                f"tp={self.tensor_parallel_size} × pp={self.pipeline_parallel_size}, which gives {data}"
+            )
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=data,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine/linear/constant decay."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("grad_clip", self.grad_clip, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingEngineConfig:
+    """Everything a training engine factory needs besides the role and device."""
+
+    model: ModelSpec
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_size: int = 8
+    mixed_precision: Literal["none", "bf16"] = "none"
+    gradient_checkpointing: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive("micro_batch_size", self.micro_batch_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
+        _positive("max_new_tokens", self.max_new_tokens)
+        _positive("temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        _positive("top_k", self.top_k, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutEngineConfig:
+    """What a rollout engine factory needs; ``extra`` holds engine-specific keyword arguments."""
+
+    model: ModelSpec
+    tensor_parallel_size: int = 1
+    max_prompt_length: int = 64
+    max_new_tokens: int = 16
+    pad_token_id: int = 0
+    eos_token_id: int = 2
+    seed: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshInfo:
+    """Where a worker sits for the ``mesh`` transfer protocol."""
+
+    dp_rank: int
+    dp_size: int
+    is_collect: bool
+
+
+#: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``; ``outputs`` holds ``log_probs``/``entropy`` or ``values``
+LossFn = Callable[[Mapping[str, "torch.Tensor"], "Batch"], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """A model being trained (or only scored) by one SPMD rank. Stability: public."""
+
+    role: str
+
+    def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch: ...
+
+    def compute_values(self, batch: Batch) -> Batch: ...
+
+    def compute_scores(self, batch: Batch) -> Batch: ...
+
+    def train_step(self, batch: Batch, *, loss_fn: LossFn, mini_batch_size: int | None = None) -> dict[str, float]: ...
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def export_hf(self, path: str) -> None: ...
+
+    def mesh_info(self) -> MeshInfo: ...
+
+    def generation_weights(self, *, target: str = "hf") -> Iterable[tuple[str, torch.Tensor]]:
+        """Full generation weights (tg = 1) named as the target expects, produced from this rank's shards."""
+        ...
+
+    def state_version(self) -> int: ...
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation engine on one rank. Stability: public."""
+
+    capabilities: frozenset[str]
+
+    @property
+    def weights_version(self) -> int: ...
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class TrainingEngineFactory(Protocol):
+    def __call__(self, *, role: str, config: TrainingEngineConfig, device: str) -> TrainingEngine: ...
+
+
+class RolloutEngineFactory(Protocol):
+    def __call__(self, *, config: RolloutEngineConfig, device: str) -> RolloutEngine: ...
