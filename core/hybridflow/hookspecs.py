@@ -1,6 +1,7 @@
 """Every pluggy hook a hybridflow plugin can implement, grouped by what it supplies.
 
-Stability: public. Hooks take keyword arguments only. Registration hooks are ``historic=True``: a plugin
+Stability: public. Hooks are always called with keyword arguments (pluggy matches them by name, so the
+specs list plain parameters; an implementation may accept a subset). Registration hooks are ``historic=True``: a plugin
 registered after the call still receives it, so the order in which plugins load never matters. Each receives one
 :class:`~hybridflow.registry.Registry` and adds entries to it; return values are ignored. Duplicate names across
 plugins raise :class:`~hybridflow.errors.DuplicateNameError` naming both owners.
@@ -29,7 +30,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec(historic=True)
-def hybridflow_register_training_engines(*, registry: Registry[Any]) -> None:
+def hybridflow_register_training_engines(registry: Registry[Any]) -> None:
     """Register training engine factories (e.g. ``"fsdp"``, ``"megatron"``).
 
     Runs once when plugins are loaded (``hybridflow.plugins.load_plugins``), in the driver and again in every
@@ -40,7 +41,7 @@ def hybridflow_register_training_engines(*, registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
-def hybridflow_register_rollout_engines(*, registry: Registry[Any]) -> None:
+def hybridflow_register_rollout_engines(registry: Registry[Any]) -> None:
     """Register rollout engine factories (e.g. ``"hf"``, ``"vllm"``, ``"sglang"``).
 
     Runs once at plugin load, in the driver and in each rollout worker. Each entry is a callable
@@ -53,7 +54,7 @@ def hybridflow_register_rollout_engines(*, registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
-def hybridflow_register_transfer_protocols(*, registry: Registry[Any]) -> None:
+def hybridflow_register_transfer_protocols(registry: Registry[Any]) -> None:
     """Register transfer protocols: how a worker method's inputs are split to ranks and outputs gathered back.
 
     Runs once at plugin load. Entries implement :class:`hybridflow.transfer.TransferProtocol`. The same registry
@@ -62,7 +63,7 @@ def hybridflow_register_transfer_protocols(*, registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
-def hybridflow_register_layouts(*, registry: Registry[Any]) -> None:
+def hybridflow_register_layouts(registry: Registry[Any]) -> None:
     """Register layout builders: the per-parameter shard specs of an engine's weights.
 
     Runs once at plugin load. Each entry is a callable returning a
@@ -75,7 +76,7 @@ def hybridflow_register_layouts(*, registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
-def hybridflow_register_cost_models(*, registry: Registry[Any]) -> None:
+def hybridflow_register_cost_models(registry: Registry[Any]) -> None:
     """Register per-engine cost models used by auto device mapping (``hybridflow plan``).
 
     Runs once at plugin load. Entries implement :class:`hybridflow.placement.CostModel`; an engine without one
@@ -87,7 +88,7 @@ def hybridflow_register_cost_models(*, registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
-def hybridflow_register_rewards(*, registry: Registry[Any]) -> None:
+def hybridflow_register_rewards(registry: Registry[Any]) -> None:
     """Register rule-based reward functions by name.
 
     Runs once at plugin load. Each entry is a callable ``fn(*, responses, ground_truths, data_sources,
@@ -96,7 +97,7 @@ def hybridflow_register_rewards(*, registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
-def hybridflow_register_algorithms(*, registry: Registry[Any]) -> None:
+def hybridflow_register_algorithms(registry: Registry[Any]) -> None:
     """Register algorithm drivers (optional; PPO, GRPO, ... ship with the core).
 
     Runs once at plugin load. Each entry is an :class:`hybridflow.algorithms.Algorithm`.

