@@ -14,9 +14,9 @@ from hybridflow.placement.dataflow import Workload
 from hybridflow.placement.models import ModelSpec
 from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
 from hybridflow.placement.profiles import Cluster
-from hybridflow.registry import Registry
+from hybridflow.registries import cost_models
 
-__all__ = ["CostModel", "cost_models"]
+__all__ = ["CostModel", "cost_models", "lookup_cost_models"]
 
 
 @runtime_checkable
@@ -40,5 +40,13 @@ class CostModel(Protocol):
         ...
 
 
-cost_models: Registry[CostModel] = Registry("cost model")
-"""Engine name → :class:`CostModel`; filled by ``hybridflow_register_cost_models`` and by user code."""
+def lookup_cost_models(engines: dict[str, str]) -> dict[str, CostModel]:
+    """Map each role to the registered cost model of its engine (role → engine name); roles without one are left out.
+
+    ``cost_models`` is :data:`hybridflow.registries.cost_models`, filled by ``hybridflow_register_cost_models``.
+    """
+    found: dict[str, CostModel] = {}
+    for role, engine in engines.items():
+        if engine in cost_models:
+            found[role] = cost_models.get(engine)
+    return found

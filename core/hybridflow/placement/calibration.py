@@ -1,0 +1,139 @@
+"""Compare a run's measured node times (``ledger.jsonl``) with the simulator's, and fit its efficiency factors.
+
+Only the per-kind efficiencies are fitted (training, forward-only, generation, transition overhead); the device
+peaks and link bandwidths stay as profiled. Writing the ledger is the trainer's job.
+Stability: experimental.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hybridflow.errors import ConfigError
+from hybridflow.placement.autoparallel import LayoutPlanner
+from hybridflow.placement.profiles import Efficiency
+from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan
+from hybridflow.placement.search import Plan
+
+__all__ = ["read_ledger", "node_seconds", "NodeComparison", "compare_nodes", "fit_efficiency", "format_comparison",
+           "LEDGER_FILE"]
+
+LEDGER_FILE = "ledger.jsonl"
+
+
+def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Read ``ledger.jsonl`` rows that carry ``iteration`` and ``nodes``, in file order.
+
+    Raises:
+        ConfigError: the file is missing, a line is not JSON, or no row has node times.
+    """
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / LEDGER_FILE
+    rows = []
+    try:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{number} is not JSON ({exc.msg}); fix or delete that line.") from exc
+            if isinstance(row, dict) and isinstance(row.get("nodes"), dict) and "iteration" in row:
+                rows.append(row)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"No ledger at {path}; expected a run directory written by `hybridflow train`.") from exc
+    if not rows:
+        raise ConfigError(f"Ledger {path} has no rows with 'iteration' and 'nodes'.")
+    return rows
+
+
+def node_seconds(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Each node's measured seconds across ``rows``."""
+    seconds: dict[str, list[float]] = {}
+    for row in rows:
+        for name, node in row["nodes"].items():
+            if isinstance(node, Mapping) and isinstance(node.get("seconds"), int | float):
+                seconds.setdefault(name, []).append(float(node["seconds"]))
+    return seconds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeComparison:
+    """Predicted against observed seconds of one node over a run."""
+
+    node: str
+    kind: str
+    predicted: float
+    observed_median: float
+    observed_min: float
+    observed_max: float
+    samples: int
+
+    @property
+    def ratio(self) -> float:
+        """Observed over predicted; > 1 means the node runs slower than the simulator says."""
+        return self.observed_median / self.predicted if self.predicted > 0 else float("inf")
+
+
+def compare_nodes(plan: Plan, rows: Sequence[Mapping[str, Any]], kinds: Mapping[str, str]) -> list[NodeComparison]:
+    """One :class:`NodeComparison` per node both predicted by ``plan`` and measured in ``rows``."""
+    predicted = {t.name: t.seconds for t in plan.timings}
+    comparisons = []
+    for name, values in sorted(node_seconds(rows).items()):
+        if name in predicted:
+            comparisons.append(NodeComparison(node=name, kind=kinds.get(name, "?"), predicted=predicted[name],
+                                              observed_median=statistics.median(values), observed_min=min(values),
+                                              observed_max=max(values), samples=len(values)))
+    return comparisons
+
+
+_KIND_FIELDS = {"train": ("train",), "infer": ("infer",), "generate": ("prefill", "decode_bandwidth")}
+
+
+def fit_efficiency(inputs: PlanInputs, record: PlanRecord, rows: Sequence[Mapping[str, Any]],
+                   rounds: int = 6) -> tuple[Efficiency, list[NodeComparison]]:
+    """Scale each kind's efficiency so the plan's predicted node times match the observed medians.
+
+    Compute time is inversely proportional to efficiency but communication is not, so the scale is refined by
+    fixed-point iteration (``rounds``). Returns the fitted efficiency and the comparison under it.
+    """
+    dataflow = inputs.dataflow
+    kinds = {s.name: s.kind for s in dataflow.stages}
+    efficiency = inputs.efficiency
+    usable = inputs.cluster.device.memory_bytes * efficiency.usable_memory_fraction
+    comparisons: list[NodeComparison] = []
+    for _ in range(rounds):
+        planner = LayoutPlanner(inputs.simulator(efficiency), dataflow, inputs.models)
+        comparisons = compare_nodes(retime_plan(planner, record, usable), rows, kinds)
+        factors: dict[str, float] = {}
+        overhead = efficiency.transition_overhead_seconds
+        for kind in ("train", "infer", "generate", "transition"):
+            matched = [c for c in comparisons if c.kind == kind]
+            observed = sum(c.observed_median for c in matched)
+            predicted = sum(c.predicted for c in matched)
+            if not matched or observed <= 0 or predicted <= 0:
+                continue
+            if kind == "transition":
+                overhead = max(0.0, overhead + (observed - predicted) / len(matched))
+                continue
+            for name in _KIND_FIELDS[kind]:
+                factors[name] = predicted / observed
+        if all(abs(f - 1) < 1e-3 for f in factors.values()) and overhead == efficiency.transition_overhead_seconds:
+            break
+        efficiency = replace(efficiency.scaled(**factors), transition_overhead_seconds=overhead)
+    return efficiency, comparisons
+
+
+def format_comparison(comparisons: Sequence[NodeComparison]) -> str:
+    """A plain-text table of predicted vs observed seconds per node."""
+    lines = [f"{'node':<16} {'kind':<10} {'predicted s':>12} {'observed s':>11} {'min':>8} {'max':>8} {'obs/pred':>8}"]
+    for c in comparisons:
+        lines.append(f"{c.node:<16} {c.kind:<10} {c.predicted:>12.3f} {c.observed_median:>11.3f} "
+                     f"{c.observed_min:>8.3f} {c.observed_max:>8.3f} {c.ratio:>8.2f}")
+    return "\n".join(lines)
