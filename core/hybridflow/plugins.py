@@ -6,6 +6,7 @@ and each worker process. It knows nothing about any particular plugin.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as importlib_metadata
 import os
 import threading
@@ -32,6 +33,8 @@ __all__ = [
 ENTRY_POINT_GROUP = "hybridflow"
 DISABLE_ENV = "HYBRIDFLOW_DISABLE_PLUGINS"
 CORE_OWNER = "hybridflow (core)"
+#: the core's own hook implementations, registered before any plugin
+CORE_PLUGIN_MODULES = ("hybridflow.builtins", "hybridflow.rewards", "hybridflow.algorithms.drivers")
 
 
 @dataclass(slots=True)
@@ -82,9 +85,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
             manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
             manager.add_hookspecs(hookspecs)
             _manager = manager
-            from hybridflow import builtins as core_builtins
-
-            _register_module(manager, core_builtins, name="hybridflow", owner=CORE_OWNER)
+            for module_name in CORE_PLUGIN_MODULES:
+                module = importlib.import_module(module_name)
+                _register_module(manager, module, name=module_name, owner=CORE_OWNER)
         return _manager
 
 

@@ -1,0 +1,312 @@
+"""The run configuration: YAML plus dotted ``key=value`` overrides, validated with errors that name the key path.
+
+It describes what to run (algorithm, data, models, engines by registry name, pools); the trainer builds it.
+Engine names are checked against the registries after plugins load (:func:`check_registered_names`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hybridflow.errors import ConfigError
+
+__all__ = ["Config", "load_config", "apply_overrides", "config_hash", "check_registered_names"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    num_cpus: int | None = Field(default=None, gt=0)
+    object_store_memory: int = Field(default=400_000_000, ge=78_643_200)
+    allow_remote_without_auth: bool = False
+
+
+class PoolConfig(_Section):
+    devices_per_node: list[int] = Field(min_length=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    cpus_per_worker: float = Field(default=0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _positive_counts(self) -> PoolConfig:
+        if any(n <= 0 for n in self.devices_per_node):
+            raise ValueError(f"devices_per_node entries must be > 0, got {self.devices_per_node}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.devices_per_node)
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    preset: Literal["tiny-qwen2", "tiny-qwen2-h16", "tiny-llama"] | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        given = [k for k in ("path", "config", "preset") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of path, config, preset (got {given or 'none'})")
+        return self
+
+
+class ParallelSection(_Section):
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    pipeline_parallel_size: int = Field(default=1, gt=0)
+    data_parallel_size: int = Field(default=0, ge=0)
+
+
+class OptimSection(_Section):
+    lr: float = Field(default=1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, ge=0)
+
+
+class _ModelRole(_Section):
+    engine: str = "fsdp"
+    pool: str = "main"
+    model: ModelConfig | None = None
+    parallel: ParallelSection = ParallelSection()
+    micro_batch_size: int = Field(default=64, gt=0)
+    mixed_precision: Literal["none", "bf16"] = "none"
+
+
+class ActorConfig(_ModelRole):
+    optim: OptimSection = OptimSection()
+    mini_batch_size: int | None = Field(default=None, gt=0)
+    ppo_epochs: int = Field(default=1, gt=0)
+    clip_ratio_low: float = Field(default=0.2, ge=0)
+    clip_ratio_high: float = Field(default=0.2, ge=0)
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = Field(default=0.0, ge=0)
+    kl_loss_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+
+
+class CriticConfig(ActorConfig):
+    enabled: bool | None = None
+    value_clip: float = Field(default=0.2, ge=0)
+
+
+class ReferenceConfig(_ModelRole):
+    enabled: bool | None = None
+
+
+class RolloutConfig(_Section):
+    engine: str = "hf"
+    n: int = Field(default=4, gt=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    max_new_tokens: int = Field(default=16, gt=0)
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    pipeline_parallel_size: int = Field(default=1, gt=0)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardConfig(_Section):
+    function: str | None = "arithmetic"
+    model: ModelConfig | None = None
+    engine: str = "fsdp"
+    pool: str = "main"
+    parallel: ParallelSection = ParallelSection()
+    micro_batch_size: int = Field(default=64, gt=0)
+
+
+class CostConfig(RewardConfig):
+    function: str | None = "response_length_cost"
+    limit: float = 1.0
+    lagrange_lr: float = Field(default=0.05, gt=0)
+    initial_lambda: float = Field(default=1.0, ge=0)
+
+
+class AlgorithmConfig(_Section):
+    name: str = "grpo"
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=1.0, ge=0, le=1)
+    kl_coef: float = Field(default=0.0, ge=0)
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
+    adaptive_kl_target: float | None = Field(default=None, gt=0)
+    norm_adv_by_std: bool = True
+
+
+class TaskConfig(_Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    num_prompts: int = Field(default=512, gt=0)
+    max_operand: int = Field(default=99, ge=0)
+    operators: str = "+"
+    seed: int = 0
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list)
+    task: TaskConfig | None = TaskConfig()
+    max_prompt_length: int = Field(default=8, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _some_data(self) -> DataConfig:
+        if not self.train_files and self.task is None:
+            raise ValueError("set data.train_files (parquet/jsonl) or data.task (a synthetic task)")
+        return self
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(default=40, gt=0)
+    run_dir: str = "runs/latest"
+    checkpoint_every: int = Field(default=10, ge=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    resume: Literal["auto", "never", "must"] = "auto"
+    seed: int = 0
+    progress: bool = True
+    tensorboard: bool = True
+    deadline_s: float = Field(default=900.0, gt=0)
+    threads_per_worker: int = Field(default=1, gt=0)
+
+
+class Config(_Section):
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    model: ModelConfig = ModelConfig(preset="tiny-qwen2")
+    data: DataConfig = DataConfig()
+    actor: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    critic: CriticConfig = CriticConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    reward: RewardConfig = RewardConfig()
+    cost: CostConfig | None = None
+    resource_pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"main": PoolConfig(devices_per_node=[2])})
+    ray: RayConfig = RayConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _pools_and_batches(self) -> Config:
+        for role, section in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
+                              ("reward", self.reward)):
+            if section.pool not in self.resource_pools:
+                raise ValueError(f"{role}.pool is {section.pool!r}, not one of resource_pools "
+                                 f"({', '.join(self.resource_pools)})")
+        world = self.resource_pools[self.actor.pool].world_size
+        parallel = self.actor.parallel
+        model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        if world % model_parallel:
+            raise ValueError(f"actor.parallel: tensor × pipeline = {model_parallel} does not divide the "
+                             f"{world} devices of pool {self.actor.pool!r}")
+        if self.data.batch_size * self.rollout.n % (world // model_parallel):
+            raise ValueError(f"data.batch_size × rollout.n = {self.data.batch_size * self.rollout.n} must be a "
+                             f"multiple of the actor's data-parallel size {world // model_parallel}")
+        return self
+
+    def role_model(self, section: Any) -> ModelConfig:
+        """The model of a role (its own ``model`` or the top-level one)."""
+        return section.model if section.model is not None else self.model
+
+
+def _format_location(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc if not str(part).startswith("function-")) or "(top level)"
+
+
+def _explain(errors: list[Any]) -> str:
+    lines = []
+    for error in errors:
+        key = _format_location(tuple(error["loc"]))
+        given = error.get("input")
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"{key}: unknown key (given {given!r}). Fix: remove it or check its spelling.")
+        elif kind == "missing":
+            lines.append(f"{key}: required but missing. Fix: set {key} in the YAML or as {key}=VALUE.")
+        elif kind == "value_error" and isinstance(given, dict):
+            message = str(error["msg"]).removeprefix("Value error, ")
+            lines.append(f"{key if key != '(top level)' else 'config'}: {message}.")
+        else:
+            lines.append(f"{key}: {error['msg']}; given {given!r}. Fix: set {key} to a valid value.")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict copy."""
+    result = copy.deepcopy(data)
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f'override "{override}" is not of the form dotted.key=value (e.g. actor.optim.lr=1e-4)')
+        key, _, raw = override.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f'override "{override}" has an empty key')
+        node = result
+        for index, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {'.'.join(parts[:index + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(raw)
+    return result
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults), apply overrides, validate; :class:`ConfigError` on any problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc.errors())) from None
+
+
+def config_hash(config: Config) -> str:
+    """A stable short hash of the validated config (for the run manifest)."""
+    payload = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def check_registered_names(config: Config) -> None:
+    """Engine, reward and algorithm names must exist in the registries (call after loading plugins)."""
+    from hybridflow import registries
+
+    checks = [
+        ("actor.engine", registries.training_engines, config.actor.engine),
+        ("rollout.engine", registries.rollout_engines, config.rollout.engine),
+        ("algorithm.name", registries.algorithms, config.algorithm.name),
+    ]
+    for key, registry, name in checks:
+        if name not in registry:
+            try:
+                registry.get(name)
+            except KeyError as exc:
+                raise ConfigError(f"{key}: {exc}") from None

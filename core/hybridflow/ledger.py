@@ -1,0 +1,139 @@
+"""The iteration ledger: per iteration, seconds per node, bytes per edge with its protocol, idle gaps and bytes
+resident per pool, appended as one JSON line to ``RUN_DIR/ledger.jsonl``.
+
+It records what it is told; the trainer feeds it from the controller's call records and engine statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["NodeRecord", "EdgeRecord", "IterationRecord", "Ledger", "read_ledger"]
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    name: str
+    pool: str
+    start: float
+    end: float
+    tokens: int = 0
+    samples: int = 0
+    policy_version: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class EdgeRecord:
+    source: str
+    target: str
+    protocol: str
+    bytes_per_rank: list[int]
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(self.bytes_per_rank))
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """Everything measured in one iteration; :meth:`to_json` is the ledger row."""
+
+    iteration: int
+    policy_version: int | None
+    start: float = field(default_factory=time.time)
+    end: float | None = None
+    nodes: list[NodeRecord] = field(default_factory=list)
+    edges: list[EdgeRecord] = field(default_factory=list)
+    resident_bytes: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    notes: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_node(self, name: str, *, pool: str, start: float, end: float, tokens: int = 0, samples: int = 0,
+                 policy_version: int | None = None) -> NodeRecord:
+        record = NodeRecord(name, pool, start, end, tokens, samples, policy_version)
+        self.nodes.append(record)
+        return record
+
+    def add_edge(self, source: str, target: str, *, protocol: str, bytes_per_rank: list[int]) -> None:
+        self.edges.append(EdgeRecord(source, target, protocol, list(bytes_per_rank)))
+
+    def idle_gaps(self) -> dict[str, float]:
+        """Per pool: seconds of this iteration during which no node ran on it."""
+        end = self.end if self.end is not None else time.time()
+        total = end - self.start
+        gaps: dict[str, float] = {}
+        for pool in sorted({n.pool for n in self.nodes}):
+            intervals = sorted((max(n.start, self.start), min(n.end, end)) for n in self.nodes if n.pool == pool)
+            busy, cursor = 0.0, self.start
+            for start, stop in intervals:
+                start = max(start, cursor)
+                if stop > start:
+                    busy += stop - start
+                    cursor = stop
+            gaps[pool] = max(0.0, total - busy)
+        return gaps
+
+    def to_json(self) -> dict[str, Any]:
+        nodes: dict[str, dict[str, Any]] = {}
+        for node in self.nodes:
+            entry = nodes.setdefault(node.name, {"seconds": 0.0, "tokens": 0, "samples": 0, "pool": node.pool,
+                                                 "policy_versions": []})
+            entry["seconds"] += node.seconds
+            entry["tokens"] += node.tokens
+            entry["samples"] += node.samples
+            if node.policy_version is not None and node.policy_version not in entry["policy_versions"]:
+                entry["policy_versions"].append(node.policy_version)
+        return {
+            "iteration": self.iteration,
+            "policy_version": self.policy_version,
+            "start": self.start,
+            "seconds": (self.end or time.time()) - self.start,
+            "nodes": nodes,
+            "edges": [{"source": e.source, "target": e.target, "protocol": e.protocol, "bytes": e.bytes,
+                       "bytes_per_rank": e.bytes_per_rank} for e in self.edges],
+            "idle_seconds": self.idle_gaps(),
+            "resident_bytes": self.resident_bytes,
+            "metrics": self.metrics,
+            "notes": self.notes,
+        }
+
+
+class Ledger:
+    """Appends one JSON line per finished iteration to ``ledger.jsonl`` (flushed and fsynced)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "ledger.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def begin(self, iteration: int, policy_version: int | None) -> IterationRecord:
+        return IterationRecord(iteration=iteration, policy_version=policy_version)
+
+    def commit(self, record: IterationRecord) -> dict[str, Any]:
+        record.end = record.end or time.time()
+        row = record.to_json()
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+            handle.flush()
+        return row
+
+    def truncate_after(self, iteration: int) -> None:
+        """Drop rows of iterations > ``iteration`` (a resume replays them)."""
+        if not self.path.exists():
+            return
+        rows = [r for r in read_ledger(self.path.parent) if r["iteration"] <= iteration]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "ledger.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

