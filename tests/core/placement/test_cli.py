@@ -1,0 +1,49 @@
+"""``hybridflow plan``: prints a plan, writes a valid fragment and plan record, and runs the advisor on a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.placement import load_plan_record, validate_fragment
+from hybridflow.placement.cli import main
+from placement_runs import make_run, write_ledger
+
+
+def test_plan_writes_fragment_and_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--model", "13b", "--devices", "32", "--profile", "h100", "--batch", "256",
+                 "--output", str(tmp_path), "--json"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    fragment = yaml.safe_load((tmp_path / "placement.yaml").read_text())
+    assert fragment == printed["fragment"]
+    validate_fragment(fragment)
+    inputs, record = load_plan_record(tmp_path)
+    assert inputs.cluster.num_devices == 32 and inputs.workload.prompts == 256
+    assert sum(record.devices) == 32
+
+
+def test_plan_with_hf_config_and_safe_rlhf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "intermediate_size": 5632, "vocab_size": 32000, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["--algorithm", "safe_rlhf", "--model", str(tmp_path), "--cost", "350m", "--devices", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "cost_model" in out and "s/iteration" in out
+
+
+def test_plan_reports_infeasible_as_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "70b", "--devices", "8"]) == 1
+    assert "memory floors need" in capsys.readouterr().err
+
+
+def test_from_run_writes_advisor_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inputs, record = make_run(tmp_path)
+    write_ledger(tmp_path, inputs, record, inputs.efficiency)
+    assert main(["--from-run", str(tmp_path), "--remaining", "10"]) == 0
+    assert "KEEP" in capsys.readouterr().out
+    assert len((tmp_path / "advisor.jsonl").read_text().splitlines()) == 1
+    assert main(["--from-run", str(tmp_path)]) == 2

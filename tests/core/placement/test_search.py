@@ -1,0 +1,135 @@
+"""Placement search: Bell-number enumeration, memory floors, plan structure and the 128-device time budget."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridflow.errors import PlacementError
+from hybridflow.placement import LLAMA_PRESETS, Simulator, Workload, build_cluster, get_dataflow, search_placements
+from hybridflow.placement.search import (
+    classify_placement,
+    enumerate_allocations,
+    schedule_dataflow,
+    set_partitions,
+)
+
+
+def _bell(n: int) -> int:
+    """Bell numbers by the recurrence B(n+1) = Σ C(n, k) B(k), independent of set_partitions."""
+    bell = [1]
+    for m in range(n):
+        bell.append(sum(math.comb(m, k) * bell[k] for k in range(m + 1)))
+    return bell[n]
+
+
+@pytest.mark.parametrize("n", range(0, 7))
+def test_set_partitions_count_is_bell_and_each_is_a_partition(n: int) -> None:
+    items = [f"m{i}" for i in range(n)]
+    partitions = list(set_partitions(items))
+    assert len(partitions) == _bell(n)
+    canonical = {tuple(sorted(tuple(sorted(g)) for g in p)) for p in partitions}
+    assert len(canonical) == len(partitions)  # no duplicates
+    for partition in partitions:
+        flat = [m for group in partition for m in group]
+        assert sorted(flat) == sorted(items) and all(partition)
+
+
+def test_ppo_and_safe_rlhf_placement_counts() -> None:
+    assert len(list(set_partitions(get_dataflow("ppo").roles))) == 15
+    assert len(list(set_partitions(get_dataflow("safe_rlhf").roles))) == 52
+
+
+def test_classify_placement() -> None:
+    assert classify_placement((("a", "b", "c"),)) == "colocate"
+    assert classify_placement((("a",), ("b",), ("c",))) == "standalone"
+    assert classify_placement((("a", "b"), ("c",))) == "split"
+
+
+@given(total=st.integers(0, 12), minimum=st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_enumerate_allocations_covers_exactly_the_valid_compositions(total: int, minimum: list[int]) -> None:
+    found = list(enumerate_allocations(total, minimum))
+    assert len(set(found)) == len(found)
+    for allocation in found:
+        assert sum(allocation) == total and all(a >= m for a, m in zip(allocation, minimum))
+    spare = total - sum(minimum)  # stars and bars over the spare units
+    expected = math.comb(spare + len(minimum) - 1, len(minimum) - 1) if spare >= 0 else 0
+    assert len(found) == expected
+
+
+def test_schedule_runs_disjoint_sets_concurrently_and_colocated_sequentially() -> None:
+    dataflow = get_dataflow("ppo")
+    seconds = {s.name: 1.0 for s in dataflow.stages}
+    colocated = schedule_dataflow(dataflow, {r: 0 for r in dataflow.roles}, seconds)
+    standalone = schedule_dataflow(dataflow, {r: i for i, r in enumerate(dataflow.roles)}, seconds)
+    assert max(t.end for t in colocated) == pytest.approx(len(dataflow.stages))
+    ends = {t.name: t.end for t in standalone}
+    # generate → (old_log_probs on actor) and ref/values/reward in parallel → updates → weight sync
+    assert ends["ref_log_probs"] == ends["values"] == ends["reward"] == pytest.approx(2.0)
+    assert max(ends.values()) < len(dataflow.stages)
+    for timing in standalone:
+        for dep in dataflow.stage(timing.name).after:
+            assert timing.start >= ends[dep]
+
+
+def _search(size: str, devices: int, algorithm: str = "ppo", memory_gb: float | None = None):
+    dataflow = get_dataflow(algorithm)
+    models = {role: LLAMA_PRESETS[size] for role in dataflow.roles}
+    simulator = Simulator(cluster=build_cluster("a100", devices, memory_gb=memory_gb), workload=Workload())
+    return search_placements(simulator, dataflow, models)
+
+
+def test_memory_floor_rejects_with_clear_reason() -> None:
+    with pytest.raises(PlacementError) as info:
+        _search("70b", 16)
+    message = str(info.value)
+    assert "memory floors need" in message and "actor" in message and "GB" in message
+    assert "Add devices" in message
+
+
+def test_some_placements_infeasible_others_chosen() -> None:
+    result = _search("34b", 24)
+    assert result.infeasible, "34B × 4 on 24 GPUs should rule out some placements by memory"
+    assert all("devices" in reason for reason in result.infeasible.values())
+    assert result.best.placement not in result.infeasible
+    assert sum(result.best.devices) == 24
+
+
+def test_plan_is_consistent() -> None:
+    result = _search("7b", 32)
+    best = result.best
+    dataflow = get_dataflow("ppo")
+    assert {t.name for t in best.timings} == {s.name for s in dataflow.stages}
+    for group, devices in zip(best.placement, best.devices):
+        for role in group:
+            assert best.layouts[role].parallel.world_size == devices
+    actor = best.layouts["actor"]
+    assert actor.generation is not None
+    assert actor.parallel.model_parallel_size % actor.generation.model_parallel_size == 0
+    assert all(best.iteration_seconds <= p.iteration_seconds for p in result.runners_up)
+
+
+def test_search_128_devices_four_models_under_ten_seconds() -> None:
+    started = time.perf_counter()
+    result = _search("70b", 128)
+    assert time.perf_counter() - started < 10
+    assert result.placements_considered == 15
+
+
+@settings(deadline=None, max_examples=10)
+@given(scale=st.floats(1.2, 4.0))
+def test_faster_devices_never_slow_the_best_plan(scale: float) -> None:
+    dataflow = get_dataflow("ppo")
+    models = {role: LLAMA_PRESETS["7b"] for role in dataflow.roles}
+    cluster = build_cluster("a100", 16)
+    from dataclasses import replace
+
+    fast = replace(cluster, device=replace(cluster.device, peak_flops=cluster.device.peak_flops * scale,
+                                           memory_bandwidth=cluster.device.memory_bandwidth * scale))
+    slow_best = search_placements(Simulator(cluster=cluster, workload=Workload()), dataflow, models).best
+    fast_best = search_placements(Simulator(cluster=fast, workload=Workload()), dataflow, models).best
+    assert fast_best.iteration_seconds <= slow_best.iteration_seconds
