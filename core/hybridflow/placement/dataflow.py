@@ -20,8 +20,8 @@ ROLE_CONFIG_KEYS: dict[str, str] = {
     "actor": "actor",
     "critic": "critic",
     "reference": "reference",
-    "reward": "reward_model",
-    "cost": "cost_model",
+    "reward": "reward",
+    "cost": "cost",
 }
 
 

@@ -32,7 +32,7 @@ def test_plan_with_hf_config_and_safe_rlhf(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["--algorithm", "safe_rlhf", "--model", str(tmp_path), "--cost", "350m", "--devices", "16"]) == 0
     out = capsys.readouterr().out
-    assert "cost_model" in out and "s/iteration" in out
+    assert "cost:" in out and "s/iteration" in out
 
 
 def test_plan_reports_infeasible_as_error(capsys: pytest.CaptureFixture[str]) -> None:
