@@ -1,10 +1,61 @@
-"""Hook implementations of hybridflow-fsdp; imports no backend at module import."""
+"""Hook implementations of hybridflow-fsdp: the ``fsdp`` training engine, the ``hf`` rollout engine and their
+layouts. Imports no backend at module import: torch, transformers and the engines load inside the factories."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from hybridflow.hookspecs import hookimpl
 
 
+def build_fsdp_training_engine(*, role: str, config: Any, device: str = "cpu") -> Any:
+    """Training engine ``fsdp``: see :class:`hybridflow_fsdp.training.FSDPTrainingEngine`."""
+    from hybridflow_fsdp.training import FSDPTrainingEngine
+
+    return FSDPTrainingEngine(role=role, config=config, device=device)
+
+
+def build_hf_rollout_engine(*, config: Any, device: str = "cpu") -> Any:
+    """Rollout engine ``hf``: see :class:`hybridflow_fsdp.rollout.HFRolloutEngine`."""
+    from hybridflow_fsdp.rollout import HFRolloutEngine
+
+    return HFRolloutEngine(config=config, device=device)
+
+
+def build_fsdp_training_layout(named_shapes: Any, *, data: int, **options: Any) -> Any:
+    """Layout ``fsdp``: see :func:`hybridflow_fsdp.layouts.build_fsdp_training_layout`."""
+    from hybridflow_fsdp.layouts import build_fsdp_training_layout as build
+
+    return build(named_shapes, data=data, **options)
+
+
+def build_hf_rollout_layout(named_shapes: Any, *, data: int = 1, **options: Any) -> Any:
+    """Layout ``hf``: see :func:`hybridflow_fsdp.layouts.build_hf_rollout_layout`."""
+    from hybridflow_fsdp.layouts import build_hf_rollout_layout as build
+
+    return build(named_shapes, data=data, **options)
+
+
+@hookimpl
+def hybridflow_register_training_engines(registry: Any) -> None:
+    registry.register("fsdp", build_fsdp_training_engine)
+
+
+@hookimpl
+def hybridflow_register_rollout_engines(registry: Any) -> None:
+    registry.register("hf", build_hf_rollout_engine)
+
+
+@hookimpl
+def hybridflow_register_layouts(registry: Any) -> None:
+    registry.register("fsdp", build_fsdp_training_layout)
+    registry.register("hf", build_hf_rollout_layout)
+
+
 @hookimpl
 def hybridflow_report_capabilities() -> dict[str, str]:
-    return {"status": "registers nothing yet"}
+    return {
+        "training": "FSDP2 fully_shard over data-parallel ranks (gloo on CPU, nccl on CUDA); tp = pp = 1",
+        "rollout": "hf: KV-cache sampling with the HF forward, tg = 1; sleep frees weights, wake + update_weights",
+        "handover": "per-parameter DTensor all-gather into the colocated hf engine, bytes counted per rank",
+    }

@@ -1,0 +1,140 @@
+"""Distributed checkpoints of the FSDP engine (torch.distributed.checkpoint) and export of an HF model directory.
+
+Checkpoints hold model, optimizer, scheduler, optimizer-step count and every RNG state, so a resumed run continues
+bit-identically; all ranks must see the same filesystem. Deciding when to checkpoint is the trainer's business.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridflow.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from hybridflow_fsdp.training import FSDPTrainingEngine
+
+__all__ = ["save", "load", "export_hf", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "generation_config.json", "chat_template.jinja")
+_EXTRA = "engine_state_rank{rank}.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _state_dicts(engine: FSDPTrainingEngine) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(engine.model)}
+    if engine.optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(engine.model, engine.optimizer)
+    return state
+
+
+def save(engine: FSDPTrainingEngine, path: str) -> None:
+    """Write ``path`` (a directory) atomically: into ``path.tmp`` first, renamed by rank 0 once every rank is done."""
+    import torch.distributed.checkpoint as dcp
+
+    final, staging = Path(path), Path(f"{path}.tmp")
+    if engine.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_state_dicts(engine), checkpoint_id=str(staging))
+    extra = {
+        "world_size": engine.world_size,
+        "role": engine.role,
+        "version": engine.state_version(),
+        "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        "rng": _rng_state(),
+    }
+    torch.save(extra, staging / _EXTRA.format(rank=engine.rank))
+    dist.barrier()
+    if engine.rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    dist.barrier()
+
+
+def load(engine: FSDPTrainingEngine, path: str) -> None:
+    """Restore what :func:`save` wrote; the world size and role must match the saving run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    directory = Path(path)
+    extra_file = directory / _EXTRA.format(rank=engine.rank)
+    if not (directory / ".metadata").exists() or not extra_file.exists():
+        raise CheckpointError(
+            f"no complete fsdp checkpoint at {path}: expected .metadata and {extra_file.name} (got "
+            f"{sorted(p.name for p in directory.iterdir()) if directory.exists() else 'no directory'}). "
+            "Pass a directory written by save_checkpoint (a leftover *.tmp is an interrupted save)."
+        )
+    extra = torch.load(extra_file, weights_only=False)
+    if extra["world_size"] != engine.world_size or extra["role"] != engine.role:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a {extra['role']} on {extra['world_size']} ranks; this engine is a "
+            f"{engine.role} on {engine.world_size} ranks. Resume with the same role and world size."
+        )
+    state = _state_dicts(engine)
+    dcp.load(state, checkpoint_id=str(directory))
+    set_model_state_dict(engine.model, state["model"])
+    if engine.optimizer is not None:
+        set_optimizer_state_dict(engine.model, engine.optimizer, state["optimizer"])
+    if engine.scheduler is not None and extra["scheduler"] is not None:
+        engine.scheduler.load_state_dict(extra["scheduler"])
+    engine._version = int(extra["version"])
+    _set_rng_state(extra["rng"])
+    dist.barrier()
+
+
+def _unwrapped_class_name(model: torch.nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def export_hf(engine: FSDPTrainingEngine, path: str) -> None:
+    """Gather the full weights to rank 0 and write ``config.json`` + ``model.safetensors`` (+ tokenizer files)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(engine.model, options=options)
+    if engine.rank == 0:
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = engine.model.config
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        config.architectures = [_unwrapped_class_name(engine.model)]
+        config.save_pretrained(directory)
+        save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        source = engine.config.model.path
+        for name in TOKENIZER_FILES if source else ():
+            if (Path(source) / name).exists():
+                shutil.copy2(Path(source) / name, directory / name)
+    del state
+    dist.barrier()

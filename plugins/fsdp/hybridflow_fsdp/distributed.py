@@ -1,0 +1,89 @@
+"""Join (or start) the torch.distributed process group, build the data-parallel DeviceMesh and apply FSDP2.
+
+The controller sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; this module only reads them. Choosing what to
+shard beyond "each decoder layer, then the root" is left to the engine configs of other plugins.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridflow.errors import ConfigError, EngineError
+
+from hybridflow_fsdp.models import transformer_blocks
+
+__all__ = ["ensure_process_group", "build_data_parallel_mesh", "apply_fsdp", "find_free_port"]
+
+DEFAULT_TIMEOUT_S = 120
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_process_group(device: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Use the existing process group, or start one from RANK/WORLD_SIZE/MASTER_* (a 1-rank group if unset)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+        if missing:
+            raise ConfigError(
+                f"RANK and WORLD_SIZE are set but {missing} are not; the controller (or torchrun) must set "
+                "MASTER_ADDR and MASTER_PORT too, or unset RANK/WORLD_SIZE for a single-process engine"
+            )
+        dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
+
+
+def build_data_parallel_mesh(device: str, world_size: int) -> Any:
+    """A 1-D mesh named ``dp`` over every rank (FSDP shards dim 0 of each parameter along it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+
+
+def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head) — in place."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if mixed_precision == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision == "none":
+        policy = MixedPrecisionPolicy()
+    else:
+        raise ConfigError(f'mixed_precision must be "none" or "bf16", got {mixed_precision!r}')
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def check_equal_across_ranks(value: int, *, what: str, group: Any = None) -> None:
+    """Raise on every rank if ``value`` differs between ranks (a mismatch would otherwise hang a collective)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    values: list[int] = [0] * world
+    dist.all_gather_object(values, int(value), group=group)
+    if len(set(values)) > 1:
+        raise EngineError(
+            f"{what} must be equal on every data-parallel rank; got {values} (by rank). Split the batch evenly "
+            "across ranks (transfer protocol dp_compute, or dp_compute_padded for uneven batches)."
+        )

@@ -1,0 +1,246 @@
+"""The ``fsdp`` training engine: an HF model sharded with FSDP2 for one role (actor, critic, reference, reward model).
+
+It computes per-token log-probs/entropy/values/scores and runs optimizer steps with a loss the caller supplies; the
+algorithm (PPO, GRPO, ...) and how batches reach the ranks belong to the core. Stability: public.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.batch import Batch
+from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig
+from hybridflow.errors import ConfigError, EngineError
+
+from hybridflow_fsdp import checkpoint, forward, handover
+from hybridflow_fsdp.distributed import (
+    apply_fsdp,
+    build_data_parallel_mesh,
+    check_equal_across_ranks,
+    ensure_process_group,
+)
+from hybridflow_fsdp.models import build_model
+from hybridflow_fsdp.optim import build_optimizer, build_scheduler
+
+__all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "TRAINABLE_ROLES"]
+
+TRAINABLE_ROLES = ("actor", "critic")
+#: meta keys the engine sets on every micro-batch it passes to ``loss_fn``
+MINI_BATCH_ROWS_KEY = "mini_batch_rows"
+MINI_BATCH_TOKENS_KEY = "mini_batch_tokens"
+
+
+class FSDPTrainingEngine:
+    """One rank of an FSDP2-sharded model (stability: public).
+
+    Loss convention: ``train_step`` weights each micro-batch's loss by ``micro rows / mini-batch rows on this
+    rank`` and FSDP averages gradients over ranks, so a loss that is a mean over the micro-batch's rows gives exactly
+    the full-batch update. A token-mean loss gets the same exactness by normalising with the global counts the engine
+    puts in ``micro_batch.meta``: ``loss = Σ token_loss · mini_batch_rows / (mini_batch_tokens · len(micro_batch))``.
+    """
+
+    def __init__(self, *, role: str, config: TrainingEngineConfig, device: str = "cpu") -> None:
+        if role not in ROLES:
+            raise ConfigError(f"unknown role {role!r}; the fsdp engine serves {list(ROLES)}")
+        self.role = role
+        self.config = config
+        self.device = torch.device(device)
+        ensure_process_group(device, timeout_s=float(config.extra.get("timeout_s", 120)))
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        config.parallel.resolve(self.world_size)
+        if config.parallel.tensor_parallel_size != 1 or config.parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"the fsdp engine shards over data-parallel ranks only; got tensor_parallel_size="
+                f"{config.parallel.tensor_parallel_size}, pipeline_parallel_size={config.parallel.pipeline_parallel_size}."
+                " Use the megatron engine for tensor/pipeline parallelism."
+            )
+        self.mesh = build_data_parallel_mesh(device, self.world_size)
+        model = build_model(config.model, role=role, attn_implementation=str(config.extra.get("attn_implementation", "sdpa")))
+        if config.gradient_checkpointing and role in TRAINABLE_ROLES:
+            model.gradient_checkpointing_enable()
+        self.trainable = role in TRAINABLE_ROLES
+        if not self.trainable:
+            model.requires_grad_(False)
+        model.to(self.device)
+        self.model = apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision)
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim) if self.trainable else None
+        self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer is not None else None
+        self._version = 0
+        self.last_handover_stats: handover.HandoverStats | None = None
+        self._captured_scores: list[torch.Tensor] = []
+        if role == "reward_model":
+            head = getattr(self.model, "score", None)
+            if head is None:
+                raise ConfigError(f"reward model {type(self.model).__name__} has no `score` head")
+            head.register_forward_hook(lambda _module, _inputs, output: self._captured_scores.append(output))
+
+    # --- inference ------------------------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch) -> Iterator[Batch]:
+        size = self.config.micro_batch_size
+        for start in range(0, len(batch), size):
+            yield batch.slice(start, min(start + size, len(batch)))
+
+    def _forward_outputs(self, micro: Batch, *, with_entropy: bool) -> dict[str, torch.Tensor]:
+        if self.role == "critic":
+            length = forward.response_length(micro)
+            logits = self.model(**forward.model_inputs(micro, self.device), use_cache=False).logits
+            return {"values": logits[:, -length - 1 : -1, 0].float()}
+        logits = forward.response_logits(self.model, micro, self.device)
+        outputs = {"log_probs": forward.compute_token_log_probs(logits, micro["responses"].to(self.device))}
+        if with_entropy:
+            outputs["entropy"] = forward.compute_entropy(logits)
+        return outputs
+
+    def _check_role(self, method: str, roles: tuple[str, ...]) -> None:
+        if self.role not in roles:
+            raise EngineError(f"{method} is for roles {list(roles)}; this engine is a {self.role}")
+
+    @torch.no_grad()
+    def _infer(self, batch: Batch, *, with_entropy: bool, columns: tuple[str, ...]) -> Batch:
+        self.model.eval()
+        parts: dict[str, list[torch.Tensor]] = {column: [] for column in columns}
+        for micro in self._micro_batches(batch):
+            outputs = self._forward_outputs(micro, with_entropy=with_entropy)
+            for column in columns:
+                parts[column].append(outputs[column].cpu())
+        return Batch({c: torch.cat(p) for c, p in parts.items()}, meta=batch.meta, batch_size=len(batch))
+
+    def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
+        """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""
+        self._check_role("compute_log_probs", ("actor", "reference"))
+        forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
+        columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+        return self._infer(batch, with_entropy=with_entropy, columns=columns)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values`` [B, R]: the value of the state before each response token; only the new column is returned."""
+        self._check_role("compute_values", ("critic",))
+        forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_values")
+        return self._infer(batch, with_entropy=False, columns=("values",))
+
+    @torch.no_grad()
+    def compute_scores(self, batch: Batch) -> Batch:
+        """``scores`` [B]: the reward head at the last non-pad token of each row; only the new column is returned."""
+        self._check_role("compute_scores", ("reward_model",))
+        forward.require_columns(batch, "input_ids", "attention_mask", method="compute_scores")
+        self.model.eval()
+        scores = []
+        for micro in self._micro_batches(batch):
+            self._captured_scores.clear()
+            inputs = forward.model_inputs(micro, self.device)
+            self.model(**inputs, use_cache=False)
+            per_token = self._captured_scores[-1][..., 0].float()
+            index = forward.last_token_index(inputs["attention_mask"])
+            scores.append(per_token.gather(1, index.unsqueeze(1)).squeeze(1).cpu())
+        self._captured_scores.clear()
+        return Batch({"scores": torch.cat(scores)}, meta=batch.meta, batch_size=len(batch))
+
+    # --- training -------------------------------------------------------------------------------------------
+    def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
+        if mini_batch_size is None:
+            return rows
+        if mini_batch_size % self.world_size or mini_batch_size < self.world_size:
+            raise ConfigError(
+                f"mini_batch_size counts rows over all {self.world_size} data-parallel ranks and must be a positive "
+                f"multiple of it; got {mini_batch_size}"
+            )
+        local = mini_batch_size // self.world_size
+        if rows % local:
+            raise ConfigError(
+                f"this rank holds {rows} rows, not a multiple of its share of the mini-batch ({local} = "
+                f"{mini_batch_size} / {self.world_size} ranks); make the batch a multiple of mini_batch_size"
+            )
+        return local
+
+    def _count_global(self, mini: Batch) -> tuple[int, int]:
+        tokens = mini["response_mask"].sum() if "response_mask" in mini else torch.tensor(0)
+        counts = torch.tensor([len(mini), int(tokens)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
+
+    def train_step(self, batch: Batch, *, loss_fn: LossFn, mini_batch_size: int | None = None) -> dict[str, float]:
+        """One optimizer step per mini-batch (all of ``batch`` when ``mini_batch_size`` is None); returns metrics.
+
+        ``mini_batch_size`` counts rows over all data-parallel ranks; ``micro_batch_size`` (config) counts rows per
+        forward on this rank. Every rank must hold the same number of rows.
+        """
+        self._check_role("train_step", TRAINABLE_ROLES)
+        assert self.optimizer is not None and self.scheduler is not None
+        forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="train_step")
+        check_equal_across_ranks(len(batch), what="rows per train_step")
+        local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
+        self.model.train()
+        totals: dict[str, float] = {}
+        steps = 0
+        for mini_start in range(0, len(batch), local_mini):
+            mini = batch.slice(mini_start, mini_start + local_mini)
+            global_rows, global_tokens = self._count_global(mini)
+            for micro in self._micro_batches(mini):
+                micro = micro.with_meta(**{MINI_BATCH_ROWS_KEY: global_rows, MINI_BATCH_TOKENS_KEY: global_tokens})
+                outputs = self._forward_outputs(micro, with_entropy=self.role == "actor")
+                loss, metrics = loss_fn(outputs, micro)
+                weight = len(micro) / len(mini)
+                (loss * weight).backward()
+                for key, value in {"loss": float(loss.detach()), **metrics}.items():
+                    totals[key] = totals.get(key, 0.0) + float(value) * weight
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip_and_step()
+            steps += 1
+        metrics = {key: value / steps for key, value in totals.items()}
+        metrics.update(lr=self.scheduler.get_last_lr()[0], optimizer_steps=float(steps))
+        return metrics
+
+    def _clip_and_step(self) -> float:
+        assert self.optimizer is not None and self.scheduler is not None
+        max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm_value):
+            self.optimizer.step()
+            self._version += 1
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm_value
+
+    # --- state ----------------------------------------------------------------------------------------------
+    def state_version(self) -> int:
+        """Number of optimizer steps taken (restored by ``load_checkpoint``)."""
+        return self._version
+
+    def mesh_info(self) -> MeshInfo:
+        return MeshInfo(dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, scheduler, step and RNG state of every rank, written atomically under ``path``."""
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore everything :meth:`save_checkpoint` wrote; the next step matches an uninterrupted run bit for bit."""
+        checkpoint.load(self, path)
+
+    def export_hf(self, path: str) -> None:
+        """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
+        checkpoint.export_hf(self, path)
+
+    def generation_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights for a tg=1 generation engine, gathered one parameter at a time (a collective: every rank
+        must consume the whole iterator). Bytes received are in ``last_handover_stats`` once it is exhausted."""
+        self._check_role("generation_weights", ("actor", "reference"))
+        return handover.stream_generation_weights(self, target=target)
+
+    def release(self) -> None:
+        """Drop the model and optimizer (the process group stays, it belongs to the worker)."""
+        self.model = None  # type: ignore[assignment]
+        self.optimizer = None
+        self.scheduler = None
+
+
+def build_fsdp_training_engine(*, role: str, config: TrainingEngineConfig, device: str = "cpu") -> FSDPTrainingEngine:
+    """Factory registered as training engine ``"fsdp"``."""
+    return FSDPTrainingEngine(role=role, config=config, device=device)
