@@ -1,0 +1,242 @@
+"""Build one rank's megatron-core GPTModel stage from an HF Llama/Qwen2 spec, with the HF weights loaded into it.
+
+It owns megatron's process-global parallel state for this process and the HF → TransformerConfig mapping; training,
+micro-batching and optimizers belong to :mod:`hybridflow_megatron.engine`. Import it only inside a factory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.engines import ModelSpec, ParallelConfig
+from hybridflow.errors import ConfigError, EngineError
+
+from hybridflow_megatron import cpu_shim
+from hybridflow_megatron.convert import ArchInfo, ShardPosition, megatron_shard_from_hf, read_arch_info
+
+__all__ = ["StagePlacement", "ValueHead", "ensure_parallel_state", "build_hf_model", "build_transformer_config",
+           "build_stage"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_parallel_sizes: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlacement:
+    """Where this rank sits in megatron's (tensor, pipeline, data) mesh."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def ensure_parallel_state(parallel: ParallelConfig, *, device: str, timeout_s: float = 120.0,
+                          seed: int = 0) -> StagePlacement:
+    """Start torch.distributed (from RANK/WORLD_SIZE/MASTER_* env) and megatron's parallel groups once per process."""
+    global _parallel_sizes
+    import os
+
+    if not dist.is_initialized():
+        backend = "gloo" if device == "cpu" else "nccl"
+        if device != "cpu":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend,
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            timeout=timedelta(seconds=timeout_s),
+        )
+    cpu_shim.activate_cpu_shim(device)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    resolved = parallel.resolve(dist.get_world_size())
+    sizes = (resolved.tensor_parallel_size, resolved.pipeline_parallel_size)
+    if _parallel_sizes is None:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=sizes[0],
+            pipeline_model_parallel_size=sizes[1],
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+            create_gloo_process_groups=device != "cpu",
+        )
+        model_parallel_cuda_manual_seed(seed)
+        _parallel_sizes = sizes
+    elif _parallel_sizes != sizes:
+        raise ConfigError(
+            f"megatron's parallel state is one per process: this process already runs tp={_parallel_sizes[0]}, "
+            f"pp={_parallel_sizes[1]}; got tp={sizes[0]}, pp={sizes[1]}. Colocated megatron engines must share "
+            "their tensor and pipeline sizes."
+        )
+    return StagePlacement(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+
+
+def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
+    """The HF model whose weights seed the megatron model: a causal LM, or a 1-label token classifier for a critic.
+
+    With ``spec.config`` the weights are a random init under ``spec.seed`` (identical on every rank); a critic
+    loaded from a causal-LM directory gets a fresh value head from the same seed.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if spec.path is not None:
+        config = AutoConfig.from_pretrained(spec.path)
+    else:
+        assert spec.config is not None
+        values = dict(spec.config)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(spec.seed)
+    if role == "critic":
+        config.num_labels = 1
+        if spec.path is not None:
+            return AutoModelForTokenClassification.from_pretrained(spec.path, config=config, dtype=torch.float32)
+        return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    if spec.path is not None:
+        return AutoModelForCausalLM.from_pretrained(spec.path, config=config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def build_transformer_config(hf_config: Any, *, arch: ArchInfo, placement: StagePlacement, dtype: str,
+                             device: str, overrides: dict[str, Any] | None = None) -> Any:
+    """megatron ``TransformerConfig`` equal in maths to the HF Llama/Qwen2 config; fusions off on the CPU."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if getattr(hf_config, "rope_scaling", None) not in (None, {}) and \
+            (hf_config.rope_scaling or {}).get("rope_type", "default") != "default":
+        raise ConfigError(f"rope_scaling {hf_config.rope_scaling} is not mapped to megatron yet; use default RoPE")
+    if arch.num_layers % placement.pp_size:
+        raise ConfigError(
+            f"pipeline_parallel_size={placement.pp_size} must divide num_hidden_layers={arch.num_layers}"
+        )
+    on_cpu = device == "cpu"
+    params_dtype = _DTYPES[dtype]
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=placement.tp_size,
+        pipeline_model_parallel_size=placement.pp_size,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF model
+        bias_activation_fusion=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        masked_softmax_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=not on_cpu,
+        sequence_parallel=False,
+    )
+    kwargs.update(overrides or {})
+    return TransformerConfig(**kwargs)
+
+
+class ValueHead(torch.nn.Module):
+    """A critic's [hidden → 1] head, replicated on every tensor rank; called like megatron's output layer."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device: str,
+                overrides: dict[str, Any] | None = None, vocab_multiple: int = 8) -> tuple[Any, ArchInfo, Any]:
+    """(GPTModel for this rank's stage with HF weights loaded, ArchInfo, HF config)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    hf_model = build_hf_model(spec, role=role)
+    hf_config = hf_model.config
+    arch = read_arch_info(hf_config, tp_size=placement.tp_size, vocab_multiple=vocab_multiple,
+                          value_head=role == "critic")
+    config = build_transformer_config(hf_config, arch=arch, placement=placement, dtype=spec.dtype, device=device,
+                                      overrides=overrides)
+    with cpu_shim.cpu_tensor_methods():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=arch.padded_vocab_size,
+            max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+            pre_process=placement.is_first_stage,
+            post_process=placement.is_last_stage,
+            parallel_output=False,
+            share_embeddings_and_output_weights=arch.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(getattr(hf_config, "rope_theta", 10000)),
+        )
+    if arch.value_head and placement.is_last_stage:
+        model.output_layer = ValueHead(arch.hidden_size)
+    position = ShardPosition(
+        tp_rank=placement.tp_rank,
+        tp_size=placement.tp_size,
+        layer_offset=get_transformer_layer_offset(config, pp_rank=placement.pp_rank),
+        num_local_layers=len(model.decoder.layers),
+        pre_process=placement.is_first_stage,
+        post_process=placement.is_last_stage,
+    )
+    hf_state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+    shard = megatron_shard_from_hf(hf_state, arch=arch, position=position)
+    load_shard(model, shard)
+    if device != "cpu":
+        model.cuda(torch.cuda.current_device())
+    return model, arch, hf_config
+
+
+def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
+    """Copy ``shard`` into ``model``'s parameters; every parameter must be covered and every tensor used."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(shard))
+    unexpected = sorted(set(shard) - set(params))
+    if missing or unexpected:
+        raise EngineError(
+            f"megatron shard does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]}. "
+            "This is a conversion bug for this architecture; report it with the HF config."
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if tuple(shard[name].shape) != tuple(param.shape):
+                raise EngineError(f"{name}: converted shape {tuple(shard[name].shape)} != model {tuple(param.shape)}")
+            param.copy_(shard[name].to(param.dtype))
