@@ -67,7 +67,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     weights = mask.to(values.dtype)
     count = weights.sum() if dim is None else weights.sum(dim=dim)
     total = masked_sum(values, mask, dim)
-    return torch.where(count > 0, total / torch.where(count > 0, count, torch.ones_like(count)), torch.zeros_like(total))
+    safe_count = torch.where(count > 0, count, torch.ones_like(count))
+    return torch.where(count > 0, total / safe_count, torch.zeros_like(total))
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) -> torch.Tensor:

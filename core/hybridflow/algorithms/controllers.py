@@ -137,7 +137,7 @@ class LagrangeMultiplier:
         self.value = _finite("init_value", init_value, minimum=0.0)
         self.max_value = None if max_value is None else _finite("max_value", max_value, minimum=0.0)
         if self.max_value is not None and self.value > self.max_value:
-            raise ConfigError(f"init_value {self.value} exceeds max_value {self.max_value}; lower one or raise the other")
+            raise ConfigError(f"init_value {self.value} exceeds max_value {self.max_value}; lower one or raise the max")
         if isinstance(update_delay, bool) or not isinstance(update_delay, int) or update_delay < 0:
             raise ConfigError(f"update_delay must be an int ≥ 0 (updates to skip), got {update_delay!r}")
         self.update_delay = update_delay

@@ -42,23 +42,9 @@ from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.errors import ConfigError
 
 __all__ = [
-    "LOSS_SCALE_TOKENS",
-    "LOSS_SCALE_ROWS",
-    "LOSS_AGGREGATIONS",
-    "KL_KINDS",
-    "LossAggregation",
-    "KLKind",
-    "PolicyLossConfig",
-    "ValueLossConfig",
-    "ActorLoss",
-    "CriticLoss",
-    "compute_loss_scale",
-    "aggregate_loss",
-    "ppo_policy_loss",
-    "value_loss",
-    "kl_penalty",
-    "entropy_bonus",
-    "make_actor_loss_fn",
+    "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation", "KLKind",
+    "LossResult", "PolicyLossConfig", "ValueLossConfig", "ActorLoss", "CriticLoss", "compute_loss_scale",
+    "aggregate_loss", "ppo_policy_loss", "value_loss", "kl_penalty", "entropy_bonus", "make_actor_loss_fn",
     "make_critic_loss_fn",
 ]
 
@@ -68,6 +54,7 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KLKind = Literal["k1", "k2", "k3", "abs"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+LossResult = tuple[torch.Tensor, dict[str, float]]
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -91,9 +78,7 @@ def _fill_padding(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def compute_loss_scale(batch: Batch) -> dict[str, float]:
     """The ``meta`` entries of the accumulation convention for ``batch`` (a whole mini-batch on this rank)."""
-    valid = _valid(batch["response_mask"])
-    if PADDING_KEY in batch.tensors.keys():
-        valid = valid & ~batch.tensors[PADDING_KEY][:, None]
+    valid = _loss_mask(batch)
     return {
         LOSS_SCALE_TOKENS: float(valid.sum()),
         LOSS_SCALE_ROWS: float(valid.any(dim=1).sum()),
@@ -340,7 +325,7 @@ class ActorLoss:
     def required_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy") if self.config.entropy_coef != 0.0 else ("log_probs",)
 
-    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> LossResult:
         config = self.config
         valid = _loss_mask(micro_batch)
         scale = _loss_scale(micro_batch.meta, config.loss_agg)
@@ -381,7 +366,7 @@ class CriticLoss:
     config: ValueLossConfig
     required_outputs: tuple[str, ...] = ("values",)
 
-    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> LossResult:
         valid = _loss_mask(micro_batch)
         loss, metrics = value_loss(
             _output(outputs, "values", "the critic's value of each response token"),

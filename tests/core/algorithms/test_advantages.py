@@ -218,7 +218,8 @@ def test_token_level_rewards_put_score_on_last_valid_token_minus_kl():
     rewards = build_token_level_rewards(torch.tensor([1.0, -2.0, 4.0]), mask, kl, kl_coef=0.5)
     expected = torch.tensor([[-0.05, -0.1, 1.0 - 0.15, 0.0], [-0.5, 0.0, -2.0 - 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(rewards, expected)
-    assert torch.equal(build_token_level_rewards(torch.tensor([3.0]), torch.tensor([[1, 1]])), torch.tensor([[0.0, 3.0]]))
+    only_score = build_token_level_rewards(torch.tensor([3.0]), torch.tensor([[1, 1]]))
+    assert torch.equal(only_score, torch.tensor([[0.0, 3.0]]))
     with pytest.raises(AlgorithmInputError, match="one score per row"):
         build_token_level_rewards(torch.zeros(2), mask)
 
