@@ -1,10 +1,43 @@
-"""Hook implementations of hybridflow-vllm; imports no backend at module import."""
+"""Hook implementations of hybridflow-vllm: the ``vllm`` rollout engine and its layout; imports no vLLM.
+
+The factories import vLLM when called, inside the rollout worker, so listing plugins stays cheap.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from hybridflow.engines import RolloutEngineConfig
 from hybridflow.hookspecs import hookimpl
+from hybridflow.registry import Registry
+
+
+def build_vllm_rollout_engine(*, config: RolloutEngineConfig, device: str = "cpu") -> Any:
+    """Factory of the ``vllm`` rollout engine (imports vLLM)."""
+    from hybridflow_vllm.engine import VllmRolloutEngine
+
+    return VllmRolloutEngine(config=config, device=device)
+
+
+def build_vllm_layout(*args: Any, **kwargs: Any) -> Any:
+    """Layout builder ``vllm``; see :func:`hybridflow_vllm.layout.build_vllm_layout`."""
+    from hybridflow_vllm.layout import build_vllm_layout as build
+
+    return build(*args, **kwargs)
+
+
+@hookimpl
+def hybridflow_register_rollout_engines(registry: Registry[Any]) -> None:
+    registry.register("vllm", build_vllm_rollout_engine)
+
+
+@hookimpl
+def hybridflow_register_layouts(registry: Registry[Any]) -> None:
+    registry.register("vllm", build_vllm_layout)
 
 
 @hookimpl
 def hybridflow_report_capabilities() -> dict[str, str]:
-    return {"status": "registers nothing yet"}
+    from hybridflow_vllm.capabilities import describe_capabilities
+
+    return describe_capabilities()

@@ -1,0 +1,291 @@
+"""The ``vllm`` rollout engine: vLLM's public ``LLM`` API behind :class:`hybridflow.engines.RolloutEngine`.
+
+Token ids in (no tokenizer in the engine), response ids, masks and per-token log-probs out; weights arrive in memory
+through a worker extension. Resharding the trainer's weights into Hugging Face names is left to the training engine
+and the reshard planner; scheduling generate/update/sleep is left to the driver. Stability: public.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.engines import RolloutEngineConfig, SamplingParams
+from hybridflow.errors import ConfigError, EngineError
+from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
+from hybridflow_vllm.model_dir import prepare_model_dir
+from hybridflow_vllm.worker_extension import WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    import tempfile
+
+__all__ = ["VllmOptions", "WeightUpdateStats", "VllmRolloutEngine"]
+
+#: environment the in-process engine needs, set only where the user has not set it already
+ENGINE_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: tensors reach the worker without serialization
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # keep the caller's thread settings (OMP_NUM_THREADS) on a shared box
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VllmOptions:
+    """Engine-specific settings, read from ``RolloutEngineConfig.extra``.
+
+    Args:
+        kv_cache_memory_bytes: KV cache size; small by default so tests and CPU runs start fast.
+        enforce_eager: skip CUDA graphs / torch.compile (start-up in seconds instead of minutes).
+        enable_prefix_caching: reuse the prompt's KV cache across its n samples (reset on every weight update).
+        sleep_level: vLLM sleep level used by ``sleep()`` where the platform supports it (1: offload weights,
+            drop KV cache; 2: drop both).
+        llm_kwargs: any other ``vllm.LLM`` keyword arguments (e.g. ``gpu_memory_utilization``), passed through.
+    """
+
+    kv_cache_memory_bytes: int = 64 * 2**20
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    sleep_level: int = 1
+    llm_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError(f"sleep_level must be 1 or 2 (vLLM's sleep levels), got {self.sleep_level}")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> VllmOptions:
+        """Options from ``RolloutEngineConfig.extra``; unknown keys raise, listing the known ones."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown vllm rollout option(s) {unknown}; known: {sorted(known)}. Put other vllm.LLM arguments "
+                "under extra.llm_kwargs."
+            )
+        return cls(**dict(extra))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightUpdateStats:
+    """What the last ``update_weights`` moved."""
+
+    version: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+class VllmRolloutEngine:
+    """One in-process vLLM engine on one rank (``tensor_parallel_size`` workers inside it). Stability: public.
+
+    ``capabilities`` holds ``update_weights_in_memory``, ``log_probs`` and ``seed``, plus ``sleep`` where the
+    platform supports vLLM's sleep mode (CUDA/ROCm/XPU; not CPU, where ``sleep``/``wake`` only mark the engine
+    unusable/usable and free nothing).
+    """
+
+    def __init__(self, *, config: RolloutEngineConfig, device: str = "cpu") -> None:
+        self.config = config
+        self.options = VllmOptions.from_extra(config.extra)
+        self.device = device
+        self.max_model_len = config.max_prompt_length + config.max_new_tokens
+        self.last_update: WeightUpdateStats | None = None
+        self._version = 0
+        self._asleep = False
+        for key, value in ENGINE_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+        self.model_dir, self._model_holder = prepare_model_dir(config.model)
+        try:
+            self._llm = self._start()
+        except BaseException:
+            self._cleanup_model_dir()
+            raise
+        sleep = {"sleep"} if self._sleep_enabled else set()
+        self.capabilities: frozenset[str] = frozenset({"update_weights_in_memory", "log_probs", "seed"} | sleep)
+
+    def _start(self) -> Any:
+        from vllm import LLM
+
+        self._sleep_enabled = _sleep_mode_available()
+        options = self.options
+        kwargs: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "skip_tokenizer_init": True,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "dtype": self.config.model.dtype,
+            "seed": self.config.seed,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": options.enforce_eager,
+            "kv_cache_memory_bytes": options.kv_cache_memory_bytes,
+            "enable_prefix_caching": options.enable_prefix_caching,
+            "enable_sleep_mode": self._sleep_enabled,
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        kwargs.update(options.llm_kwargs)
+        try:
+            return LLM(**kwargs)
+        except Exception as exc:
+            raise EngineError(
+                f"vLLM failed to start on {self.device} with model {self.model_dir}: {type(exc).__name__}: {exc}. "
+                "On CPU the attention head size must be 32, 64, 80 or more (hidden_size / num_heads); check the "
+                "model config and extra.llm_kwargs."
+            ) from exc
+
+    # --- RolloutEngine ----------------------------------------------------------------------------------------
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """Sample ``sampling.n`` responses per prompt row (interleaved); row ``r`` uses seed ``sampling.seed + r``.
+
+        Responses are right-padded to ``sampling.max_new_tokens`` so every rank returns the same width.
+        """
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import TokensPrompt
+
+        self._check_awake("generate")
+        for key in ("input_ids", "attention_mask"):
+            if key not in batch:
+                raise ConfigError(f'generate needs a "{key}" column (left-padded prompts); got {batch.keys()}')
+        input_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
+        prompt_length, response_length = int(input_ids.shape[1]), sampling.max_new_tokens
+        if prompt_length + response_length > self.max_model_len:
+            raise ConfigError(
+                f"prompt length {prompt_length} + max_new_tokens {response_length} exceeds the engine's "
+                f"max_model_len {self.max_model_len}; raise max_prompt_length/max_new_tokens in the rollout config"
+            )
+        prompts = prompt_token_lists(input_ids, prompt_mask)
+        if any(not prompt for prompt in prompts):
+            raise ConfigError("every prompt row needs at least one attended token; got an all-padding row")
+        requests, params = [], []
+        for row, prompt in enumerate(prompts):
+            for sample in range(sampling.n):
+                index = row * sampling.n + sample
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                params.append(VllmSamplingParams(
+                    n=1,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_tokens=response_length,
+                    seed=None if sampling.seed is None else sampling.seed + index,
+                    logprobs=0,
+                    stop_token_ids=[self.config.eos_token_id],
+                    detokenize=False,
+                ))
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        responses, log_probs = [], []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            responses.append(tokens)
+            log_probs.append([step[token].logprob for step, token in zip(completion.logprobs or [], tokens)])
+        repeated = batch.repeat_interleave(sampling.n)
+        columns = build_rollout_columns(
+            prompts=repeated["input_ids"],
+            prompt_mask=repeated["attention_mask"],
+            responses=responses,
+            log_probs=log_probs,
+            response_length=response_length,
+            pad_token_id=self.config.pad_token_id,
+        )
+        tensors = {key: repeated.tensors[key] for key in repeated.tensors.keys()}
+        tensors.update(columns)
+        meta = dict(batch.meta)
+        meta["policy_version"] = self._version
+        return Batch(tensors, repeated.non_tensors, meta, batch_size=len(repeated))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Load full (unsharded, Hugging Face named) weights into the running engine, without disk.
+
+        All weights of the model must be given; vLLM fuses q/k/v and gate/up itself. The prefix cache is reset,
+        since it holds KV computed with the old weights.
+        """
+        self._check_awake("update_weights")
+        if not isinstance(version, int) or version < 0:
+            raise ConfigError(f"version must be a non-negative int (the policy version); got {version!r}")
+        started = time.perf_counter()
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if not tensors:
+            raise ConfigError("update_weights got no tensors; pass the generation weights as (name, tensor) pairs")
+        try:
+            self._llm.collective_rpc("hybridflow_load_weights", args=(tensors, version))
+        except Exception as exc:
+            names = ", ".join(name for name, _ in tensors[:3])
+            raise EngineError(
+                f"vLLM could not load {len(tensors)} tensors ({names}, ...) as version {version}: "
+                f"{type(exc).__name__}: {exc}. Pass Hugging Face parameter names and full (unsharded) shapes."
+            ) from exc
+        self._llm.reset_prefix_cache()
+        self._version = version
+        self.last_update = WeightUpdateStats(
+            version=version,
+            tensors=len(tensors),
+            bytes=sum(tensor.numel() * tensor.element_size() for _, tensor in tensors),
+            seconds=time.perf_counter() - started,
+        )
+
+    def update_weights_from_path(self, path: str | Path, *, version: int) -> None:
+        """Reload weights from a Hugging Face directory (the fallback path that goes through disk)."""
+        self._check_awake("update_weights_from_path")
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+        self._llm.reset_prefix_cache()
+        self._version = version
+
+    def sleep(self) -> None:
+        """Free the KV cache (and offload weights at level 1) while training runs; a no-op on CPU."""
+        if self._asleep:
+            return
+        if self._sleep_enabled:
+            self._llm.sleep(level=self.options.sleep_level)
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Restore what ``sleep`` freed."""
+        if not self._asleep:
+            return
+        if self._sleep_enabled:
+            self._llm.wake_up()
+        self._asleep = False
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut the engine down and release its process-global state (torch.distributed groups, temp model dir)."""
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        self._llm = None
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        self._cleanup_model_dir()
+
+    def _cleanup_model_dir(self) -> None:
+        holder: tempfile.TemporaryDirectory[str] | None = self._model_holder
+        self._model_holder = None
+        if holder is not None:
+            holder.cleanup()
+
+    def _check_awake(self, what: str) -> None:
+        if getattr(self, "_llm", None) is None:
+            raise EngineError(f"{what} on a closed vllm engine; build a new one with the rollout engine factory")
+        if self._asleep:
+            raise EngineError(f"{what} while the vllm engine is asleep; call wake() after the training phase first")
+

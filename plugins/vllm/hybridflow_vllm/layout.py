@@ -1,0 +1,67 @@
+"""The target layout of the ``vllm`` rollout engine: per tensor-parallel rank, which slice of each Hugging Face
+tensor vLLM holds, with q/k/v fused into ``qkv_proj`` and gate/up into ``gate_up_proj``.
+
+Only names and shapes: the reshard planner in :mod:`hybridflow.resharding` plans the moves. vLLM pads the
+vocabulary of ``embed_tokens``/``lm_head`` to a multiple of 64 per rank inside its own weight loader; the layout
+describes the unpadded canonical rows. Stability: public.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hybridflow.errors import LayoutError
+from hybridflow.resharding import ModelLayout, build_tensor_parallel_layout
+from hybridflow.resharding.specs import Mesh
+
+__all__ = ["build_vllm_layout"]
+
+
+def build_vllm_layout(
+    named_shapes: Mapping[str, Sequence[int]],
+    *,
+    model_config: Mapping[str, Any],
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    mesh: Mesh | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> ModelLayout:
+    """vLLM's layout of a Llama/Qwen2-shaped model over ``tensor_parallel_size`` × ``pipeline_parallel_size`` ranks.
+
+    Args:
+        named_shapes: Hugging Face (unfused) names and full shapes, e.g. ``named_shapes_of(state_dict)``.
+        model_config: the HF config dict (``num_attention_heads``, ``num_key_value_heads``, ``hidden_size``,
+            optional ``head_dim`` and ``tie_word_embeddings``).
+        mesh: a :class:`hybridflow.resharding.GenerationLayout` instead of the two sizes.
+
+    Raises:
+        LayoutError: the config lacks the head counts, or the tensor-parallel size does not divide the kv heads
+            (vLLM would replicate kv heads then; that layout is not described here).
+    """
+    try:
+        num_heads = int(model_config["num_attention_heads"])
+        num_kv_heads = int(model_config.get("num_key_value_heads") or num_heads)
+        head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // num_heads)
+    except KeyError as exc:
+        raise LayoutError(
+            f"model_config needs num_attention_heads and hidden_size (or head_dim); missing {exc}. Pass the model's "
+            "HF config dict."
+        ) from exc
+    tensor = mesh.tensor if mesh is not None else tensor_parallel_size
+    if num_kv_heads % tensor:
+        raise LayoutError(
+            f"tensor-parallel size {tensor} must divide num_key_value_heads {num_kv_heads} for this layout; got a "
+            "remainder. Choose a tensor_parallel_size that divides the kv heads."
+        )
+    shapes = dict(named_shapes)
+    if model_config.get("tie_word_embeddings"):
+        shapes.pop("lm_head.weight", None)  # vLLM shares embed_tokens; there is no separate lm_head to fill
+    sizes: dict[str, int] = {} if mesh is not None else {
+        "tensor": tensor_parallel_size, "pipeline": pipeline_parallel_size,
+    }
+    return build_tensor_parallel_layout(
+        shapes, mesh=mesh, dtype=dtype, fuse_attention=(num_heads, num_kv_heads, head_dim), fuse_mlp=True, **sizes,
+    )

@@ -1,0 +1,51 @@
+"""Turn a :class:`hybridflow.engines.ModelSpec` into the Hugging Face directory vLLM loads.
+
+A ``path`` is used as is. A ``config`` (random init) is written to a temporary directory with the spec's seed,
+the same way :func:`hybridflow.testing.fixtures.save_tiny_model` writes one; the caller owns its cleanup.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hybridflow.engines import ModelSpec
+from hybridflow.errors import ConfigError
+
+__all__ = ["prepare_model_dir"]
+
+
+def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
+    """The model directory for ``spec`` and the temporary directory holding it (None for ``spec.path``).
+
+    Raises:
+        ConfigError: ``spec.path`` has no ``config.json``.
+    """
+    if spec.path is not None:
+        path = Path(spec.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"rollout model path must be a Hugging Face model directory with config.json; got {path} "
+                f"({'missing' if not path.exists() else 'no config.json'}). Pass model.path=<HF dir> or model.config."
+            )
+        return path, None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(spec.config or {})
+    model_type = config_dict.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(
+            f"model.config needs a model_type (e.g. 'qwen2'); got keys {sorted(config_dict)}. "
+            "Use hybridflow.testing.fixtures.tiny_model_config() for a complete example."
+        )
+    config = AutoConfig.for_model(model_type, **config_dict)
+    holder = tempfile.TemporaryDirectory(prefix="hybridflow-vllm-model-")
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+        model.save_pretrained(holder.name, safe_serialization=True)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return Path(holder.name), holder

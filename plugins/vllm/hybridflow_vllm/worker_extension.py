@@ -1,0 +1,38 @@
+"""Methods mixed into every vLLM worker (``LLM(worker_extension_cls=...)``) so weights arrive without touching disk.
+
+It loads Hugging Face-named tensors through the worker's own ``reload_weights``; choosing the weights and keeping
+the policy version is :class:`hybridflow_vllm.engine.VllmRolloutEngine`'s job. Imported by vLLM inside the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["WORKER_EXTENSION", "HybridflowWorkerExtension"]
+
+#: import path vLLM resolves inside each worker
+WORKER_EXTENSION = "hybridflow_vllm.worker_extension.HybridflowWorkerExtension"
+
+
+def _as_tensors(named_tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    # In-process the tensors arrive as they were sent; across processes vLLM's serializer may turn them into lists.
+    for name, value in named_tensors:
+        yield name, value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+class HybridflowWorkerExtension:
+    """Worker methods called through ``LLM.collective_rpc``; ``self`` is the vLLM worker."""
+
+    def hybridflow_load_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> dict[str, int]:
+        """Load checkpoint-format (Hugging Face named, unfused) tensors in place; returns what was loaded."""
+        worker: Any = self
+        worker.reload_weights(weights_iterator=_as_tensors(named_tensors), is_checkpoint_format=True)
+        worker._hybridflow_version = version
+        return {"tensors": len(named_tensors), "version": version}
+
+    def hybridflow_loaded_version(self) -> int:
+        """The version of the last weights this worker loaded (-1 before any update)."""
+        return int(getattr(self, "_hybridflow_version", -1))
