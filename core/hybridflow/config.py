@@ -96,6 +96,7 @@ class ActorConfig(_ModelRole):
     kl_loss_coef: float = Field(default=0.0, ge=0)
     kl_loss_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    recompute_log_probs: bool = True
 
 
 class CriticConfig(ActorConfig):
@@ -196,8 +197,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _pools_and_batches(self) -> Config:
-        for role, section in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
-                              ("reward", self.reward)):
+        # roles an algorithm may not use (critic, reference, reward/cost models) are checked when planned
+        for role, section in (("actor", self.actor),):
             if section.pool not in self.resource_pools:
                 raise ValueError(f"{role}.pool is {section.pool!r}, not one of resource_pools "
                                  f"({', '.join(self.resource_pools)})")

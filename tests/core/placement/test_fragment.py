@@ -38,8 +38,6 @@ def test_fragment_round_trips_through_yaml_and_validation(algorithm: str, device
         _validate_with_train_config(loaded, prompts=Workload().prompts)
 
 
-@pytest.mark.xfail(strict=True, reason="hybridflow.config.Config checks critic.pool even when the algorithm has no "
-                   "critic; remove this mark once the trainer config skips roles the algorithm lacks")
 def test_critic_free_fragment_passes_train_config() -> None:
     dataflow = get_dataflow("remax")
     cluster = build_cluster("a100", 8)

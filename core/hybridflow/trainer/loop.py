@@ -1,0 +1,228 @@
+"""The trainer: builds a run from a config, then loops ``algorithm.step`` with a ledger row, metrics and atomic
+checkpoints per step, resuming bit-identically from the latest checkpoint.
+
+The dataflow of a step is the algorithm driver's; placement is :mod:`hybridflow.trainer.build`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridflow import registries
+from hybridflow.algorithms.base import Runtime
+from hybridflow.algorithms.controllers import LagrangeMultiplier, build_kl_controller
+from hybridflow.algorithms.losses import PolicyLossConfig, ValueLossConfig
+from hybridflow.config import Config, check_registered_names
+from hybridflow.data import PromptDataset, PromptLoader, load_rows
+from hybridflow.errors import CheckpointError, ConfigError
+from hybridflow.ledger import IterationRecord, Ledger
+from hybridflow.manifest import build_manifest, write_manifest
+from hybridflow.plugins import load_plugins
+from hybridflow.rewards import resolve_reward_function
+from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
+from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.progress import MetricsWriter, Progress
+
+__all__ = ["Trainer"]
+
+
+def _loss_configs(config: Config) -> dict[str, Any]:
+    actor = config.actor
+    return {
+        "actor": PolicyLossConfig(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                                  entropy_coef=actor.entropy_coef, kl_loss_coef=actor.kl_loss_coef,
+                                  kl_loss_kind=actor.kl_loss_kind, loss_agg=actor.loss_agg),
+        "critic": ValueLossConfig(clip_range=config.critic.value_clip or None, loss_agg=config.critic.loss_agg),
+    }
+
+
+def _load_dataset(config: Config, tokenizer: Any) -> PromptDataset:
+    data = config.data
+    if data.train_files:
+        rows: list[dict[str, Any]] = []
+        for file in data.train_files:
+            rows.extend(load_rows(file))
+        source = ", ".join(data.train_files)
+    else:
+        from hybridflow.tasks.arithmetic import make_arithmetic_rows
+
+        assert data.task is not None
+        rows = make_arithmetic_rows(num_rows=data.task.num_prompts, max_operand=data.task.max_operand,
+                                    seed=data.task.seed, operators=data.task.operators)
+        source = f"task {data.task.name}"
+    return PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source)
+
+
+class Trainer:
+    """One run: ``Trainer(config).fit()``. Stability: public."""
+
+    def __init__(self, config: Config, *, progress: bool | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(config.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        load_plugins()
+        check_registered_names(config)
+        self.algorithm = registries.algorithms.get(config.algorithm.name)
+        self.tokenizer = build_tokenizer(config.role_model(config.actor))
+        self.loader = PromptLoader(_load_dataset(config, self.tokenizer), batch_size=config.data.batch_size,
+                                   seed=config.trainer.seed, shuffle=config.data.shuffle)
+        self.reward_fn = resolve_reward_function(config.reward.function) if config.reward.function else None
+        self.cost_fn = None
+        if config.cost is not None and config.cost.function:
+            self.cost_fn = resolve_reward_function(config.cost.function, key="cost.function")
+        self.needs_reference = self.algorithm.needs_reference(config)
+        self.plans = plan_roles(config, needs_critic=self.algorithm.needs_critic,
+                                needs_reference=self.needs_reference, loss_configs=_loss_configs(config),
+                                tokenizer=self.tokenizer)
+        self.kl_controller = build_kl_controller(
+            "adaptive" if config.algorithm.adaptive_kl_target else "fixed", kl_coef=config.algorithm.kl_coef,
+            target_kl=config.algorithm.adaptive_kl_target, horizon=10_000)
+        self.lagrange = None
+        if self.algorithm.name == "safe_rlhf":
+            if config.cost is None:
+                raise ConfigError("algorithm.name=safe_rlhf needs a `cost` section (cost.function or cost.model, "
+                                  "cost.limit)")
+            self.lagrange = LagrangeMultiplier(cost_limit=config.cost.limit, lr=config.cost.lagrange_lr,
+                                               init_value=config.cost.initial_lambda)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=config.trainer.keep_checkpoints)
+        self.ledger = Ledger(self.run_dir)
+        self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard)
+        self.show_progress = config.trainer.progress if progress is None else progress
+        self.groups: Groups | None = None
+        self.step = 0
+        self._record: IterationRecord | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from hybridflow.controller import add_call_observer, init_ray
+
+        ray_config = self.config.ray
+        if ray_config.address is None:
+            init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
+        else:
+            init_ray(ray_config.address)
+        self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
+                                   stack_dump_dir=str(self.run_dir / "stacks"))
+        add_call_observer(self._observe)
+        protocols = self._protocols()
+        mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
+                            "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel)}
+                   for p in self.plans}
+        mapping["rollout"] = {"engine": self.config.rollout.engine, "pool": self.config.actor.pool,
+                              "tensor_parallel_size": self.config.rollout.tensor_parallel_size}
+        write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping))
+        self._maybe_resume()
+
+    def _protocols(self) -> dict[str, str]:
+        from hybridflow.controller import dispatch_of
+        from hybridflow.trainer.build import WORKER_CLASSES
+
+        out = {}
+        for plan in self.plans:
+            cls = WORKER_CLASSES[plan.role]
+            for name in dir(cls):
+                dispatch = dispatch_of(getattr(cls, name, None))
+                if dispatch is not None:
+                    out[f"{plan.role}.{name}"] = dispatch.protocol
+        return out
+
+    def runtime(self) -> Runtime:
+        assert self.groups is not None
+        return Runtime(config=self.config, tokenizer=self.tokenizer, actor=self.groups.role("actor"),
+                       critic=self.groups.role("critic"), reference=self.groups.role("reference"),
+                       reward_model=self.groups.role("reward_model"), cost_model=self.groups.role("cost_model"),
+                       reward_fn=self.reward_fn, cost_fn=self.cost_fn, kl_controller=self.kl_controller,
+                       lagrange=self.lagrange, timeout_s=self.config.trainer.deadline_s)
+
+    def close(self) -> None:
+        from hybridflow.controller import remove_call_observer
+
+        remove_call_observer(self._observe)
+        if self.groups is not None:
+            self.groups.shutdown()
+            self.groups = None
+        self.writer.close()
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+                "lagrange": self.lagrange.state_dict() if self.lagrange else None}
+
+    def save_checkpoint(self) -> Path:
+        assert self.groups is not None
+        groups = self.groups
+
+        def write_workers(path: str) -> None:
+            for role in groups.role_pool:
+                groups.role(role).save_checkpoint(path)
+
+        return self.checkpoints.save(self.step, write_workers, self._trainer_state())
+
+    def _maybe_resume(self) -> None:
+        mode = self.config.trainer.resume
+        latest = self.checkpoints.latest()
+        if mode == "never" or (latest is None and mode == "auto"):
+            return
+        if latest is None:
+            raise CheckpointError(f"trainer.resume=must but {self.checkpoints.root} holds no checkpoint")
+        state = self.checkpoints.verify(latest)
+        assert self.groups is not None
+        for role in self.groups.role_pool:
+            self.groups.role(role).load_checkpoint(str(latest))
+        self.loader.load_state_dict(state["loader"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.lagrange is not None and state.get("lagrange"):
+            self.lagrange.load_state_dict(state["lagrange"])
+        self.step = int(state["step"])
+        self.ledger.truncate_after(self.step - 1)
+        self.writer.truncate_after(self.step - 1)
+
+    # --- the loop -----------------------------------------------------------------------------------------
+    def _observe(self, record: Any) -> None:
+        if self._record is None:
+            return
+        node = f"{record.role}.{record.method}"
+        self._record.add_node(node, pool=record.group, start=record.started_at, end=record.finished_at,
+                              policy_version=self._record.policy_version)
+        self._record.add_edge("driver" if not any(record.bytes_in_per_rank) else "object_store", node,
+                              protocol=record.protocol, bytes_per_rank=list(record.bytes_in_per_rank))
+
+    def train_step(self) -> dict[str, float]:
+        """One iteration of the algorithm, recorded in the ledger and metrics."""
+        runtime = self.runtime()
+        prompts = self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
+        self._record = self.ledger.begin(self.step, policy_version=self.step)
+        start = time.perf_counter()
+        try:
+            metrics = self.algorithm.step(runtime, prompts)
+        finally:
+            record, self._record = self._record, None
+        metrics["time/step_s"] = time.perf_counter() - start
+        tokens = metrics.get("tokens/prompt_and_response", 0.0)
+        metrics["throughput/prompt_response_tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
+        record.metrics = {k: float(v) for k, v in metrics.items()}
+        self.ledger.commit(record)
+        self.writer.write(self.step, metrics)
+        self.step += 1
+        return metrics
+
+    def fit(self) -> list[dict[str, float]]:
+        """Run until ``trainer.total_steps``; checkpoint every ``trainer.checkpoint_every`` steps and at the end."""
+        history: list[dict[str, float]] = []
+        if self.groups is None:
+            self.start()
+        total = self.config.trainer.total_steps
+        every = self.config.trainer.checkpoint_every
+        with Progress(total=total, start=self.step, enabled=self.show_progress) as progress:
+            while self.step < total:
+                metrics = self.train_step()
+                history.append(metrics)
+                progress.update(self.step, metrics)
+                if every and (self.step % every == 0 or self.step == total):
+                    self.save_checkpoint()
+        (self.run_dir / "summary.json").write_text(json.dumps({"steps": self.step, "last": history[-1] if history
+                                                               else {}}, indent=1))
+        return history
