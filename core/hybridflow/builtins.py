@@ -4,3 +4,16 @@ Registered first by :func:`hybridflow.plugins.get_plugin_manager`; plugins add t
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.hookspecs import hookimpl
+
+
+@hookimpl
+def hybridflow_register_transfer_protocols(*, registry: Any) -> None:
+    """The built-in transfer protocols (``one_to_all``, ``dp_compute``, ``mesh``, ...); see :mod:`hybridflow.transfer`."""
+    from hybridflow.transfer.builtin_protocols import BUILTIN_PROTOCOLS
+
+    for name, protocol in BUILTIN_PROTOCOLS.items():
+        registry.register(name, protocol)

@@ -1,0 +1,289 @@
+"""``BatchFuture``: the lazy result of a non-blocking group call, holding per-rank object refs and row ranges.
+
+Slicing or chunking a future fetches nothing: it narrows row ranges, so a receiving group's ranks each fetch
+only their shard. The worker group (:mod:`hybridflow.controller.group`) creates call handles and routes futures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from hybridflow.batch import PADDING_KEY, Batch, check_versions
+from hybridflow.controller.host import FetchArg, RankResult
+from hybridflow.controller.records import CallRecord, notify_observers
+from hybridflow.controller.watchdog import raise_deadline_exceeded
+from hybridflow.errors import ConfigError, WorkerError
+from hybridflow.transfer.protocol import TransferContext
+
+__all__ = ["BatchFuture", "CallHandle", "Segment"]
+
+
+@dataclass(slots=True)
+class CallHandle:
+    """One dispatched call: per-rank refs, the protocol that collects them and, once resolved, rank reports."""
+
+    group: str
+    role: str
+    method: str
+    protocol_name: str
+    protocol: Any
+    context: TransferContext
+    hosts: dict[int, Any]
+    pids: dict[int, int]
+    data_refs: dict[int, Any]
+    info_refs: dict[int, Any]
+    collect_ranks: list[int]
+    started_at: float
+    deadline_s: float
+    world_size: int
+    stack_dump_dir: str | None = None
+    observer: Callable[[CallRecord], None] | None = None
+    results: dict[int, RankResult] | None = None
+    failure: BaseException | None = None
+
+    @property
+    def node(self) -> str:
+        return f"{self.group}.{self.role}"
+
+    def resolve(self, timeout: float | None = None) -> dict[int, RankResult]:
+        """Wait (bounded by the deadline and ``timeout``) for every rank's report; raise the first failure."""
+        if self.failure is not None:
+            raise self.failure
+        if self.results is not None:
+            return self.results
+        remaining = self.started_at + self.deadline_s - time.time()
+        wait_s = max(0.0, remaining if timeout is None else min(timeout, remaining))
+        refs = list(self.info_refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if len(ready) < len(refs):
+            ready_set = set(ready)
+            stuck = [rank for rank, ref in self.info_refs.items() if ref not in ready_set]
+            self._emit({}, ok=False)
+            try:
+                raise_deadline_exceeded(node=self.node, method=self.method, stuck_ranks=stuck,
+                                        deadline_s=min(self.deadline_s, time.time() - self.started_at),
+                                        hosts=self.hosts, pids=self.pids, stack_dump_dir=self.stack_dump_dir)
+            except BaseException as exc:
+                if timeout is None or timeout >= remaining:
+                    self.failure = exc  # the deadline itself expired: the call is over for good
+                raise
+        results: dict[int, RankResult] = {}
+        for rank, ref in self.info_refs.items():
+            try:
+                results[rank] = ray.get(ref, timeout=10.0)
+            except (RayActorError, RayError, GetTimeoutError) as exc:
+                results[rank] = RankResult(rank=rank, ok=False, error=f"worker process died ({type(exc).__name__})",
+                                           remote_traceback=str(exc), finished_at=time.time())
+        self.results = results
+        failed = [result for result in results.values() if not result.ok]
+        self._emit(results, ok=not failed)
+        if failed:
+            first = min(failed, key=lambda result: result.rank)
+            self.failure = WorkerError(
+                f"{self.node}.{self.method} failed on rank {first.rank} of {self.world_size}"
+                f"{f' (failed ranks: {sorted(r.rank for r in failed)})' if len(failed) > 1 else ''}: {first.error}. "
+                f"Fix the worker code; the remote traceback follows.\n--- rank {first.rank} traceback ---\n"
+                f"{first.remote_traceback}",
+                rank=first.rank, method=f"{self.role}.{self.method}", remote_traceback=first.remote_traceback,
+            )
+            raise self.failure
+        return results
+
+    def _emit(self, results: dict[int, RankResult], *, ok: bool) -> None:
+        finished = max((result.finished_at for result in results.values()), default=time.time())
+        record = CallRecord(
+            group=self.group, role=self.role, method=self.method, protocol=self.protocol_name,
+            seconds=max(0.0, finished - self.started_at),
+            bytes_in_per_rank=tuple(results[r].bytes_in if r in results else 0 for r in range(self.world_size)),
+            bytes_out=sum(result.nbytes_out for result in results.values()),
+            started_at=self.started_at, finished_at=finished,
+            compute_seconds_per_rank=tuple(
+                results[r].finished_at - results[r].started_at if r in results else 0.0 for r in range(self.world_size)
+            ),
+            ok=ok,
+        )
+        notify_observers(record, self.observer)
+
+    def fetch_outputs(self, ranks: list[int], timeout: float | None) -> list[Any]:
+        self.resolve(timeout)
+        return list(ray.get([self.data_refs[rank] for rank in ranks], timeout=timeout or max(10.0, self.deadline_s)))
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Rows ``[start, stop)`` of the output object ``ref`` of producer ``rank`` (``length`` rows in all)."""
+
+    rank: int
+    ref: Any
+    start: int
+    stop: int
+    length: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(slots=True)
+class _View:
+    segments: tuple[Segment, ...]
+    padding_rows: int = 0
+    pad_source: Segment | None = None
+    mark_padding: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class BatchFuture:
+    """The not-yet-fetched result of a non-blocking call. Stability: public.
+
+    ``get()`` brings the data to the driver; passing the future to another group's method sends each of its ranks
+    only the object refs (or producer-side slices) covering its rows. ``len``, ``meta``, ``slice`` and ``chunk``
+    wait for the producing ranks to finish (bounded by the call's deadline) but fetch no rows.
+    """
+
+    def __init__(self, handle: CallHandle, view: _View | None = None) -> None:
+        self._handle = handle
+        self._view = view
+
+    # --- status ---------------------------------------------------------------------------------------------
+    @property
+    def node(self) -> str:
+        return f"{self._handle.node}.{self._handle.method}"
+
+    def done(self) -> bool:
+        """True once every rank has reported (success or failure); never blocks."""
+        refs = list(self._handle.info_refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def wait(self, timeout: float | None = None) -> BatchFuture:
+        """Block until the call finished (raising its WorkerError / DeadlineExceededError); fetch no data."""
+        self._handle.resolve(timeout)
+        return self
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The collected result, fetched to the driver (a ``Batch`` for concatenating protocols)."""
+        handle = self._handle
+        if self._view is None:
+            outputs = handle.fetch_outputs(handle.collect_ranks, timeout)
+            return handle.protocol.collect(outputs, handle.context)
+        view = self._view
+        segments = [segment for segment in view.segments if segment.rows]
+        sources = segments + ([view.pad_source] if view.pad_source is not None and view.padding_rows else [])
+        values = handle.fetch_outputs([segment.rank for segment in sources], timeout)
+        pieces = [value.slice(segment.start, segment.stop) for value, segment in zip(values, sources)]
+        if view.pad_source is not None and view.padding_rows:
+            pieces[-1] = pieces[-1].index([0] * view.padding_rows)
+        batch = Batch.concat(pieces) if len(pieces) > 1 else pieces[0]
+        if view.mark_padding:
+            import torch
+
+            batch = Batch(batch.tensors.clone(recurse=False), dict(batch.non_tensors), dict(batch.meta))
+            mask = torch.zeros(len(batch), dtype=torch.bool)
+            if view.padding_rows:
+                mask[len(batch) - view.padding_rows:] = True
+            batch.tensors[PADDING_KEY] = mask
+        return batch
+
+    # --- lazy row algebra -----------------------------------------------------------------------------------
+    def _resolved_view(self) -> _View:
+        if self._view is not None:
+            return self._view
+        handle = self._handle
+        results = handle.resolve()
+        if not handle.protocol.concatenates or not all(results[rank].is_batch for rank in handle.collect_ranks):
+            raise ConfigError(
+                f"{self.node} returned {'non-Batch outputs' if handle.protocol.concatenates else 'per-rank outputs'} "
+                f"(protocol {handle.protocol_name}); expected Batches concatenated by rows to use the result lazily. "
+                f"Fix: call .get() and pass the value"
+            )
+        metas = [results[rank].meta for rank in handle.collect_ranks]
+        agreed = check_versions(metas, what=f"outputs of {self.node}")
+        segments = tuple(Segment(rank=rank, ref=handle.data_refs[rank], start=0, stop=results[rank].rows,
+                                 length=results[rank].rows) for rank in handle.collect_ranks)
+        self._view = _View(segments=segments, meta={**(metas[0] if metas else {}), **agreed})
+        return self._view
+
+    @property
+    def is_batch(self) -> bool:
+        """True when the result is a row-concatenated Batch (waits for the call)."""
+        try:
+            self._resolved_view()
+        except ConfigError:
+            return False
+        return True
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The producers' agreed ``meta`` (raises VersionMismatchError if the producing ranks disagree)."""
+        return dict(self._resolved_view().meta)
+
+    def __len__(self) -> int:
+        view = self._resolved_view()
+        return sum(segment.rows for segment in view.segments) + view.padding_rows
+
+    def slice(self, start: int, stop: int) -> BatchFuture:
+        """Rows ``[start, stop)`` as a future (nothing fetched)."""
+        view = self._resolved_view()
+        if view.padding_rows:
+            raise ConfigError(f"cannot slice a padded chunk of {self.node}; slice the unpadded future first")
+        total = len(self)
+        start, stop = max(0, min(start, total)), max(0, min(stop, total))
+        out: list[Segment] = []
+        offset = 0
+        for segment in view.segments:
+            lo, hi = max(start, offset), min(stop, offset + segment.rows)
+            if lo < hi:
+                shift = segment.start - offset
+                out.append(replace(segment, start=lo + shift, stop=hi + shift))
+            offset += segment.rows
+        return BatchFuture(self._handle, _View(segments=tuple(out), meta=view.meta))
+
+    def chunk(self, chunks: int, *, pad: bool = False) -> list[BatchFuture]:
+        """Like :meth:`Batch.chunk`: equal parts; ``pad=True`` pads with the last row and marks ``is_padding``."""
+        total = len(self)
+        if chunks <= 0:
+            raise ConfigError(f"chunks must be positive, got {chunks}")
+        if total % chunks == 0:
+            size = total // chunks
+            return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
+        if not pad:
+            raise ConfigError(f"cannot split {total} rows of {self.node} evenly into {chunks} chunks; expected a "
+                              f"multiple of {chunks}. Fix: use protocol dp_compute_padded")
+        size = -(-total // chunks)
+        last = self.slice(total - 1, total)._resolved_view().segments[0]
+        out = []
+        for index in range(chunks):
+            part = self.slice(min(index * size, total), min((index + 1) * size, total))
+            padding = size - len(part)
+            out.append(BatchFuture(self._handle, _View(segments=part._resolved_view().segments, padding_rows=padding,
+                                                       pad_source=last if padding else None, mark_padding=True,
+                                                       meta=part._resolved_view().meta)))
+        return out
+
+    def to_fetch_arg(self, slice_cache: dict[tuple[Any, int, int], Any]) -> FetchArg:
+        """The refs a receiving rank fetches: whole outputs as they are, partial ones sliced by their producer."""
+        view = self._resolved_view()
+        hosts = self._handle.hosts
+
+        def ref_of(segment: Segment) -> Any:
+            if segment.start == 0 and segment.stop == segment.length:
+                return segment.ref
+            key = (segment.ref, segment.start, segment.stop)
+            if key not in slice_cache:
+                slice_cache[key] = hosts[segment.rank].slice_rows.remote(segment.ref, segment.start, segment.stop)
+            return slice_cache[key]
+
+        refs = tuple(ref_of(segment) for segment in view.segments if segment.rows)
+        pad_ref = ref_of(view.pad_source) if view.pad_source is not None and view.padding_rows else None
+        return FetchArg(refs=refs, padding_rows=view.padding_rows, pad_ref=pad_ref, mark_padding=view.mark_padding)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"BatchFuture({self.node}, {state})"

@@ -1,0 +1,319 @@
+"""``WorkerGroup``: one Ray actor per pool slot hosting every colocated role, and typed calls into them.
+
+A call runs the method's transfer protocol in the driver, stores only what each rank needs, and returns the
+collected value or a ``BatchFuture``; what the roles compute, and when to restart after a failure, is the caller's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from hybridflow.batch import Batch, check_versions
+from hybridflow.controller.decorator import Dispatch, dispatch_of
+from hybridflow.controller.future import BatchFuture, CallHandle
+from hybridflow.controller.host import FetchArg, RankPayload, WorkerHost
+from hybridflow.controller.pool import ResourcePool
+from hybridflow.controller.records import CallRecord
+from hybridflow.controller.watchdog import raise_deadline_exceeded
+from hybridflow.engines import MeshInfo
+from hybridflow.errors import ConfigError, WorkerError
+from hybridflow.transfer import get_protocol
+from hybridflow.transfer.protocol import TransferContext
+
+__all__ = ["WorkerGroup", "RoleHandle", "BoundMethod"]
+
+_group_ids = itertools.count()
+
+
+class BoundMethod:
+    """``group.<role>.<method>``: calling it dispatches through the method's protocol."""
+
+    def __init__(self, group: WorkerGroup, role: str, name: str, dispatch: Dispatch, deadline_s: float | None = None):
+        self._group, self._role, self._name, self._dispatch, self._deadline_s = group, role, name, dispatch, deadline_s
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group._invoke(self._role, self._name, self._dispatch, args, kwargs, deadline_s=self._deadline_s)
+
+    def with_deadline(self, seconds: float) -> BoundMethod:
+        """The same method with its own deadline for the next calls."""
+        return BoundMethod(self._group, self._role, self._name, self._dispatch, seconds)
+
+    @property
+    def dispatch(self) -> Dispatch:
+        return self._dispatch
+
+
+class RoleHandle:
+    """``group.<role>``: the registered methods of one role, reached by attribute."""
+
+    def __init__(self, group: WorkerGroup, role: str, cls: type) -> None:
+        self._group, self._role, self._cls = group, role, cls
+
+    def __getattr__(self, name: str) -> BoundMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        function = getattr(self._cls, name, None)
+        dispatch = dispatch_of(function)
+        if dispatch is None:
+            declared = ", ".join(_registered_methods(self._cls)) or "(none)"
+            raise AttributeError(
+                f'role "{self._role}" ({self._cls.__name__}) has no method "{name}" declared with @register; '
+                f"declared: {declared}. Fix: decorate the method with @register(protocol=...)"
+            )
+        return BoundMethod(self._group, self._role, name, dispatch)
+
+
+def _registered_methods(cls: type) -> list[str]:
+    return sorted(name for name, value in inspect.getmembers(cls) if dispatch_of(value) is not None)
+
+
+class WorkerGroup:
+    """SPMD ranks of one or more colocated roles on a :class:`ResourcePool`. Stability: public.
+
+    Args:
+        pool: where the ranks run (one actor per slot; groups on the same pool share its slots).
+        workers: a worker class, or ``{role: class}`` for roles colocated in one process per slot.
+        init_kwargs: keyword arguments of each role's constructor, ``{role: {...}}`` (or ``{...}`` for one class).
+        name: shown in errors and call records.
+        deadline_s: default deadline of every call (``@register(deadline_s=...)`` and ``with_deadline`` override).
+        observer: called with a :class:`CallRecord` when each call's result is collected.
+        stack_dump_dir: where the watchdog writes stuck workers' stacks (also in the error message).
+    """
+
+    def __init__(
+        self,
+        pool: ResourcePool,
+        workers: type | Mapping[str, type],
+        *,
+        init_kwargs: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        deadline_s: float = 600.0,
+        setup_deadline_s: float | None = None,
+        observer: Callable[[CallRecord], None] | None = None,
+        stack_dump_dir: str | None = None,
+    ) -> None:
+        if isinstance(workers, type):
+            roles: dict[str, type] = {"worker": workers}
+            kwargs = {"worker": dict(init_kwargs or {})}
+        else:
+            roles = dict(workers)
+            kwargs = {role: dict(value) for role, value in (init_kwargs or {}).items()}
+            unknown = sorted(set(kwargs) - set(roles))
+            if unknown:
+                raise ConfigError(f"init_kwargs names roles {unknown} that are not in workers {sorted(roles)}")
+        for role, cls in roles.items():
+            if not role.isidentifier() or hasattr(WorkerGroup, role):
+                raise ConfigError(f"role name {role!r} must be an identifier not shadowing a WorkerGroup attribute")
+            if not isinstance(cls, type):
+                raise ConfigError(f'role "{role}" must be a class, got {type(cls).__name__}')
+            for method in _registered_methods(cls):
+                get_protocol(dispatch_of(getattr(cls, method)).protocol)  # unknown protocol fails here, listing known
+        if deadline_s <= 0:
+            raise ConfigError(f"deadline_s must be positive seconds, got {deadline_s}")
+        self.pool = pool
+        self.name = name or f"group{next(_group_ids)}"
+        self.roles = roles
+        self.init_kwargs = kwargs
+        self.deadline_s = float(deadline_s)
+        self.setup_deadline_s = float(setup_deadline_s or deadline_s)
+        self.observer = observer
+        self.stack_dump_dir = stack_dump_dir
+        self._hosts: list[Any] = []
+        self._pids: dict[int, int] = {}
+        self._mesh: dict[str, list[MeshInfo]] = {}
+        self._start()
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.pool.world_size
+
+    def _start(self) -> None:
+        slots = self.pool.slots()
+        self._hosts = [WorkerHost.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
+                       for slot in slots]
+        self._mesh = {}
+        started = time.time()
+        hosts = dict(enumerate(self._hosts))
+        try:
+            master_addr, master_port = ray.get(self._hosts[0].reserve_master_address.remote(),
+                                               timeout=self.setup_deadline_s)
+            setups = {rank: host.setup.remote(master_addr, master_port, self.roles, self.init_kwargs)
+                      for rank, host in hosts.items()}
+            ready, _ = ray.wait(list(setups.values()), num_returns=len(setups),
+                                timeout=max(0.0, started + self.setup_deadline_s - time.time()))
+        except (GetTimeoutError, RayError) as exc:
+            self.shutdown()
+            raise WorkerError(f"{self.name}: worker processes failed to start ({type(exc).__name__}: {exc}). Fix: "
+                              f"check that the worker classes import in a fresh process", method="setup") from exc
+        if len(ready) < len(setups):
+            stuck = [rank for rank, ref in setups.items() if ref not in set(ready)]
+            try:
+                raise_deadline_exceeded(node=self.name, method="__init__", stuck_ranks=stuck,
+                                        deadline_s=self.setup_deadline_s, hosts=hosts, pids={},
+                                        stack_dump_dir=self.stack_dump_dir)
+            finally:
+                self.shutdown()
+        failures = []
+        for rank, ref in setups.items():
+            try:
+                result = ray.get(ref, timeout=10.0)
+            except RayError as exc:
+                failures.append((rank, f"worker process died: {exc}", ""))
+                continue
+            if not result.ok:
+                failures.append((rank, result.error, result.remote_traceback))
+        if failures:
+            self.shutdown()
+            rank, error, remote = failures[0]
+            raise WorkerError(f"{self.name}: constructing the roles failed on rank {rank}: {error}. Fix the worker "
+                              f"constructor; the remote traceback follows.\n{remote}", rank=rank, method="__init__",
+                              remote_traceback=remote)
+        self._pids = dict(zip(hosts, ray.get([host.process_id.remote() for host in self._hosts], timeout=30.0)))
+
+    def shutdown(self) -> None:
+        """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""
+        for host in self._hosts:
+            try:
+                ray.kill(host, no_restart=True)
+            except RayError:
+                pass
+        self._hosts = []
+
+    def restart(self) -> None:
+        """Kill and recreate every worker with the same classes and constructor arguments (fresh processes)."""
+        self.shutdown()
+        self._start()
+
+    def kill_rank(self, rank: int) -> None:
+        """Kill one rank's process (fault injection); later calls touching it raise WorkerError."""
+        ray.kill(self._hosts[rank], no_restart=True)
+
+    @property
+    def process_ids(self) -> dict[int, int]:
+        return dict(self._pids)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # --- calls ----------------------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        roles = self.__dict__.get("roles")
+        if roles is None or name.startswith("_"):
+            raise AttributeError(name)
+        if name in roles:
+            return RoleHandle(self, name, roles[name])
+        if len(roles) == 1:
+            role = next(iter(roles))
+            return getattr(RoleHandle(self, role, roles[role]), name)
+        raise AttributeError(f'WorkerGroup "{self.name}" has no role "{name}"; roles: {sorted(roles)}')
+
+    def role(self, name: str) -> RoleHandle:
+        if name not in self.roles:
+            raise ConfigError(f'WorkerGroup "{self.name}" has no role "{name}"; expected one of {sorted(self.roles)}')
+        return RoleHandle(self, name, self.roles[name])
+
+    def call(self, method: Callable[..., Any], *args: Any, role: str | None = None, deadline_s: float | None = None,
+             **kwargs: Any) -> Any:
+        """Typed call: ``group.call(ActorWorker.generate, batch)``; ``role`` is needed only if ambiguous."""
+        dispatch = dispatch_of(method)
+        name = getattr(method, "__name__", "")
+        if dispatch is None:
+            raise ConfigError(f"{getattr(method, '__qualname__', method)} is not declared with @register; expected a "
+                              f"registered worker method. Fix: decorate it with @register(protocol=...)")
+        matches = [r for r, cls in self.roles.items() if getattr(getattr(cls, name, None), "__func__",
+                                                                  getattr(cls, name, None)) is method]
+        if role is None:
+            if len(matches) != 1:
+                raise ConfigError(f"{method.__qualname__} belongs to roles {matches} of group {self.name}; expected "
+                                  f"exactly one. Fix: pass role=...")
+            role = matches[0]
+        elif role not in self.roles:
+            raise ConfigError(f'WorkerGroup "{self.name}" has no role "{role}"; expected one of {sorted(self.roles)}')
+        return self._invoke(role, name, dispatch, args, kwargs, deadline_s=deadline_s)
+
+    def mesh(self, role: str) -> list[MeshInfo]:
+        """Each rank's :class:`MeshInfo` for ``role`` (asked once from the workers, then cached)."""
+        if role not in self._mesh:
+            refs = [host.mesh_info.remote(role) for host in self._hosts]
+            self._mesh[role] = list(ray.get(refs, timeout=self.deadline_s))
+        return self._mesh[role]
+
+    def _invoke(self, role: str, method: str, dispatch: Dispatch, args: tuple[Any, ...], kwargs: dict[str, Any],
+                *, deadline_s: float | None) -> Any:
+        if not self._hosts:
+            raise ConfigError(f'WorkerGroup "{self.name}" is shut down; expected a running group. Fix: restart()')
+        protocol = get_protocol(dispatch.protocol)
+        context = TransferContext(world_size=self.world_size, role=role, method=method,
+                                  mesh_provider=lambda: self.mesh(role))
+        args = tuple(_settle(value) for value in args)
+        kwargs = {key: _settle(value) for key, value in kwargs.items()}
+        metas = [value.meta for value in [*args, *kwargs.values()] if isinstance(value, (Batch, BatchFuture))]
+        check_versions(metas, what=f"inputs of {self.name}.{role}.{method}")
+        inputs = protocol.distribute(args, kwargs, context)
+        if len(inputs) != self.world_size:
+            raise ConfigError(f"protocol {dispatch.protocol} returned {len(inputs)} rank inputs for {self.name}.{role}."
+                              f"{method}; expected {self.world_size} (one per rank, None for idle ranks)")
+        if dispatch.execute == "rank_zero":
+            inputs = [inputs[0]] + [None] * (self.world_size - 1)
+        collect_ranks = [0] if dispatch.execute == "rank_zero" else list(protocol.collect_ranks(context))
+        idle = [rank for rank in collect_ranks if inputs[rank] is None]
+        if idle:
+            raise ConfigError(f"protocol {dispatch.protocol} collects ranks {idle} of {self.name}.{role}.{method} "
+                              f"that it gave no input; expected collect ranks to run")
+        limit = float(deadline_s or dispatch.deadline_s or self.deadline_s)
+        started = time.time()
+        puts: dict[int, tuple[Any, Any]] = {}
+        slices: dict[tuple[Any, int, int], Any] = {}
+        data_refs, info_refs = {}, {}
+        for rank, rank_input in enumerate(inputs):
+            if rank_input is None:
+                continue
+            payload = RankPayload(
+                args=tuple(_stage(value, puts, slices) for value in rank_input.args),
+                kwargs={key: _stage(value, puts, slices) for key, value in rank_input.kwargs.items()},
+                padding_rows=rank_input.padding_rows, deadline_at=started + limit,
+            )
+            data_refs[rank], info_refs[rank] = self._hosts[rank].execute.remote(role, method, payload)
+        handle = CallHandle(
+            group=self.name, role=role, method=method, protocol_name=dispatch.protocol, protocol=protocol,
+            context=context, hosts=dict(enumerate(self._hosts)), pids=dict(self._pids), data_refs=data_refs,
+            info_refs=info_refs, collect_ranks=collect_ranks, started_at=started, deadline_s=limit,
+            world_size=self.world_size, stack_dump_dir=self.stack_dump_dir, observer=self.observer,
+        )
+        future = BatchFuture(handle)
+        return future.get() if dispatch.blocking else future
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, alive={bool(self._hosts)})"
+
+
+def _settle(value: Any) -> Any:
+    """A future whose result cannot stay lazy (not a row-concatenated Batch) is fetched; everything else kept."""
+    if isinstance(value, BatchFuture) and not value.is_batch:
+        return value.get()
+    return value
+
+
+def _stage(value: Any, puts: dict[int, tuple[Any, Any]], slices: dict[tuple[Any, int, int], Any]) -> Any:
+    """Replace a Batch by a ref the rank fetches (stored once per call) and a future by its shard's refs."""
+    if isinstance(value, BatchFuture):
+        return value.to_fetch_arg(slices)
+    if isinstance(value, Batch):
+        key = id(value)
+        if key not in puts:
+            puts[key] = (value, ray.put(value))  # keep the batch alive so id() stays unique during this call
+        return FetchArg(refs=(puts[key][1],))
+    return value
+
+

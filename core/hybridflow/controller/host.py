@@ -1,0 +1,222 @@
+"""The Ray actor behind one slot of a worker group: it hosts every colocated role and runs their methods.
+
+It resolves arguments from the object store (counting the bytes it fetched), strips padding, reports errors
+with tracebacks and dumps its threads' stacks on request; which rows it receives is decided by the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from hybridflow.batch import PADDING_KEY, Batch
+from hybridflow.controller.worker import WorkerContext, set_context
+from hybridflow.engines import MeshInfo
+
+__all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "value_nbytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchArg:
+    """An argument the receiving rank fetches itself: the concatenation of ``refs`` plus optional padding rows."""
+
+    refs: tuple[Any, ...]
+    padding_rows: int = 0
+    pad_ref: Any = None
+    mark_padding: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankPayload:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    padding_rows: int = 0
+    deadline_at: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankResult:
+    """What a rank reports about one call (small; the output itself is a separate object)."""
+
+    rank: int
+    ok: bool = True
+    error: str = ""
+    remote_traceback: str = ""
+    is_batch: bool = False
+    rows: int = 0
+    nbytes_out: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    bytes_in: int = 0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+
+def value_nbytes(value: Any) -> int:
+    """Tensor/array bytes of a fetched value (Batch tensors, numpy arrays, torch tensors); 0 otherwise."""
+    if isinstance(value, Batch):
+        return value.nbytes()
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.element_size() * value.numel())
+    return 0
+
+
+def _is_user_frame(filename: str) -> bool:
+    """False for frames inside Ray or the standard library's threading machinery."""
+    ignored = (f"{os.sep}ray{os.sep}", "threading.py", f"concurrent{os.sep}futures", "queue.py", "selectors.py")
+    return not any(part in filename for part in ignored) or "hybridflow" in filename
+
+
+def _fetch(arg: FetchArg, deadline_at: float) -> tuple[Any, int]:
+    timeout = max(1.0, deadline_at - time.time())
+    refs = list(arg.refs) + ([arg.pad_ref] if arg.pad_ref is not None else [])
+    values = ray.get(refs, timeout=timeout)
+    fetched = sum(value_nbytes(value) for value in values)
+    pieces = values[: len(arg.refs)]
+    if arg.pad_ref is not None and arg.padding_rows:
+        pieces.append(values[-1].index([0] * arg.padding_rows))
+    if len(pieces) == 1 and not arg.mark_padding:
+        return pieces[0], fetched
+    pieces = [piece for piece in pieces if len(piece)]
+    batch = Batch.concat(pieces) if len(pieces) > 1 else pieces[0]
+    if arg.mark_padding:
+        import torch
+
+        batch = Batch(batch.tensors.clone(recurse=False), dict(batch.non_tensors), dict(batch.meta))
+        mask = torch.zeros(len(batch), dtype=torch.bool)
+        if arg.padding_rows:
+            mask[len(batch) - arg.padding_rows:] = True
+        batch.tensors[PADDING_KEY] = mask
+    return batch, fetched
+
+
+def _strip_padding(output: Any, padding_rows: int, input_rows: int) -> Any:
+    if not padding_rows or not isinstance(output, Batch):
+        return output
+    if PADDING_KEY in output.tensors.keys():
+        return output.drop_padding()
+    if len(output) == input_rows:
+        return output.slice(0, len(output) - padding_rows)
+    raise ValueError(
+        f"cannot strip {padding_rows} padding rows: the output has {len(output)} rows, expected {input_rows} (one per "
+        f"input row) or an {PADDING_KEY!r} column. Fix: keep the input's {PADDING_KEY!r} column in the output"
+    )
+
+
+@ray.remote(concurrency_groups={"control": 1, "transfer": 2}, max_restarts=0)
+class WorkerHost:
+    """One slot: the colocated role instances of a group, sharing this process."""
+
+    def __init__(self, group: str, rank: int, world_size: int, local_rank: int) -> None:
+        self.context = WorkerContext(group=group, rank=rank, world_size=world_size, local_rank=local_rank)
+        self.roles: dict[str, Any] = {}
+        try:
+            import torch
+
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        except ImportError:  # pragma: no cover - torch is a core dependency
+            pass
+
+    def reserve_master_address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port on it, for rank 0's torch.distributed store."""
+        address = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+            return address, int(sock.getsockname()[1])
+
+    def setup(self, master_addr: str, master_port: int, role_classes: dict[str, type],
+              init_kwargs: dict[str, dict[str, Any]]) -> RankResult:
+        """Export the distributed environment and construct every role (errors come back with the traceback)."""
+        started = time.time()
+        context = self.context
+        self.context = WorkerContext(group=context.group, rank=context.rank, world_size=context.world_size,
+                                     local_rank=context.local_rank, master_addr=master_addr, master_port=master_port)
+        set_context(self.context)
+        try:
+            for role, cls in role_classes.items():
+                self.roles[role] = cls(**init_kwargs.get(role, {}))
+        except Exception as exc:  # noqa: BLE001 - reported to the driver as WorkerError
+            return RankResult(rank=context.rank, ok=False, error=f"{type(exc).__name__}: {exc}",
+                              remote_traceback=traceback.format_exc(), started_at=started, finished_at=time.time())
+        return RankResult(rank=context.rank, started_at=started, finished_at=time.time())
+
+    @ray.method(num_returns=2)
+    def execute(self, role: str, method: str, payload: RankPayload) -> tuple[Any, RankResult]:
+        """Run ``role.method`` on this rank's arguments; return (output, report)."""
+        started = time.time()
+        bytes_in = 0
+        input_rows = 0
+        try:
+            args = []
+            for value in payload.args:
+                if isinstance(value, FetchArg):
+                    value, fetched = _fetch(value, payload.deadline_at)
+                    bytes_in += fetched
+                    input_rows = max(input_rows, len(value) if isinstance(value, Batch) else 0)
+                args.append(value)
+            kwargs = {}
+            for key, value in payload.kwargs.items():
+                if isinstance(value, FetchArg):
+                    value, fetched = _fetch(value, payload.deadline_at)
+                    bytes_in += fetched
+                    input_rows = max(input_rows, len(value) if isinstance(value, Batch) else 0)
+                kwargs[key] = value
+            output = getattr(self.roles[role], method)(*args, **kwargs)
+            output = _strip_padding(output, payload.padding_rows, input_rows)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver as WorkerError
+            return None, RankResult(rank=self.context.rank, ok=False, error=f"{type(exc).__name__}: {exc}",
+                                    remote_traceback=traceback.format_exc(), bytes_in=bytes_in,
+                                    started_at=started, finished_at=time.time())
+        is_batch = isinstance(output, Batch)
+        return output, RankResult(
+            rank=self.context.rank,
+            is_batch=is_batch,
+            rows=len(output) if is_batch else 0,
+            nbytes_out=value_nbytes(output),
+            meta=dict(output.meta) if is_batch else {},
+            bytes_in=bytes_in,
+            started_at=started,
+            finished_at=time.time(),
+        )
+
+    @ray.method(concurrency_group="transfer")
+    def slice_rows(self, value: Batch, start: int, stop: int) -> Batch:
+        """Rows ``[start, stop)`` of one of this rank's outputs, stored as a new object (only that shard moves)."""
+        return value.slice(start, stop)
+
+    @ray.method(concurrency_group="control")
+    def dump_stacks(self) -> str:
+        """Python stacks of every thread in this process except the one answering (the watchdog's evidence)."""
+        me = threading.get_ident()
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        parts = [f"--- rank {self.context.rank} pid {os.getpid()} ---"]
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            summary = traceback.extract_stack(frame)
+            if not any(_is_user_frame(entry.filename) for entry in summary):
+                continue  # Ray's and the interpreter's idle threads are noise
+            parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(summary.format()[-40:])}")
+        return "\n".join(parts)
+
+    @ray.method(concurrency_group="control")
+    def process_id(self) -> int:
+        return os.getpid()
+
+    def mesh_info(self, role: str) -> MeshInfo:
+        instance = self.roles[role]
+        report = getattr(instance, "mesh_info", None)
+        if report is None:
+            return MeshInfo(dp_rank=self.context.rank, dp_size=self.context.world_size, is_collect=True)
+        info = report()
+        return MeshInfo(dp_rank=int(info.dp_rank), dp_size=int(info.dp_size), is_collect=bool(info.is_collect))

@@ -1,0 +1,69 @@
+"""Starting (or joining) Ray: local by default, bound to loopback, no dashboard, object store capped.
+
+It leaves placement (resource pools) and actors (worker groups) to the rest of the controller.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from hybridflow.errors import ConfigError
+
+__all__ = ["init_ray", "shutdown_ray", "DEFAULT_OBJECT_STORE_BYTES"]
+
+#: object store cap for a local Ray (500 MB): enough for B=8192 × 2 × [1024] columns in flight, small on a laptop
+DEFAULT_OBJECT_STORE_BYTES = 500_000_000
+
+
+def init_ray(
+    address: str | None = None,
+    *,
+    num_cpus: float | None = None,
+    num_gpus: int | None = None,
+    object_store_memory: int | None = None,
+    namespace: str | None = None,
+) -> dict[str, Any]:
+    """Start a local Ray on 127.0.0.1 (or join ``address``) once per process; return the cluster's resources.
+
+    Idempotent: a second call with Ray already up does nothing. Workers get ``OMP_NUM_THREADS=1`` unless the
+    environment sets it. ``address="auto"`` or ``"ray://..."``/``"host:port"`` joins an existing cluster, which is
+    how a run outgrows one machine (``ray.address`` in the config).
+    """
+    if ray.is_initialized():
+        return dict(ray.cluster_resources())
+    env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RAY_DEDUP_LOGS": "0"}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "namespace": namespace,
+        "log_to_driver": True,
+        "runtime_env": {"env_vars": env_vars},
+    }
+    if address is None:
+        if object_store_memory is not None and object_store_memory <= 0:
+            raise ConfigError(f"object_store_memory must be positive bytes, got {object_store_memory}")
+        kwargs.update(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_memory or DEFAULT_OBJECT_STORE_BYTES,
+            _node_ip_address="127.0.0.1",
+        )
+    else:
+        if num_cpus is not None or num_gpus is not None or object_store_memory is not None:
+            raise ConfigError(
+                f"init_ray(address={address!r}) joins an existing cluster whose resources are fixed; expected no "
+                f"num_cpus/num_gpus/object_store_memory, got {num_cpus}/{num_gpus}/{object_store_memory}. "
+                f"Fix: drop them or start a local Ray (address=None)"
+            )
+        kwargs["address"] = address
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(**kwargs)
+    return dict(ray.cluster_resources())
+
+
+def shutdown_ray() -> None:
+    """Stop the Ray this process started or joined (no-op when none)."""
+    if ray.is_initialized():
+        ray.shutdown()
