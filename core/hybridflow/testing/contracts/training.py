@@ -1,0 +1,204 @@
+"""Training-engine contract: a few steps lower the loss on a fixed batch, every role computes its columns, a
+checkpoint resumes bit-identically, and 2 data-parallel ranks match 1 rank after 3 AdamW steps (fp32).
+
+Single-process checks take ``make_engine(role, config) -> TrainingEngine`` and a scratch directory;
+:func:`check_data_parallel_matches_single` takes a picklable (module-level) factory with the
+:class:`~hybridflow.engines.TrainingEngineFactory` signature, run on spawned gloo ranks. Stability: public.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.engines import ModelSpec, OptimConfig, TrainingEngine, TrainingEngineConfig
+from hybridflow.testing.contracts.rollout import prepare_model
+from hybridflow.testing.contracts.spawn import run_rank_groups
+from hybridflow.testing.fixtures import CHAR_VOCAB, PAD_ID
+
+__all__ = [
+    "TrainingEngineMaker",
+    "TRAINING_CHECKS",
+    "build_training_batch",
+    "sequence_mean_nll",
+    "check_train_step_lowers_loss",
+    "check_roles_compute_columns",
+    "check_checkpoint_resume_is_bit_identical",
+    "check_data_parallel_matches_single",
+]
+
+TrainingEngineMaker = Callable[[str, TrainingEngineConfig], TrainingEngine]
+OPTIM = OptimConfig(lr=2e-3, weight_decay=0.01, warmup_steps=1, total_steps=10, schedule="cosine", grad_clip=1.0)
+
+
+def build_training_batch(rows: int = 8, prompt_length: int = 6, response_length: int = 6, seed: int = 0) -> Batch:
+    """A fixed rollout-shaped batch: left-padded prompts, right-padded responses of varying length."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(4, len(CHAR_VOCAB), (rows, prompt_length), generator=generator)
+    responses = torch.randint(4, len(CHAR_VOCAB), (rows, response_length), generator=generator)
+    prompt_mask = torch.ones_like(prompts)
+    response_mask = torch.ones_like(responses)
+    for row in range(rows):
+        prompt_mask[row, : row % 3] = 0
+        response_mask[row, response_length - row % 4 :] = 0
+    prompts = prompts.masked_fill(prompt_mask == 0, PAD_ID)
+    responses = responses.masked_fill(response_mask == 0, PAD_ID)
+    return Batch({
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, response_length, generator=generator),
+    }, meta={"policy_version": 0, "iteration": 0})
+
+
+def sequence_mean_nll(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean over rows of each row's mean negative log-likelihood of its response tokens (a row-mean loss)."""
+    mask = micro_batch["response_mask"].to(outputs["log_probs"].dtype)
+    per_row = -(outputs["log_probs"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_row.mean(), {"nll": float(per_row.mean().detach())}
+
+
+def value_regression(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Row-mean squared error of ``values`` against the ``advantages`` column (a stand-in return target)."""
+    mask = micro_batch["response_mask"].to(outputs["values"].dtype)
+    error = ((outputs["values"] - micro_batch["advantages"]) ** 2 * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return error.mean(), {}
+
+
+def _config(path: Path, **options: Any) -> TrainingEngineConfig:
+    return TrainingEngineConfig(model=ModelSpec(path=str(path)), optim=OPTIM, micro_batch_size=2, **options)
+
+
+def check_train_step_lowers_loss(make_engine: TrainingEngineMaker, workdir: Path) -> None:
+    """Three actor steps lower the NLL of a fixed batch; three critic steps lower its value error."""
+    path = prepare_model(workdir)
+    batch = build_training_batch()
+    actor = make_engine("actor", _config(path))
+    before = sequence_mean_nll(actor.compute_log_probs(batch), batch)[0].item()
+    version = actor.state_version()
+    for _ in range(3):
+        metrics = actor.train_step(batch, loss_fn=sequence_mean_nll)
+    after = sequence_mean_nll(actor.compute_log_probs(batch), batch)[0].item()
+    assert after < before - 1e-3, f"actor NLL went {before:.5f} → {after:.5f} after 3 steps; it must fall"
+    assert actor.state_version() == version + 3, f"state_version {actor.state_version()} after 3 steps from {version}"
+    assert "grad_norm" in metrics and torch.isfinite(torch.tensor(metrics["grad_norm"])), f"metrics {metrics}"
+    critic = make_engine("critic", _config(path))
+    errors = []
+    for _ in range(4):
+        errors.append(value_regression(critic.compute_values(batch), batch)[0].item())
+        critic.train_step(batch, loss_fn=value_regression)
+    assert errors[-1] < errors[0], f"critic value error did not fall: {errors}"
+
+
+def check_roles_compute_columns(make_engine: TrainingEngineMaker, workdir: Path) -> None:
+    """Reference log-probs equal the actor's on the same weights; entropy, values and scores have their shapes."""
+    path = prepare_model(workdir)
+    batch = build_training_batch()
+    rows, length = batch["responses"].shape
+    actor_out = make_engine("actor", _config(path)).compute_log_probs(batch, with_entropy=True)
+    reference_out = make_engine("reference", _config(path)).compute_log_probs(batch)
+    assert tuple(actor_out["log_probs"].shape) == (rows, length) and tuple(actor_out["entropy"].shape) == (rows, length)
+    assert torch.allclose(actor_out["log_probs"], reference_out["log_probs"], atol=1e-5), "reference ≠ actor"
+    assert bool((actor_out["entropy"] >= 0).all()) and bool((actor_out["log_probs"] <= 0).all())
+    assert actor_out.meta.get("policy_version") == 0, "outputs must carry the input meta"
+    values = make_engine("critic", _config(path)).compute_values(batch)["values"]
+    assert tuple(values.shape) == (rows, length) and bool(torch.isfinite(values).all())
+    reward_model = make_engine("reward_model", _config(path))
+    scores = reward_model.compute_scores(batch)["scores"]
+    assert tuple(scores.shape) == (rows,) and bool(torch.isfinite(scores).all())
+    # the score sits on the last real token: changing padding after it must not change it
+    extra = torch.full((rows, 2), PAD_ID, dtype=batch["input_ids"].dtype)
+    padded = Batch({
+        "input_ids": torch.cat([batch["input_ids"], extra], 1),
+        "responses": torch.cat([batch["responses"], extra], 1),
+        "attention_mask": torch.cat([batch["attention_mask"], torch.zeros_like(extra)], 1),
+    }, meta=batch.meta)
+    assert torch.allclose(reward_model.compute_scores(padded)["scores"], scores, atol=1e-5), "score moved with padding"
+
+
+def check_checkpoint_resume_is_bit_identical(make_engine: TrainingEngineMaker, workdir: Path) -> None:
+    """save → step → load → step gives the same weights and loss bit for bit, and restores state_version."""
+    path = prepare_model(workdir)
+    batch = build_training_batch()
+    actor = make_engine("actor", _config(path))
+    actor.train_step(batch, loss_fn=sequence_mean_nll)
+    checkpoint = str(Path(workdir) / "checkpoint")
+    saved_version = actor.state_version()
+    actor.save_checkpoint(checkpoint)
+    first = actor.train_step(batch, loss_fn=sequence_mean_nll)
+    weights = {name: tensor.clone() for name, tensor in actor.generation_weights()}
+    actor.load_checkpoint(checkpoint)
+    assert actor.state_version() == saved_version, f"state_version after load {actor.state_version()} ≠ {saved_version}"
+    second = actor.train_step(batch, loss_fn=sequence_mean_nll)
+    assert first["loss"] == second["loss"], f"resumed loss {second['loss']} ≠ {first['loss']}"
+    for name, tensor in actor.generation_weights():
+        assert torch.equal(tensor, weights[name]), f"{name} differs after resume"
+
+
+ROWS, MINI_BATCH_ROWS = 8, 4
+
+
+def _mini_batch_order(rows: int, world_size: int) -> list[int]:
+    """Row order whose contiguous split over ``world_size`` ranks puts the same rows in each global mini-batch as
+    1 rank has: mini-batch ``k`` is the ``k``-th local slice of every rank (rows of the global batch in order)."""
+    local_mini = MINI_BATCH_ROWS // world_size
+    per_rank: list[list[int]] = [[] for _ in range(world_size)]
+    for start in range(0, rows, MINI_BATCH_ROWS):
+        for rank in range(world_size):
+            per_rank[rank].extend(range(start + rank * local_mini, start + (rank + 1) * local_mini))
+    return [row for rank_rows in per_rank for row in rank_rows]
+
+
+def _data_parallel_rank(rank: int, world_size: int, factory: Callable[..., TrainingEngine], path: str,
+                        out_file: str, steps: int) -> None:
+    config = TrainingEngineConfig(model=ModelSpec(path=path), optim=OPTIM, micro_batch_size=2)
+    engine = factory(role="actor", config=config, device="cpu")
+    batch = build_training_batch(rows=ROWS).index(_mini_batch_order(ROWS, world_size))
+    batch = batch.chunk(world_size)[rank]
+    for _ in range(steps):
+        engine.train_step(batch, loss_fn=sequence_mean_nll, mini_batch_size=MINI_BATCH_ROWS)
+    weights = {name: tensor.clone() for name, tensor in engine.generation_weights()}
+    if rank == 0:
+        torch.save({"weights": weights, "version": engine.state_version()}, out_file)
+
+
+def check_data_parallel_matches_single(factory: Callable[..., TrainingEngine], workdir: Path, *,
+                                       world_size: int = 2, steps: int = 3, atol: float = 1e-5,
+                                       timeout_s: float = 240) -> None:
+    """``world_size`` gloo ranks (data-parallel, 8 rows split evenly) end within ``atol`` of 1 rank after ``steps``
+    train_step calls of 2 AdamW mini-batch steps each (fp32, micro-batches of 2, grad clipping, warmup + cosine).
+
+    ``mini_batch_size`` counts rows over all ranks; mini-batch ``k`` is the ``k``-th slice of every rank's rows.
+    """
+    path = str(prepare_model(workdir))
+    out_files = {ranks: str(Path(workdir) / f"dp{ranks}.pt") for ranks in (1, world_size)}
+    jobs = [(_data_parallel_rank, ranks, (factory, path, out_files[ranks], steps)) for ranks in (1, world_size)]
+    run_rank_groups(jobs, workdir=Path(workdir), timeout_s=timeout_s)
+    results = {ranks: torch.load(out_file, weights_only=False) for ranks, out_file in out_files.items()}
+    initial = _initial_weights(Path(path))
+    single, multi = results[1], results[world_size]
+    assert single["version"] == multi["version"] == 2 * steps, f"versions {single['version']}, {multi['version']}"
+    moved = max((single["weights"][n] - initial[n]).abs().max().item() for n in single["weights"] if n in initial)
+    assert moved > 1e-4, f"weights barely moved ({moved}); the comparison would be vacuous"
+    gaps = {name: (single["weights"][name] - multi["weights"][name]).abs().max().item() for name in single["weights"]}
+    worst = max(gaps, key=gaps.__getitem__)
+    assert gaps[worst] <= atol, f"{world_size} ranks differ from 1 rank by {gaps[worst]} on {worst} (> {atol})"
+
+
+def _initial_weights(path: Path) -> dict[str, torch.Tensor]:
+    from hybridflow.testing.contracts.rollout import read_weights
+
+    return read_weights(path)
+
+
+TRAINING_CHECKS: tuple[Callable[[TrainingEngineMaker, Path], None], ...] = (
+    check_train_step_lowers_loss,
+    check_roles_compute_columns,
+    check_checkpoint_resume_is_bit_identical,
+)
