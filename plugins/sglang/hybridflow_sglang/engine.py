@@ -259,15 +259,16 @@ class SGLangRolloutEngine:
         self._released = tuple(tags)
 
     def wake(self) -> None:
-        """Resume what ``sleep()`` released and an update has not already brought back."""
+        """Resume what ``sleep()`` released and an update has not already brought back.
+
+        Released weights come back without their contents unless ``extra.enable_weights_cpu_backup``; generation is
+        then refused until ``update_weights`` has pushed them (both sleep → update → wake and sleep → wake → update
+        work).
+        """
         if not self._released:
             raise EngineError("wake() called on an engine that is not asleep; call sleep() first.")
         if MEMORY_TAG_WEIGHTS in self._released and not self.options.enable_weights_cpu_backup:
-            raise EngineError(
-                "wake() would resume released weights whose contents were discarded: push weights with "
-                "update_weights(...) before wake(), or start the engine with "
-                "extra={'enable_weights_cpu_backup': True}."
-            )
+            self._weights_stale = True
         self._engine.resume_memory_occupation(tags=list(self._released))
         self._released = ()
 

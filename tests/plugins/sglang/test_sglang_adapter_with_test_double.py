@@ -197,8 +197,6 @@ def test_colocated_lifecycle_is_release_then_update_then_resume():
     engine.sleep()
     with pytest.raises(EngineError, match="asleep"):
         engine.generate(prompt_batch(), SamplingParams())
-    with pytest.raises(EngineError, match="update_weights"):
-        engine.wake()  # released weights lost their contents: refuse to resume them without an update
     engine.update_weights(named_weights(0.2), version=1)
     engine.wake()
     out = engine.generate(prompt_batch(), SamplingParams(max_new_tokens=2))
@@ -215,6 +213,17 @@ def test_colocated_lifecycle_is_release_then_update_then_resume():
     assert out.meta["policy_version"] == 1 and not fake.released
 
 
+def test_wake_before_update_resumes_everything_but_refuses_generation_until_weights_are_pushed():
+    engine, fake = make_engine(extra={"enable_memory_saver": True})
+    engine.sleep()
+    engine.wake()
+    assert fake.calls[-1] == ("resume_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    with pytest.raises(EngineError, match="incomplete"):  # released weights came back without their contents
+        engine.generate(prompt_batch(), SamplingParams())
+    engine.update_weights(named_weights(0.3), version=1)
+    assert engine.generate(prompt_batch(), SamplingParams()).meta["policy_version"] == 1
+
+
 def test_wake_without_update_is_allowed_with_a_cpu_backup_of_the_weights():
     engine, fake = make_engine(extra={"enable_memory_saver": True, "enable_weights_cpu_backup": True,
                                       "memory_tags": ["kv_cache", "weights", "cuda_graph"]})
@@ -222,6 +231,7 @@ def test_wake_without_update_is_allowed_with_a_cpu_backup_of_the_weights():
     engine.wake()
     assert fake.calls[-2:] == [("release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]}),
                                ("resume_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})]
+    assert engine.generate(prompt_batch(), SamplingParams()).meta["policy_version"] == 0
 
 
 def test_sleep_is_an_absent_capability_without_the_memory_saver():
