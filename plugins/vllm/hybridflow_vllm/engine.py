@@ -136,6 +136,7 @@ class VllmRolloutEngine:
             "worker_extension_cls": WORKER_EXTENSION,
         }
         kwargs.update(options.llm_kwargs)
+        set_num_threads = torch.set_num_threads
         try:
             return LLM(**kwargs)
         except Exception as exc:
@@ -144,6 +145,11 @@ class VllmRolloutEngine:
                 "On CPU the attention head size must be 32, 64, 80 or more (hidden_size / num_heads); check the "
                 "model config and extra.llm_kwargs."
             ) from exc
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads process-wide to guard its thread binding; the
+            # in-process engine binds nothing (VLLM_CPU_OMP_THREADS_BIND=nobind), so the caller keeps control.
+            if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+                torch.set_num_threads = set_num_threads
 
     # --- RolloutEngine ----------------------------------------------------------------------------------------
     @property
@@ -243,7 +249,7 @@ class VllmRolloutEngine:
     def update_weights_from_path(self, path: str | Path, *, version: int) -> None:
         """Reload weights from a Hugging Face directory (the fallback path that goes through disk)."""
         self._check_awake("update_weights_from_path")
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+        self._llm.collective_rpc("hybridflow_load_weights_from_path", args=(str(path), version))
         self._llm.reset_prefix_cache()
         self._version = version
 
