@@ -56,6 +56,13 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch
     return tokens, raw_log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def _cache_argument(model: nn.Module) -> str:
+    """``cache`` (transformers ≥ 5.2x) or ``past_key_values`` (older): the name of the KV-cache argument/output."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample_tokens(
     model: nn.Module,
@@ -75,6 +82,7 @@ def sample_tokens(
     response_mask = torch.zeros((rows, width), dtype=attention_mask.dtype, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     position_ids = compute_position_ids(attention_mask)
+    cache_argument = _cache_argument(model)
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
     for step in range(width):
         tokens, token_log_probs = pick_tokens(output.logits[:, -1, :], sampling, generator)
@@ -88,5 +96,5 @@ def sample_tokens(
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         position_ids = position_ids[:, -1:] + 1
         output = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=output.past_key_values, use_cache=True)
+                       use_cache=True, **{cache_argument: getattr(output, cache_argument)})
     return SampledTokens(responses=responses, log_probs=log_probs, response_mask=response_mask)
