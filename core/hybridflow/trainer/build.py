@@ -157,7 +157,10 @@ class Groups:
     def shutdown(self) -> None:
         for group in self.by_pool.values():
             group.shutdown()
+        for pool in self.pools.values():
+            pool.release()
         self.by_pool.clear()
+        self.pools.clear()
 
 
 def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None) -> Groups:

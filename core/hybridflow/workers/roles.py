@@ -113,10 +113,11 @@ class ActorRolloutWorker(_TrainingRole):
         factory = registries.rollout_engines.get(spec.rollout_engine)
         self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
+        self._asleep = False
 
     def _sync_weights(self) -> None:
         """Reshard the training weights into the rollout engine if it holds an older version."""
-        if self.rollout.weights_version == self.policy_version and self.handover["count"]:
+        if self.rollout.weights_version == self.policy_version and self.handover["count"] and not self._asleep:
             return
         start = time.perf_counter()
         self.rollout.wake()
@@ -126,6 +127,7 @@ class ActorRolloutWorker(_TrainingRole):
         self.handover["seconds"] += time.perf_counter() - start
         self.handover["bytes_received"] += int(getattr(stats, "bytes_received", 0) or 0)
         self.handover["count"] += 1
+        self._asleep = False
 
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
@@ -147,8 +149,10 @@ class ActorRolloutWorker(_TrainingRole):
                 f"rollout engine produced policy_version {out.meta.get('policy_version')} but the actor weights are "
                 f"version {self.policy_version}: the weight handover did not complete"
             )
-        if "cuda" not in self.spec.device and "sleep" in self.rollout.capabilities:
+        if "sleep" in self.rollout.capabilities:
+            # free the generation weights (and KV cache) so training runs with only its shards resident
             self.rollout.sleep()
+            self._asleep = True
         return out
 
     @register(protocol="dp_compute", blocking=False, idempotent=True)
