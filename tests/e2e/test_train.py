@@ -80,3 +80,16 @@ def test_safe_rlhf_multiplier_rises_when_cost_exceeds_limit(tmp_path: Path, tiny
     lambdas = [m["lagrange/lambda"] for m in history]
     assert all(m["cost/mean"] > 0.1 for m in history)
     assert lambdas[0] > 0.5 and lambdas == sorted(lambdas) and lambdas[-1] > lambdas[0]
+
+
+def test_report_renders_plots_and_summary(tmp_path: Path, tiny_config) -> None:
+    from hybridflow.report import main as report_main
+    from hybridflow.report import summarize_run
+
+    run(tiny_config(tmp_path / "r", "trainer.total_steps=2", "trainer.checkpoint_every=0"))
+    summary = summarize_run(tmp_path / "r")
+    assert summary["steps"] == 2 and summary["policy_updates_per_hour"] > 0
+    assert "actor.generate" in summary["node_seconds"]
+    assert report_main([str(tmp_path / "r")]) == 0
+    for name in ("reward.png", "time_by_node.png"):
+        assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

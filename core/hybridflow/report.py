@@ -1,0 +1,117 @@
+"""``hybridflow report RUN_DIR``: PNG plots (reward curve, per-step time by node) and a short text summary.
+
+It reads ``metrics.jsonl`` and ``ledger.jsonl``; it never touches a running job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from hybridflow.ledger import read_ledger
+from hybridflow.trainer.progress import read_metrics
+
+__all__ = ["main", "summarize_run", "render_plots"]
+
+
+def summarize_run(run_dir: str | Path) -> dict[str, Any]:
+    """Headline numbers of a run: steps, reward trajectory, time per node, policy updates per hour."""
+    run_dir = Path(run_dir)
+    metrics = read_metrics(run_dir)
+    ledger = read_ledger(run_dir)
+    if not metrics:
+        from hybridflow.errors import HybridflowError
+
+        raise HybridflowError(f"{run_dir} has no metrics.jsonl: is it a hybridflow run directory?")
+    rewards = [m.get("reward/mean", 0.0) for m in metrics]
+    head = rewards[: max(1, len(rewards) // 10)]
+    tail = rewards[-max(1, len(rewards) // 10):]
+    seconds = sum(row["seconds"] for row in ledger) or sum(m.get("time/step_s", 0.0) for m in metrics)
+    node_seconds: dict[str, float] = {}
+    for row in ledger:
+        for name, node in row["nodes"].items():
+            node_seconds[name] = node_seconds.get(name, 0.0) + node["seconds"]
+    edge_bytes = sum(edge["bytes"] for row in ledger for edge in row["edges"])
+    return {
+        "steps": len(metrics),
+        "reward_first": sum(head) / len(head),
+        "reward_last": sum(tail) / len(tail),
+        "reward_best": max(rewards),
+        "seconds": seconds,
+        "policy_updates_per_hour": len(metrics) / seconds * 3600 if seconds else 0.0,
+        "node_seconds": dict(sorted(node_seconds.items(), key=lambda kv: -kv[1])),
+        "bytes_moved": edge_bytes,
+    }
+
+
+def render_plots(run_dir: str | Path) -> list[Path]:
+    """Write ``reward.png`` and ``time_by_node.png`` into the run directory; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    metrics = read_metrics(run_dir)
+    ledger = read_ledger(run_dir)
+    paths = []
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps = [m["step"] for m in metrics]
+    axis.plot(steps, [m.get("reward/mean", 0.0) for m in metrics], label="reward/mean")
+    if any("reward/max" in m for m in metrics):
+        axis.plot(steps, [m.get("reward/max", 0.0) for m in metrics], alpha=0.4, label="reward/max")
+    axis.set_xlabel("step")
+    axis.set_ylabel("reward")
+    axis.legend()
+    axis.set_title(f"reward — {run_dir.name}")
+    figure.tight_layout()
+    paths.append(run_dir / "reward.png")
+    figure.savefig(paths[-1], dpi=100)
+    plt.close(figure)
+    if ledger:
+        names = sorted({name for row in ledger for name in row["nodes"]})
+        figure, axis = plt.subplots(figsize=(7, 4))
+        bottom = [0.0] * len(ledger)
+        x = [row["iteration"] for row in ledger]
+        for name in names:
+            values = [row["nodes"].get(name, {}).get("seconds", 0.0) for row in ledger]
+            axis.bar(x, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        axis.plot(x, [row["seconds"] for row in ledger], color="black", linewidth=1, label="iteration wall time")
+        axis.set_xlabel("iteration")
+        axis.set_ylabel("seconds")
+        axis.legend(fontsize=7)
+        axis.set_title("time per step by node")
+        figure.tight_layout()
+        paths.append(run_dir / "time_by_node.png")
+        figure.savefig(paths[-1], dpi=100)
+        plt.close(figure)
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hybridflow report", description="Plot and summarise a run directory.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args(argv)
+    from hybridflow.errors import HybridflowError
+
+    try:
+        summary = summarize_run(args.run_dir)
+        plots = render_plots(args.run_dir)
+    except HybridflowError as exc:
+        print(f"hybridflow report: {exc}")
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"run {args.run_dir}: {summary['steps']} steps in {summary['seconds']:.1f} s "
+          f"({summary['policy_updates_per_hour']:.0f} policy updates/hour)")
+    print(f"reward: {summary['reward_first']:.3f} (first 10%) → {summary['reward_last']:.3f} (last 10%), "
+          f"best {summary['reward_best']:.3f}")
+    print("time by node: " + ", ".join(f"{k} {v:.1f}s" for k, v in list(summary["node_seconds"].items())[:6]))
+    print(f"bytes moved between nodes: {summary['bytes_moved'] / 1e6:.1f} MB")
+    print("plots: " + ", ".join(str(p) for p in plots))
+    return 0
