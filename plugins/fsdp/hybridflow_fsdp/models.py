@@ -6,7 +6,6 @@ training engine and the rollout engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -91,14 +90,3 @@ def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that start at 0 on the first real token of each left-padded row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
-
-def read_named_tensors(path: str) -> Mapping[str, torch.Tensor]:
-    """All tensors of the safetensors files of an HF directory (test and tooling helper)."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
