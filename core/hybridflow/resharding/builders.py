@@ -18,7 +18,7 @@ from hybridflow.resharding.layout import GenerationLayout, ParallelLayout
 from hybridflow.resharding.specs import FusedLayout, Mesh, ModelLayout, ParamShardSpec
 
 __all__ = ["ParamKind", "PARAM_KINDS", "classify_llama_param", "build_fsdp_layout", "build_tensor_parallel_layout",
-           "named_shapes_of"]
+           "named_shapes_of", "tiny_llama_shapes"]
 
 ParamKind = Literal["column", "row", "vocab", "replicated"]
 PARAM_KINDS: tuple[ParamKind, ...] = ("column", "row", "vocab", "replicated")
@@ -30,6 +30,29 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def named_shapes_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """Shapes of a state dict, for the builders."""
     return {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+
+
+def tiny_llama_shapes(*, hidden: int = 64, intermediate: int = 128, layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, vocab: int = 96, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes of a tiny Llama (``bias=True``: Qwen2-style qkv biases)."""
+    head_dim = hidden // num_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        for module, rows in (("q_proj", num_heads * head_dim), ("k_proj", num_kv_heads * head_dim),
+                             ("v_proj", num_kv_heads * head_dim)):
+            shapes[prefix + f"self_attn.{module}.weight"] = (rows, hidden)
+            if bias:
+                shapes[prefix + f"self_attn.{module}.bias"] = (rows,)
+        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, num_heads * head_dim)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[prefix + "mlp.gate_proj.weight"] = (intermediate, hidden)
+        shapes[prefix + "mlp.up_proj.weight"] = (intermediate, hidden)
+        shapes[prefix + "mlp.down_proj.weight"] = (hidden, intermediate)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
 
 
 def classify_llama_param(name: str) -> ParamKind:

@@ -1,0 +1,309 @@
+"""Runs a :class:`ReshardPlan` on one rank over torch.distributed (gloo on CPU, nccl on CUDA), bucket by bucket,
+freeing source shards as soon as the plan no longer reads them, and measures bytes moved and peak extra memory.
+
+It trusts the plan; building one is :func:`hybridflow.resharding.plan_reshard`'s job. Stability: public.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.errors import ReshardError
+from hybridflow.resharding.assign import Transfer
+from hybridflow.resharding.planner import CollectiveOp, ReshardPlan, Segment
+from hybridflow.resharding.specs import Box, ModelLayout, Piece
+
+__all__ = ["ReshardStats", "execute_reshard"]
+
+_GROUP_CACHE: dict[tuple[str, tuple[int, ...]], Any] = {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReshardStats:
+    """What one rank measured: bytes passed through the collectives it ran, and its memory high-water mark.
+
+    ``peak_extra_bytes`` is the peak of (live source shards + live target/staging tensors + communication buffers)
+    minus the larger of the rank's source and target footprints, i.e. what the transition costs on top.
+    """
+
+    rank: int
+    bytes_sent: int
+    bytes_received: int
+    peak_bytes: int
+    peak_extra_bytes: int
+    source_bytes: int
+    target_bytes: int
+    buckets: int
+
+
+class _Memory:
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Index:
+    """Canonical name → (parameter, piece) held by one rank in one layout."""
+
+    def __init__(self, layout: ModelLayout, rank: int) -> None:
+        self.by_canonical: dict[str, list[tuple[str, Piece]]] = {}
+        for name, pieces in layout.pieces(rank).items():
+            for piece in pieces:
+                self.by_canonical.setdefault(piece.canonical, []).append((name, piece))
+
+    def locate(self, canonical: str, box: Box) -> tuple[str, tuple[slice, ...]]:
+        for name, piece in self.by_canonical.get(canonical, []):
+            if all(p0 <= b0 and b1 <= p1 for (p0, p1), (b0, b1) in zip(piece.box, box, strict=True)):
+                return name, piece.local_slices(box)
+        raise ReshardError(f"box {box} of {canonical!r} is not held locally; the plan does not match the layouts.")
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+
+
+def _subgroup(parent: Any, ranks: tuple[int, ...]) -> Any:
+    """Process group over plan ranks ``ranks`` of the default group, created once per process and cached.
+
+    ``new_group`` is collective over the default group, so every rank creates every group of a plan in the plan's
+    order, members or not (see :meth:`ReshardPlan.collective_groups`).
+    """
+    if parent is not None and parent is not dist.group.WORLD:
+        return None
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    key = (str(id(dist.group.WORLD)), ranks)
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = dist.new_group(ranks=list(ranks))
+    return _GROUP_CACHE[key]
+
+
+def execute_reshard(
+    plan: ReshardPlan,
+    local_shards: MutableMapping[str, torch.Tensor],
+    *,
+    rank: int,
+    group: Any = None,
+) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+    """Move this rank's training shards to its generation shards; every rank of ``group`` must call it with the
+    same plan.
+
+    ``local_shards`` holds this rank's source shards by source parameter name; it is consumed: entries are popped
+    as soon as the plan no longer reads them, so drop other references to let the memory go. Plan rank ``i`` is
+    rank ``i`` of ``group`` (default: the default process group, which may be absent for a one-rank plan).
+
+    Returns:
+        The target shards by target parameter name, and the measured :class:`ReshardStats`.
+
+    Raises:
+        ReshardError: the shards or the process group do not match the plan.
+    """
+    world = plan.world_size
+    if world > 1 or dist.is_initialized():
+        if not dist.is_initialized():
+            raise ReshardError(f"plan spans {world} ranks but torch.distributed is not initialized.")
+        if dist.get_world_size(group) != world or dist.get_rank(group) != rank:
+            raise ReshardError(
+                f"plan expects {world} ranks with this one at {rank}; the process group has "
+                f"{dist.get_world_size(group)} ranks and this process is {dist.get_rank(group)}."
+            )
+    _check_shards(plan.source, local_shards, rank)
+    device = next(iter(local_shards.values())).device if local_shards else torch.device("cpu")
+    memory = _Memory()
+    source_bytes = sum(_nbytes(t) for t in local_shards.values())
+    memory.add(source_bytes)
+    src_index, stage_index = _Index(plan.source, rank), _Index(plan.staging, rank)
+    staged_mode = plan.staging is not plan.target
+    tgt_index = _Index(plan.target, rank) if staged_mode else stage_index
+    if world > 1:
+        for ranks in plan.collective_groups():
+            _subgroup(group, ranks)
+    staging: dict[str, torch.Tensor] = {}
+    targets: dict[str, torch.Tensor] = {}
+    sent = received = 0
+    for bucket in plan.buckets:
+        for name in bucket.params:
+            shape = plan.staging.params[name].local_shape(plan.staging.mesh, rank)
+            if shape is not None:
+                staging[name] = torch.empty(shape, dtype=plan.staging.params[name].dtype, device=device)
+                memory.add(_nbytes(staging[name]))
+        for t in bucket.local:
+            if t.target_rank == rank:
+                src_name, src_slices = src_index.locate(t.canonical, t.box)
+                dst_name, dst_slices = stage_index.locate(t.canonical, t.box)
+                staging[dst_name][dst_slices] = local_shards[src_name][src_slices]
+        pending = [
+            _prepare(op, rank, local_shards, src_index, memory, device, collective=world > 1 and op.kind ==
+                     "all_gather" and _subgroup(group, op.ranks) is not None)
+            for op in bucket.ops if rank in op.ranks
+        ]
+        for name in bucket.release:  # everything this bucket sends is packed: the training copy can go
+            tensor = local_shards.pop(name, None)
+            if tensor is not None:
+                memory.sub(_nbytes(tensor))
+                del tensor
+        for prepared in pending:
+            s, r = prepared.communicate(rank, staging, stage_index, group, memory, device)
+            sent, received = sent + s, received + r
+        if staged_mode:
+            _finish_from_staging(plan, rank, bucket.params, staging, targets, tgt_index, memory, device)
+        else:
+            targets.update({name: staging.pop(name) for name in bucket.params if name in staging})
+    for name in list(local_shards):
+        memory.sub(_nbytes(local_shards.pop(name)))
+    target_bytes = sum(_nbytes(t) for t in targets.values())
+    stats = ReshardStats(
+        rank=rank, bytes_sent=sent, bytes_received=received, peak_bytes=memory.peak,
+        peak_extra_bytes=max(0, memory.peak - max(source_bytes, target_bytes)), source_bytes=source_bytes,
+        target_bytes=target_bytes, buckets=len(plan.buckets),
+    )
+    return targets, stats
+
+
+def _check_shards(layout: ModelLayout, shards: MutableMapping[str, torch.Tensor], rank: int) -> None:
+    expected = {name: spec.local_shape(layout.mesh, rank) for name, spec in layout.params.items()}
+    expected = {name: shape for name, shape in expected.items() if shape is not None}
+    if set(shards) != set(expected):
+        missing, extra = sorted(set(expected) - set(shards)), sorted(set(shards) - set(expected))
+        raise ReshardError(
+            f"rank {rank}: local shards do not match the source layout; missing {missing[:5]}, unexpected "
+            f"{extra[:5]}. Pass exactly the parameters this rank holds."
+        )
+    for name, shape in expected.items():
+        tensor = shards[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != layout.params[name].dtype:
+            raise ReshardError(
+                f"rank {rank}: shard {name!r} is {tuple(tensor.shape)} {tensor.dtype}; the source layout expects "
+                f"{shape} {layout.params[name].dtype}."
+            )
+
+
+def _pack(buffer: torch.Tensor, segments: list[Segment], shards: MutableMapping[str, torch.Tensor],
+          index: _Index) -> None:
+    offset = 0
+    for canonical, box in segments:
+        name, slices = index.locate(canonical, box)
+        source = _byte_view(shards[name][slices])
+        buffer[offset:offset + source.numel()].view(source.shape).copy_(source)
+        offset += source.numel()
+
+
+def _unpack(buffer: torch.Tensor, segments: list[Segment], staging: dict[str, torch.Tensor], index: _Index) -> None:
+    offset = 0
+    for canonical, box in segments:
+        name, slices = index.locate(canonical, box)
+        target = _byte_view(staging[name][slices])
+        target.copy_(buffer[offset:offset + target.numel()].view(target.shape))
+        offset += target.numel()
+
+
+class _Prepared:
+    """One collective of a bucket with its outgoing bytes already packed."""
+
+    def __init__(self, op: CollectiveOp, collective: bool, flat: torch.Tensor | None,
+                 sends: dict[int, torch.Tensor], incoming: dict[int, list[Transfer]]) -> None:
+        self.op, self.collective, self.flat, self.sends, self.incoming = op, collective, flat, sends, incoming
+
+    def communicate(self, rank: int, staging: dict[str, torch.Tensor], stage: _Index, group: Any, memory: _Memory,
+                    device: torch.device) -> tuple[int, int]:
+        """Run the collective, unpack what arrived into ``staging`` and free the buffers; returns (sent, received)."""
+        op = self.op
+        if self.collective:
+            assert self.flat is not None
+            members, me = len(op.ranks), op.ranks.index(rank)
+            slots = list(self.flat.split(self.flat.numel() // members))
+            own = slots[me].clone() if device.type == "cuda" else slots[me]
+            dist.all_gather(slots, own, group=_subgroup(group, op.ranks))
+            for index, segments in enumerate(op.contributions):
+                if index != me:
+                    _unpack(slots[index], list(segments), staging, stage)
+            memory.sub(self.flat.numel())
+            moved = slots[me].numel() * (members - 1)
+            return moved, moved
+
+        def peer(other: int) -> int:
+            return dist.get_global_rank(group, other) if group is not None else other
+
+        ops = [dist.P2POp(dist.isend, buffer, peer(other), group=group) for other, buffer in self.sends.items()]
+        receives = []
+        for other, transfers in sorted(self.incoming.items()):
+            buffer = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8, device=device)
+            memory.add(buffer.numel())
+            ops.append(dist.P2POp(dist.irecv, buffer, peer(other), group=group))
+            receives.append((buffer, transfers))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for buffer, transfers in receives:
+            _unpack(buffer, [(t.canonical, t.box) for t in transfers], staging, stage)
+        sent = sum(b.numel() for b in self.sends.values())
+        received = sum(b.numel() for b, _ in receives)
+        memory.sub(sent + received)
+        self.sends.clear()
+        return sent, received
+
+
+def _prepare(op: CollectiveOp, rank: int, shards: MutableMapping[str, torch.Tensor], src: _Index, memory: _Memory,
+             device: torch.device, *, collective: bool) -> _Prepared:
+    """Pack what ``rank`` sends in ``op``: its all-gather slot, or one buffer per receiving peer.
+
+    An all-gather inside a caller-provided subgroup runs as its point-to-point transfers (same bytes).
+    """
+    if collective:
+        sizes = {(t.canonical, t.box): t.nbytes for t in op.transfers}
+        slot = sum(sizes[s] for s in op.contributions[0])
+        flat = torch.empty(slot * len(op.ranks), dtype=torch.uint8, device=device)
+        memory.add(flat.numel())
+        me = op.ranks.index(rank)
+        _pack(flat[me * slot:(me + 1) * slot], list(op.contributions[me]), shards, src)
+        return _Prepared(op, True, flat, {}, {})
+    outgoing: dict[int, list[Transfer]] = {}
+    incoming: dict[int, list[Transfer]] = {}
+    for t in op.transfers:
+        if t.source_rank == rank:
+            outgoing.setdefault(t.target_rank, []).append(t)
+        if t.target_rank == rank:
+            incoming.setdefault(t.source_rank, []).append(t)
+    sends = {}
+    for other, transfers in sorted(outgoing.items()):
+        buffer = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8, device=device)
+        memory.add(buffer.numel())
+        _pack(buffer, [(t.canonical, t.box) for t in transfers], shards, src)
+        sends[other] = buffer
+    return _Prepared(op, False, None, sends, incoming)
+
+
+def _finish_from_staging(plan: ReshardPlan, rank: int, params: tuple[str, ...], staging: dict[str, torch.Tensor],
+                         targets: dict[str, torch.Tensor], index: _Index, memory: _Memory,
+                         device: torch.device) -> None:
+    """Baselines: slice target shards out of staged full canonical tensors, then drop those."""
+    for canonical in params:
+        full = staging.pop(canonical, None)
+        if full is None:
+            continue
+        for name, piece in index.by_canonical.get(canonical, []):
+            if name not in targets:
+                spec = plan.target.params[name]
+                shape = spec.local_shape(plan.target.mesh, rank)
+                assert shape is not None
+                targets[name] = torch.empty(shape, dtype=spec.dtype, device=device)
+                memory.add(_nbytes(targets[name]))
+            targets[name][piece.local_slices(piece.box)] = full[tuple(slice(a, b) for a, b in piece.box)]
+        memory.sub(_nbytes(full))
+        del full

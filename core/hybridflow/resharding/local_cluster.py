@@ -1,0 +1,138 @@
+"""Runs functions on ``n`` local CPU processes joined in one gloo process group, for tests and benchmarks.
+
+Spawning is slow on a small box, so :class:`GlooCluster` keeps its processes and runs many functions on them; it
+knows nothing about resharding. Stability: developer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridflow.errors import WorkerError
+
+__all__ = ["free_port", "GlooCluster"]
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        # Prefix groups {0..w-1} let a function run on fewer ranks; new_group is collective, so all create them.
+        prefixes = {w: dist.new_group(ranks=list(range(w))) for w in range(2, world)}
+    except BaseException:
+        outbox.put((rank, False, traceback.format_exc()))
+        return
+    outbox.put((rank, True, "ready"))
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn, size, args = task
+        try:
+            if rank >= size:
+                result = None
+            else:
+                group = None if size == world else prefixes.get(size)
+                result = fn(rank, size, group, *args)
+            outbox.put((rank, True, result))
+        except BaseException:  # report everything to the parent, which raises it
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class GlooCluster:
+    """``world`` spawned CPU processes in one gloo group; ``run(fn, *args)`` calls ``fn(rank, size, group, *args)``.
+
+    ``group`` is None (the default group) when ``size == world``, else a prefix group of ranks ``0..size-1``
+    (size 1 runs on rank 0 with ``group=None`` and no communication). Use as a context manager.
+    """
+
+    def __init__(self, world: int, *, timeout: float = 180.0) -> None:
+        self.world = world
+        self.timeout = timeout
+        context = mp.get_context("spawn")
+        self._outbox = context.Queue()
+        self._inboxes = [context.Queue() for _ in range(world)]
+        port = free_port()
+        self._procs = [
+            context.Process(target=_worker, args=(rank, world, port, self._inboxes[rank], self._outbox), daemon=True)
+            for rank in range(world)
+        ]
+        for proc in self._procs:
+            proc.start()
+        try:
+            self._collect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self) -> list[Any]:
+        results: dict[int, Any] = {}
+        while len(results) < self.world:
+            try:
+                rank, ok, value = self._outbox.get(timeout=self.timeout)
+            except Exception as exc:
+                raise WorkerError(
+                    f"only ranks {sorted(results)} of {self.world} answered within {self.timeout}s"
+                ) from exc
+            if not ok:
+                raise WorkerError(f"rank {rank} failed:\n{value}", rank=rank, remote_traceback=value)
+            results[rank] = value
+        return [results[rank] for rank in range(self.world)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, size: int | None = None) -> list[Any]:
+        """Run ``fn`` on ranks ``0..size-1`` (default all) and return their results by rank.
+
+        Raises:
+            WorkerError: a rank raised or did not answer in time; the cluster is closed then.
+        """
+        size = self.world if size is None else size
+        if not 1 <= size <= self.world:
+            raise WorkerError(f"size must be in [1, {self.world}]; got {size}.")
+        for inbox in self._inboxes:
+            inbox.put((fn, size, args))
+        try:
+            return self._collect()[:size]
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the workers (killing any that do not exit within a few seconds)."""
+        for inbox in self._inboxes:
+            try:
+                inbox.put(None)
+            except Exception:  # noqa: BLE001 - a closed queue means the worker is gone already
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    def __enter__(self) -> GlooCluster:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
