@@ -30,18 +30,19 @@ from hybridflow_fsdp.optim import build_optimizer, build_scheduler
 __all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "TRAINABLE_ROLES"]
 
 TRAINABLE_ROLES = ("actor", "critic")
-#: meta keys the engine sets on every micro-batch it passes to ``loss_fn``
-MINI_BATCH_ROWS_KEY = "mini_batch_rows"
-MINI_BATCH_TOKENS_KEY = "mini_batch_tokens"
+#: meta keys the engine sets on every micro-batch it passes to ``loss_fn`` (the core's convention)
+LOSS_SCALE_ROWS = "loss_scale_rows"
+LOSS_SCALE_TOKENS = "loss_scale_tokens"
 
 
 class FSDPTrainingEngine:
     """One rank of an FSDP2-sharded model (stability: public).
 
-    Loss convention: ``train_step`` weights each micro-batch's loss by ``micro rows / mini-batch rows on this
-    rank`` and FSDP averages gradients over ranks, so a loss that is a mean over the micro-batch's rows gives exactly
-    the full-batch update. A token-mean loss gets the same exactness by normalising with the global counts the engine
-    puts in ``micro_batch.meta``: ``loss = Σ token_loss · mini_batch_rows / (mini_batch_tokens · len(micro_batch))``.
+    Loss convention (the core's, see :mod:`hybridflow.algorithms.losses`): before each ``loss_fn`` call the engine
+    puts the mini-batch totals in ``micro_batch.meta`` — ``loss_scale_tokens`` (valid response tokens) and
+    ``loss_scale_rows`` (rows), each all-reduced over data-parallel ranks and divided by their number — and calls
+    ``backward()`` on the returned loss as is. A loss normalised by those totals sums over micro-batches to the
+    mini-batch loss, and FSDP's gradient average over ranks then gives exactly the full-batch update.
     """
 
     def __init__(self, *, role: str, config: TrainingEngineConfig, device: str = "cpu") -> None:
@@ -159,8 +160,12 @@ class FSDPTrainingEngine:
         return local
 
     def _count_global(self, mini: Batch) -> tuple[int, int]:
-        tokens = mini["response_mask"].sum() if "response_mask" in mini else torch.tensor(0)
-        counts = torch.tensor([len(mini), int(tokens)], dtype=torch.float64)
+        """Rows and valid response tokens of the mini-batch on all ranks (``is_padding`` rows excluded)."""
+        from hybridflow.algorithms.losses import compute_loss_scale
+
+        scale = compute_loss_scale(mini) if "response_mask" in mini else {"loss_scale_rows": len(mini),
+                                                                            "loss_scale_tokens": 0}
+        counts = torch.tensor([scale["loss_scale_rows"], scale["loss_scale_tokens"]], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(counts)
         return int(counts[0]), int(counts[1])
@@ -176,6 +181,8 @@ class FSDPTrainingEngine:
         forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="train_step")
         check_equal_across_ranks(len(batch), what="rows per train_step")
         local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
+        wants = getattr(loss_fn, "required_outputs", None)
+        with_entropy = self.role == "actor" and (wants is None or "entropy" in wants)
         self.model.train()
         totals: dict[str, float] = {}
         steps = 0
@@ -183,12 +190,14 @@ class FSDPTrainingEngine:
             mini = batch.slice(mini_start, mini_start + local_mini)
             global_rows, global_tokens = self._count_global(mini)
             for micro in self._micro_batches(mini):
-                micro = micro.with_meta(**{MINI_BATCH_ROWS_KEY: global_rows, MINI_BATCH_TOKENS_KEY: global_tokens})
-                outputs = self._forward_outputs(micro, with_entropy=self.role == "actor")
+                micro = micro.with_meta(**{LOSS_SCALE_ROWS: global_rows / self.world_size,
+                                           LOSS_SCALE_TOKENS: global_tokens / self.world_size})
+                outputs = self._forward_outputs(micro, with_entropy=with_entropy)
                 loss, metrics = loss_fn(outputs, micro)
-                weight = len(micro) / len(mini)
-                (loss * weight).backward()
-                for key, value in {"loss": float(loss.detach()), **metrics}.items():
+                loss.backward()
+                weight = len(micro) / len(mini)  # metrics are micro-batch means; the loss is already a share
+                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+                for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + float(value) * weight
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip_and_step()
             steps += 1

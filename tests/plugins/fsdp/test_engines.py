@@ -15,7 +15,7 @@ from hybridflow.testing.contracts.training import build_training_batch, sequence
 from hybridflow_fsdp.optim import compute_lr_factor
 from hybridflow_fsdp.rollout import HFRolloutEngine
 from hybridflow_fsdp.sampling import filter_logits
-from hybridflow_fsdp.training import MINI_BATCH_ROWS_KEY, MINI_BATCH_TOKENS_KEY, FSDPTrainingEngine
+from hybridflow_fsdp.training import LOSS_SCALE_TOKENS, FSDPTrainingEngine
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,7 @@ def weights(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
 def token_mean_nll(outputs, micro_batch):
     """Token-mean NLL over the whole mini-batch, exact under micro-batching via the engine's global counts."""
     mask = micro_batch["response_mask"].float()
-    scale = micro_batch.meta[MINI_BATCH_ROWS_KEY] / (micro_batch.meta[MINI_BATCH_TOKENS_KEY] * len(micro_batch))
-    return -(outputs["log_probs"] * mask).sum() * scale, {}
+    return -(outputs["log_probs"] * mask).sum() / micro_batch.meta[LOSS_SCALE_TOKENS], {}
 
 
 @pytest.mark.parametrize("loss_fn", [sequence_mean_nll, token_mean_nll], ids=["row_mean", "token_mean"])

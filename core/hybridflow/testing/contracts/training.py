@@ -58,17 +58,22 @@ def build_training_batch(rows: int = 8, prompt_length: int = 6, response_length:
 
 
 def sequence_mean_nll(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean over rows of each row's mean negative log-likelihood of its response tokens (a row-mean loss)."""
+    """Mean over rows of each row's mean negative log-likelihood of its response tokens (a row-mean loss).
+
+    Normalised by ``meta["loss_scale_rows"]`` (the mini-batch's rows, set by the engine) so that micro-batch losses
+    sum to the mini-batch loss — the gradient-accumulation convention of :mod:`hybridflow.algorithms.losses`.
+    """
     mask = micro_batch["response_mask"].to(outputs["log_probs"].dtype)
     per_row = -(outputs["log_probs"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_row.mean(), {"nll": float(per_row.mean().detach())}
+    rows = float(micro_batch.meta.get("loss_scale_rows", len(micro_batch)))
+    return per_row.sum() / rows, {"nll": float(per_row.mean().detach())}
 
 
 def value_regression(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     """Row-mean squared error of ``values`` against the ``advantages`` column (a stand-in return target)."""
     mask = micro_batch["response_mask"].to(outputs["values"].dtype)
     error = ((outputs["values"] - micro_batch["advantages"]) ** 2 * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return error.mean(), {}
+    return error.sum() / float(micro_batch.meta.get("loss_scale_rows", len(micro_batch))), {}
 
 
 def _config(path: Path, **options: Any) -> TrainingEngineConfig:
