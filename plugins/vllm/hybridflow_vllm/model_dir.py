@@ -12,7 +12,7 @@ from pathlib import Path
 from hybridflow.engines import ModelSpec
 from hybridflow.errors import ConfigError
 
-__all__ = ["prepare_model_dir"]
+__all__ = ["prepare_model_dir", "read_checkpoint_shapes"]
 
 
 def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
@@ -49,3 +49,15 @@ def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirector
     finally:
         torch.random.set_rng_state(generator_state)
     return Path(holder.name), holder
+
+
+def read_checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors in the safetensors files of ``path`` (headers only; empty if none)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes

