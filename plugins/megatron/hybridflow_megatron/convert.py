@@ -32,7 +32,19 @@ __all__ = [
     "megatron_shard_from_hf",
     "hf_from_megatron_shards",
     "hf_layer_names",
+    "tensor_parallel_dim",
 ]
+
+#: megatron parameter-name suffix → the tensor dim split over tensor ranks (others are replicated)
+_TENSOR_PARALLEL_DIMS = {
+    "embedding.word_embeddings.weight": 0,
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc2.weight": 1,
+    "output_layer.weight": 0,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,6 +112,16 @@ def read_arch_info(hf_config: Any, *, tp_size: int, vocab_multiple: int = 8, val
         qkv_bias=qkv_bias,
         value_head=value_head,
     )
+
+
+def tensor_parallel_dim(name: str, *, value_head: bool = False) -> int | None:
+    """The dim of megatron parameter ``name`` split over tensor ranks, or None when it is replicated."""
+    if value_head and name.startswith("output_layer."):
+        return None
+    for suffix, dim in _TENSOR_PARALLEL_DIMS.items():
+        if name.endswith(suffix):
+            return dim
+    return None
 
 
 def _pad_vocab(weight: torch.Tensor, arch: ArchInfo) -> torch.Tensor:

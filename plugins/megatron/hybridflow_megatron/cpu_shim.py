@@ -185,8 +185,9 @@ def is_cpu_shim_active() -> bool:
 def cpu_tensor_methods() -> Iterator[None]:
     """Within the block, ``Tensor.cuda()`` returns the tensor and ``Tensor.type()`` names CPU float types as CUDA.
 
-    Megatron's DDP and distributed optimizer check ``param.type() == "torch.cuda.FloatTensor"`` and move tied
-    embeddings with ``.cuda()`` while they are built; only those construction calls run inside this block.
+    Megatron's distributed optimizer and grad clipping check ``param.type() == "torch.cuda.FloatTensor"`` and
+    GPTModel moves tied embeddings with ``.cuda()``; only model/optimizer construction and ``optimizer.step()``
+    run inside this block.
     """
     if not _active:
         yield

@@ -17,7 +17,13 @@ from hybridflow.engines import ModelSpec, ParallelConfig
 from hybridflow.errors import ConfigError, EngineError
 
 from hybridflow_megatron import cpu_shim
-from hybridflow_megatron.convert import ArchInfo, ShardPosition, megatron_shard_from_hf, read_arch_info
+from hybridflow_megatron.convert import (
+    ArchInfo,
+    ShardPosition,
+    megatron_shard_from_hf,
+    read_arch_info,
+    tensor_parallel_dim,
+)
 
 __all__ = ["StagePlacement", "ValueHead", "ensure_parallel_state", "build_hf_model", "build_transformer_config",
            "build_stage"]
@@ -74,6 +80,7 @@ def ensure_parallel_state(parallel: ParallelConfig, *, device: str, timeout_s: f
             pipeline_model_parallel_size=sizes[1],
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
             create_gloo_process_groups=device != "cpu",
+            order="tp-cp-ep-pp-dp",  # rank = (dp · p + pp) · t + tp, the order of hybridflow's ParallelLayout
         )
         model_parallel_cuda_manual_seed(seed)
         _parallel_sizes = sizes
@@ -220,9 +227,21 @@ def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device
     hf_state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     shard = megatron_shard_from_hf(hf_state, arch=arch, position=position)
     load_shard(model, shard)
+    mark_tensor_parallel_params(model, value_head=arch.value_head)
     if device != "cpu":
         model.cuda(torch.cuda.current_device())
     return model, arch, hf_config
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module, *, value_head: bool) -> None:
+    """Set megatron's ``tensor_model_parallel``/``partition_dim`` attributes, which megatron-core 0.16 only sets
+    when it initialises weights itself (``perform_initialization``); grad norms and checkpoints read them."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        dim = tensor_parallel_dim(name, value_head=value_head)
+        if dim is not None and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:

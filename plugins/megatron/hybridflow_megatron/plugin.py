@@ -1,10 +1,49 @@
-"""Hook implementations of hybridflow-megatron; imports no backend at module import."""
+"""Hook implementations of hybridflow-megatron: the ``megatron`` training engine and its layout.
+
+Imports no backend at module import: megatron-core, torch and transformers load inside the factories.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from hybridflow.hookspecs import hookimpl
 
 
+def build_megatron_training_engine(*, role: str, config: Any, device: str = "cpu") -> Any:
+    """Training engine ``megatron``: see :class:`hybridflow_megatron.engine.MegatronTrainingEngine`."""
+    from hybridflow_megatron.engine import build_megatron_training_engine as build
+
+    return build(role=role, config=config, device=device)
+
+
+def build_megatron_training_layout(named_shapes: Any, **options: Any) -> Any:
+    """Layout ``megatron``: see :func:`hybridflow_megatron.layout.build_megatron_training_layout`."""
+    from hybridflow_megatron.layout import build_megatron_training_layout as build
+
+    return build(named_shapes, **options)
+
+
+@hookimpl
+def hybridflow_register_training_engines(registry: Any) -> None:
+    registry.register("megatron", build_megatron_training_engine)
+
+
+@hookimpl
+def hybridflow_register_layouts(registry: Any) -> None:
+    registry.register("megatron", build_megatron_training_layout)
+
+
 @hookimpl
 def hybridflow_report_capabilities() -> dict[str, str]:
-    return {"status": "registers nothing yet"}
+    import importlib.util
+
+    installed = importlib.util.find_spec("megatron") is not None and \
+        importlib.util.find_spec("megatron.core") is not None
+    return {
+        "megatron-core": "installed" if installed else "absent: run scripts/install_megatron.sh",
+        "training": "GPTModel (local spec) with tensor, pipeline and data parallelism, distributed optimizer; "
+                    "roles actor, critic, reference",
+        "cpu": "runs on gloo through hybridflow_megatron.cpu_shim (fusions off, fp32)",
+        "handover": "generation_weights: tg = 1 (TP all-gather + PP broadcast); layout 'megatron' for the planner",
+    }

@@ -1,0 +1,385 @@
+"""The ``megatron`` training engine: one rank of a megatron-core GPTModel in a (tensor, pipeline, data) mesh.
+
+It computes per-token log-probs/entropy/values of response tokens and runs optimizer steps with a caller-supplied
+loss through megatron's forward-backward schedules (so pipeline parallelism works); the algorithm and how batches
+reach the ranks belong to the core. Stability: public.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.batch import PADDING_KEY, Batch
+from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig
+from hybridflow.errors import ConfigError, EngineError
+
+from hybridflow_megatron import cpu_shim, gather, persist
+from hybridflow_megatron.model import build_stage, ensure_parallel_state
+
+__all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABLE_ROLES"]
+
+TRAINABLE_ROLES = ("actor", "critic")
+_SUPPORTED_ROLES = ("actor", "critic", "reference")
+
+
+def _require_columns(batch: Batch, *columns: str, method: str) -> None:
+    missing = [column for column in columns if column not in batch]
+    if missing:
+        raise EngineError(
+            f"{method} expects columns {list(columns)}; the batch lacks {missing} (it has {batch.keys()}). "
+            "Pass the output of a rollout engine's generate()."
+        )
+
+
+def _pad_rows(batch: Batch, multiple: int) -> Batch:
+    """``batch`` padded to a multiple of ``multiple`` rows, keeping any ``is_padding`` marks it already had."""
+    if len(batch) % multiple == 0:
+        return batch
+    marks = batch.tensors[PADDING_KEY].clone() if PADDING_KEY in batch.tensors.keys() else None
+    padded = batch.pad_to_multiple(multiple)
+    if marks is not None:
+        padded.tensors[PADDING_KEY][: len(marks)] = marks
+    return padded
+
+
+def _attention_inputs(micro: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, position_ids, bool attention mask [B, 1, S, S] with True = masked: causal or padding key)."""
+    attention = micro["attention_mask"].to(device)
+    positions = micro["position_ids"] if "position_ids" in micro else (attention.long().cumsum(-1) - 1).clamp(min=0)
+    length = attention.shape[1]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)
+    mask = causal[None, None] | (attention == 0)[:, None, None, :]
+    return micro["input_ids"].to(device), positions.to(device), mask
+
+
+class MegatronTrainingEngine:
+    """One rank of a megatron-core model for role actor, critic or reference (stability: public).
+
+    Loss convention (``hybridflow.algorithms.losses``): each micro-batch passed to ``loss_fn`` carries the
+    mini-batch totals ``loss_scale_tokens``/``loss_scale_rows`` of this rank in ``meta``; its loss is back-propagated
+    as is (the schedule's division by the number of micro-batches is undone) and megatron's DDP averages gradients
+    over data-parallel ranks.
+    """
+
+    def __init__(self, *, role: str, config: TrainingEngineConfig, device: str = "cpu") -> None:
+        if role not in _SUPPORTED_ROLES:
+            raise ConfigError(f"unknown role {role!r}; the megatron engine serves {list(_SUPPORTED_ROLES)}")
+        self.role = role
+        self.config = config
+        self.device = torch.device(device if device == "cpu" else "cuda")
+        extra = dict(config.extra)
+        self.placement = ensure_parallel_state(config.parallel, device=device,
+                                               timeout_s=float(extra.get("timeout_s", 120)), seed=config.model.seed)
+        model, self.arch, self.hf_config = build_stage(
+            config.model, role=role, placement=self.placement, device=device,
+            overrides=extra.get("transformer_overrides"), vocab_multiple=int(extra.get("vocab_multiple", 8)),
+        )
+        self.trainable = role in TRAINABLE_ROLES
+        self.optimizer: Any = None
+        self._version = 0
+        self._step = 0
+        if self.trainable:
+            self.model, self.optimizer = self._wrap_for_training(model)
+        else:
+            model.requires_grad_(False)
+            self.model = model
+        self.last_handover_stats: gather.GatherStats | None = None
+
+    # --- construction ---------------------------------------------------------------------------------------
+    def _wrap_for_training(self, model: Any) -> tuple[Any, Any]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        optim = self.config.optim
+        use_distributed = bool(self.config.extra.get("use_distributed_optimizer", True))
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed,
+        )
+        model_config = model.config
+        with cpu_shim.cpu_tensor_methods():
+            wrapped = DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=model)
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=optim.lr, min_lr=optim.lr * optim.min_lr_ratio,
+                    weight_decay=optim.weight_decay, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
+                    adam_eps=optim.eps, clip_grad=optim.grad_clip, use_distributed_optimizer=use_distributed,
+                    bf16=model_config.bf16, fp16=model_config.fp16, params_dtype=model_config.params_dtype,
+                ),
+                [wrapped],
+                use_gloo_process_groups=self.device.type != "cpu",
+            )
+        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.no_sync_func = wrapped.no_sync
+        model_config.grad_scale_func = optimizer.scale_loss
+        return wrapped, optimizer
+
+    @property
+    def module(self) -> Any:
+        """The GPTModel stage (without the DDP wrapper)."""
+        return self.model.module if hasattr(self.model, "module") and self.trainable else self.model
+
+    # --- forward --------------------------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        size = min(self.config.micro_batch_size, len(batch))
+        batch = _pad_rows(batch, size)
+        return [batch.slice(start, start + size) for start in range(0, len(batch), size)]
+
+    def _outputs(self, micro: Batch, output: torch.Tensor, *, with_entropy: bool) -> dict[str, torch.Tensor]:
+        length = int(micro["responses"].shape[1])
+        window = output[:, -length - 1 : -1]
+        if self.role == "critic":
+            return {"values": window[..., 0].float()}
+        logits = window[..., : self.arch.vocab_size].float()
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        tokens = micro["responses"].to(logits.device)
+        outputs = {"log_probs": log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)}
+        if with_entropy:
+            outputs["entropy"] = -(log_softmax.exp() * log_softmax).sum(-1)
+        return outputs
+
+    def _run_schedule(self, micros: list[Batch], *, forward_only: bool, loss_fn: LossFn | None,
+                      with_entropy: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        count = len(micros)
+
+        def loss_func(micro: Batch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            outputs = self._outputs(micro, output, with_entropy=with_entropy)
+            if loss_fn is None:
+                return output.new_zeros(()), {key: value.detach().cpu() for key, value in outputs.items()}
+            loss, metrics = loss_fn(outputs, micro)
+            return loss * count, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+        def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[torch.Tensor, Any]:
+            micro = next(data_iterator)
+            input_ids, position_ids, mask = _attention_inputs(micro, self.device)
+            return model(input_ids, position_ids, attention_mask=mask), partial(loss_func, micro)
+
+        schedule = get_forward_backward_func()
+        return schedule(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=count,
+            seq_length=int(micros[0]["input_ids"].shape[1]),
+            micro_batch_size=len(micros[0]),
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, value: Any) -> Any:
+        """``value`` of the last pipeline stage, on every stage of this rank's pipeline (an object broadcast)."""
+        if self.placement.pp_size == 1:
+            return value
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        holder = [value]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, self.placement.pp_size - 1), group=group)
+        return holder[0]
+
+    def _check_role(self, method: str, roles: tuple[str, ...]) -> None:
+        if self.role not in roles:
+            raise EngineError(f"{method} is for roles {list(roles)}; this engine is a {self.role}")
+
+    def _infer(self, batch: Batch, *, columns: tuple[str, ...], with_entropy: bool) -> Batch:
+        self.model.eval()
+        with torch.no_grad():
+            stored = self._run_schedule(self._micro_batches(batch), forward_only=True, loss_fn=None,
+                                        with_entropy=with_entropy)
+        result = None
+        if self.placement.is_last_stage:
+            result = {c: torch.cat([part[c] for part in stored])[: len(batch)] for c in columns}
+        result = self._broadcast_from_last_stage(result)
+        return Batch(result, meta=batch.meta, batch_size=len(batch))
+
+    def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
+        """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""
+        self._check_role("compute_log_probs", ("actor", "reference"))
+        _require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
+        columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+        return self._infer(batch, columns=columns, with_entropy=with_entropy)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values`` [B, R]: the value of the state before each response token; only the new column is returned."""
+        self._check_role("compute_values", ("critic",))
+        _require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_values")
+        return self._infer(batch, columns=("values",), with_entropy=False)
+
+    def compute_scores(self, batch: Batch) -> Batch:
+        raise EngineError("the megatron engine has no reward-model role yet; serve reward models with the fsdp engine")
+
+    # --- training -------------------------------------------------------------------------------------------
+    def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
+        if mini_batch_size is None:
+            return rows
+        dp = self.placement.dp_size
+        if mini_batch_size % dp:
+            raise ConfigError(
+                f"mini_batch_size counts rows over all {dp} data-parallel ranks and must be a positive multiple of "
+                f"it; got {mini_batch_size}"
+            )
+        local = mini_batch_size // dp
+        if rows % local:
+            raise ConfigError(f"this rank holds {rows} rows, not a multiple of its mini-batch share {local}")
+        return local
+
+    def _global_loss_scale(self, local: dict[str, float]) -> dict[str, float]:
+        """Mini-batch token/row totals over the data-parallel group ÷ dp, so DP averaging gives the global mean."""
+        if self.placement.dp_size == 1:
+            return local
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(local)
+        totals = torch.tensor([local[key] for key in keys], dtype=torch.float64)
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+        return {key: float(value) / self.placement.dp_size for key, value in zip(keys, totals.tolist())}
+
+    def _learning_rate(self) -> float:
+        optim = self.config.optim
+        if optim.warmup_steps and self._step < optim.warmup_steps:
+            return optim.lr * (self._step + 1) / optim.warmup_steps
+        if optim.schedule == "constant" or not optim.total_steps:
+            return optim.lr
+        progress = min(1.0, (self._step - optim.warmup_steps) / max(1, optim.total_steps - optim.warmup_steps))
+        floor = optim.lr * optim.min_lr_ratio
+        if optim.schedule == "linear":
+            return floor + (optim.lr - floor) * (1.0 - progress)
+        return floor + (optim.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def train_step(self, batch: Batch, *, loss_fn: LossFn, mini_batch_size: int | None = None) -> dict[str, float]:
+        """One optimizer step per mini-batch (all of ``batch`` when ``mini_batch_size`` is None); returns metrics.
+
+        ``mini_batch_size`` counts rows over all data-parallel ranks; ``micro_batch_size`` (config) counts rows per
+        forward on this rank. Every rank of a data-parallel group must hold the same number of rows.
+        """
+        from hybridflow.algorithms.losses import compute_loss_scale
+
+        self._check_role("train_step", TRAINABLE_ROLES)
+        _require_columns(batch, "input_ids", "attention_mask", "responses", "response_mask", method="train_step")
+        local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
+        wants = getattr(loss_fn, "required_outputs", None)
+        with_entropy = self.role == "actor" and (wants is None or "entropy" in wants)
+        self.model.train()
+        totals: dict[str, float] = {}
+        steps = 0
+        for start in range(0, len(batch), local_mini):
+            mini = batch.slice(start, start + local_mini)
+            scale = self._global_loss_scale(compute_loss_scale(mini))
+            micros = [micro.with_meta(**scale) for micro in self._micro_batches(mini)]
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            stored = self._run_schedule(micros, forward_only=False, loss_fn=loss_fn, with_entropy=with_entropy)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._learning_rate()
+            with cpu_shim.cpu_tensor_methods():  # megatron's grad clipping checks param.grad.type()
+                success, grad_norm, _ = self.optimizer.step()
+            self._step += 1
+            if success:
+                self._version += 1
+            metrics: dict[str, float] | None = None
+            if self.placement.is_last_stage:
+                metrics = {}
+                for part in stored:  # "loss": the mini-batch loss (a sum over micro-batches); others: means
+                    for key, value in part.items():
+                        weight = 1.0 if key == "loss" else 1.0 / len(stored)
+                        metrics[key] = metrics.get(key, 0.0) + float(value) * weight
+            metrics = self._broadcast_from_last_stage(metrics)
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+            steps += 1
+        result = {key: value / steps for key, value in totals.items()}
+        result.update(lr=self.optimizer.param_groups[0]["lr"], optimizer_steps=float(steps))
+        return result
+
+    # --- state ----------------------------------------------------------------------------------------------
+    def state_version(self) -> int:
+        """Number of successful optimizer steps (restored by ``load_checkpoint``)."""
+        return self._version
+
+    def mesh_info(self) -> MeshInfo:
+        """Data goes to data-parallel groups; results are collected from the last stage's tensor rank 0."""
+        placement = self.placement
+        return MeshInfo(dp_rank=placement.dp_rank, dp_size=placement.dp_size,
+                        is_collect=placement.is_last_stage and placement.tp_rank == 0)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank's parameter shard, optimizer shard, step and RNG state, written atomically under ``path``."""
+        persist.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote with the same (tp, pp, dp) layout."""
+        persist.load(self, path)
+
+    def export_hf(self, path: str) -> None:
+        """Write an HF model directory (config + safetensors) from global rank 0; a collective over all ranks."""
+        persist.export_hf(self, path)
+
+    def layout(self) -> Any:
+        """This model's :class:`hybridflow.resharding.ModelLayout` over the (p, t, d) training mesh."""
+        from hybridflow_megatron.layout import build_megatron_training_layout
+
+        arch, placement = self.arch, self.placement
+        state = self._canonical_shapes()
+        return build_megatron_training_layout(
+            state, tensor=placement.tp_size, pipeline=placement.pp_size, data=placement.dp_size,
+            num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+            dtype=next(self.module.parameters()).dtype,
+        )
+
+    def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        factory = AutoModelForTokenClassification if self.role == "critic" else AutoModelForCausalLM
+        with torch.device("meta"):
+            hf = factory.from_config(self.hf_config)
+        shapes = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
+        if self.arch.tied_embeddings:
+            shapes.pop("lm_head.weight", None)
+        return shapes
+
+    def iter_weight_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's local shards named as in :meth:`layout` (no copy, no communication)."""
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from hybridflow_megatron.layout import layout_name_of
+
+        if self.arch.padded_vocab_size != self.arch.vocab_size:
+            raise EngineError(
+                f"vocab {self.arch.vocab_size} was padded to {self.arch.padded_vocab_size} for tensor parallelism; "
+                "layout shards need a vocabulary the tensor size × extra.vocab_multiple divides"
+            )
+        offset = int(get_transformer_layer_offset(self.module.config))
+        for name, param in self.module.named_parameters():
+            if self.arch.tied_embeddings and name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            yield layout_name_of(name, layer_offset=offset, value_head=self.arch.value_head), param.detach()
+
+    def generation_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named weights for a tg=1 generation engine on every rank (a collective over all ranks)."""
+        self._check_role("generation_weights", ("actor", "reference"))
+        if target not in ("hf", "vllm"):
+            raise ConfigError(f"generation_weights target must be 'hf' or 'vllm'; got {target!r}")
+        state, self.last_handover_stats = gather.gather_hf_state(self.module, arch=self.arch,
+                                                                 placement=self.placement)
+        return iter(state.items())
+
+    def release(self) -> None:
+        """Drop the model and optimizer (the process groups stay; they belong to the worker)."""
+        self.model = None
+        self.optimizer = None
+
+
+def build_megatron_training_engine(*, role: str, config: TrainingEngineConfig,
+                                   device: str = "cpu") -> MegatronTrainingEngine:
+    """Factory registered as training engine ``"megatron"``."""
+    if role not in ROLES:
+        raise ConfigError(f"unknown role {role!r}; expected one of {list(ROLES)}")
+    return MegatronTrainingEngine(role=role, config=config, device=device)

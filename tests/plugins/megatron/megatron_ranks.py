@@ -1,0 +1,125 @@
+"""One rank of a megatron engine scenario, run as its own process by the tests (gloo on CPU).
+
+Usage: python megatron_ranks.py SCENARIO RANK WORLD PORT OUT_DIR JSON_ARGS; writes OUT_DIR/rank_<RANK>.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def make_batch(rows: int = 8, prompt: int = 5, response: int = 4, seed: int = 1):
+    """A synthetic rollout batch (left-padded prompts, right-padded responses) with GRPO-style columns."""
+    from hybridflow.batch import Batch
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(4, 45, (rows, prompt), generator=generator)
+    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
+    for row in range(0, rows, 3):
+        prompts[row, : row % prompt] = 0
+        prompt_mask[row, : row % prompt] = 0
+    responses = torch.randint(4, 45, (rows, response), generator=generator)
+    response_mask = torch.ones(rows, response, dtype=torch.long)
+    response_mask[1::2, -1] = 0
+    responses[response_mask == 0] = 0
+    attention = torch.cat([prompt_mask, response_mask], dim=1)
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+            "advantages": torch.randn(rows, response, generator=generator),
+        },
+        meta={"policy_version": 0, "iteration": 0},
+        batch_size=rows,
+    )
+
+
+def build_engine(args: dict, role: str = "actor"):
+    from hybridflow.engines import ModelSpec, OptimConfig, ParallelConfig, TrainingEngineConfig
+    from hybridflow.testing.fixtures import tiny_model_config
+    from hybridflow_megatron.engine import build_megatron_training_engine
+
+    spec = ModelSpec(config=tiny_model_config(**args.get("model", {})), seed=args.get("seed", 3))
+    config = TrainingEngineConfig(
+        model=spec,
+        parallel=ParallelConfig(tensor_parallel_size=args.get("tp", 1), pipeline_parallel_size=args.get("pp", 1)),
+        optim=OptimConfig(lr=args.get("lr", 1e-2), grad_clip=args.get("grad_clip", 1.0)),
+        micro_batch_size=args.get("micro_batch_size", 2),
+        extra={"timeout_s": 90},
+    )
+    return build_megatron_training_engine(role=role, config=config, device="cpu")
+
+
+def scenario_train(args: dict) -> dict:
+    """log-probs before, losses of ``steps`` train steps, log-probs after; this DP rank's slice of one batch."""
+    from hybridflow.algorithms.losses import PolicyLossConfig, make_actor_loss_fn
+
+    engine = build_engine(args)
+    info = engine.mesh_info()
+    batch = make_batch(rows=args.get("rows", 8))
+    share = len(batch) // info.dp_size
+    local = batch.slice(info.dp_rank * share, (info.dp_rank + 1) * share)
+    before = engine.compute_log_probs(local, with_entropy=True)
+    local = local | before.select("log_probs").with_meta()
+    local["old_log_probs"] = before["log_probs"]
+    loss_fn = make_actor_loss_fn(PolicyLossConfig(entropy_coef=args.get("entropy_coef", 0.01)))
+    metrics = [engine.train_step(local, loss_fn=loss_fn, mini_batch_size=args.get("mini_batch_size"))
+               for _ in range(args.get("steps", 2))]
+    after = engine.compute_log_probs(local)
+    return {"mesh": (info.dp_rank, info.dp_size, info.is_collect), "before": before["log_probs"],
+            "entropy": before["entropy"], "after": after["log_probs"], "metrics": metrics,
+            "version": engine.state_version()}
+
+
+def scenario_logits(args: dict) -> dict:
+    """Megatron logits/log-probs vs the HF model built from the same spec (pp=1 logits; any pp log-probs)."""
+    from hybridflow_megatron.model import build_hf_model
+
+    engine = build_engine(args, role=args.get("role", "actor"))
+    batch = make_batch(rows=4)
+    hf = build_hf_model(engine.config.model, role=engine.role).eval()
+    with torch.no_grad():
+        hf_logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits
+    out = {"hf_logits": hf_logits, "attention_mask": batch["attention_mask"], "responses": batch["responses"]}
+    if engine.role == "critic":
+        out["values"] = engine.compute_values(batch)["values"]
+    else:
+        out["log_probs"] = engine.compute_log_probs(batch)["log_probs"]
+    if engine.placement.pp_size == 1:
+        from hybridflow_megatron.engine import _attention_inputs
+
+        ids, pos, mask = _attention_inputs(batch, torch.device("cpu"))
+        with torch.no_grad():
+            out["logits"] = engine.module(ids, pos, attention_mask=mask)[..., : hf_logits.shape[-1]]
+    weights = dict(engine.generation_weights()) if engine.role != "critic" else {}
+    out["weights_equal"] = all(torch.equal(weights[k], v) for k, v in hf.state_dict().items() if k in weights)
+    out["weights_missing"] = sorted(set(hf.state_dict()) - set(weights) - {"lm_head.weight"})
+    out["stats"] = engine.last_handover_stats
+    return out
+
+
+def main() -> None:
+    scenario, rank, world, port, out_dir = sys.argv[1:6]
+    args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
+                      LOCAL_RANK=rank, OMP_NUM_THREADS="1")
+    result = {"train": scenario_train, "logits": scenario_logits}[scenario](args)
+    torch.save(result, os.path.join(out_dir, f"rank_{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
