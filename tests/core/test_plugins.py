@@ -224,3 +224,30 @@ def test_register_plugin_from_code_uses_same_registries() -> None:
 
 def test_plugin_load_error_type_is_public() -> None:
     assert issubclass(PluginLoadError, Exception)
+
+
+def test_plugin_protocol_drives_a_real_worker_group(example_site: Path) -> None:
+    """The example plugin's transfer protocol, discovered by entry point, dispatches calls of a Ray worker group."""
+    result = run_python(
+        """
+        import json
+        from hybridflow.plugins import load_plugins
+        from hybridflow.controller import init_ray, ResourcePool, WorkerGroup, Worker, register
+
+        class Echo(Worker):
+            @register(protocol="example_even_ranks")
+            def whoami(self, tag: str) -> str:
+                return f"{tag}:{self.rank}"
+
+        load_plugins()
+        init_ray(num_cpus=2, object_store_memory=100_000_000)
+        pool = ResourcePool("example", devices_per_node=[4], device="cpu", cpus_per_worker=0.25)
+        group = WorkerGroup(pool, {"echo": Echo}, name="example", deadline_s=60)
+        print(json.dumps(group.echo.whoami("hi")))
+        group.shutdown()
+        pool.release()
+        """,
+        example_site,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["hi:0", "hi:2"]

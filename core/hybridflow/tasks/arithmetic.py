@@ -1,17 +1,19 @@
-"""The arithmetic task: prompts ``"a+b="`` and a rule-based reward (1.0 for the exact sum, partial credit for
-leading digits). It makes data and scores text; tokenising and batching are :mod:`hybridflow.data`'s job.
+"""The arithmetic task: prompts ``"a+b="`` and a rule-based reward (1.0 when the response starts with the exact
+sum, partial credit for correct leading digits). It makes data and scores text; tokenising and batching are :mod:`hybridflow.data`'s job.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DATA_SOURCE", "make_arithmetic_rows", "score_arithmetic", "arithmetic_reward"]
+__all__ = ["DATA_SOURCE", "make_arithmetic_rows", "extract_answer", "score_arithmetic", "arithmetic_reward"]
 
 DATA_SOURCE = "hybridflow/arithmetic"
 PARTIAL_CREDIT = 0.5
+_LEADING_INTEGER = re.compile(r"-?\d+")
 
 
 def make_arithmetic_rows(*, num_rows: int, max_operand: int = 99, seed: int = 0, operators: str = "+") -> list[dict[str, Any]]:
@@ -31,11 +33,17 @@ def make_arithmetic_rows(*, num_rows: int, max_operand: int = 99, seed: int = 0,
     return rows
 
 
+def extract_answer(response: str) -> str:
+    """The integer the response starts with (after spaces), or "" — the answer-extraction rule of the task."""
+    match = _LEADING_INTEGER.match(response.strip())
+    return match.group(0) if match else ""
+
+
 def score_arithmetic(response: str, ground_truth: str) -> float:
-    """1.0 if the response (up to EOS, surrounding spaces ignored) is exactly the answer; otherwise
+    """1.0 if the integer the response starts with is the answer; otherwise
     ``0.5 × (matching leading characters / answer length)``."""
     text = response.strip()
-    if text == ground_truth:
+    if extract_answer(text) == ground_truth:
         return 1.0
     matched = 0
     for got, want in zip(text, ground_truth):
