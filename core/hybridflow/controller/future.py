@@ -19,6 +19,7 @@ from hybridflow.controller.host import FetchArg, RankResult
 from hybridflow.controller.records import CallRecord, notify_observers
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.errors import ConfigError, WorkerError
+from hybridflow.transfer.concat import concat_batches
 from hybridflow.transfer.protocol import TransferContext
 
 __all__ = ["BatchFuture", "CallHandle", "Segment"]
@@ -44,6 +45,7 @@ class CallHandle:
     world_size: int
     stack_dump_dir: str | None = None
     observer: Callable[[CallRecord], None] | None = None
+    rank_zero_only: bool = False
     results: dict[int, RankResult] | None = None
     failure: BaseException | None = None
 
@@ -172,7 +174,7 @@ class BatchFuture:
         handle = self._handle
         if self._view is None:
             outputs = handle.fetch_outputs(handle.collect_ranks, timeout)
-            return handle.protocol.collect(outputs, handle.context)
+            return outputs[0] if handle.rank_zero_only else handle.protocol.collect(outputs, handle.context)
         view = self._view
         segments = [segment for segment in view.segments if segment.rows]
         sources = segments + ([view.pad_source] if view.pad_source is not None and view.padding_rows else [])
@@ -180,7 +182,7 @@ class BatchFuture:
         pieces = [value.slice(segment.start, segment.stop) for value, segment in zip(values, sources)]
         if view.pad_source is not None and view.padding_rows:
             pieces[-1] = pieces[-1].index([0] * view.padding_rows)
-        batch = Batch.concat(pieces) if len(pieces) > 1 else pieces[0]
+        batch = concat_batches(pieces) if len(pieces) > 1 else pieces[0]
         if view.mark_padding:
             import torch
 
@@ -197,9 +199,10 @@ class BatchFuture:
             return self._view
         handle = self._handle
         results = handle.resolve()
-        if not handle.protocol.concatenates or not all(results[rank].is_batch for rank in handle.collect_ranks):
+        concatenates = handle.protocol.concatenates or handle.rank_zero_only
+        if not concatenates or not all(results[rank].is_batch for rank in handle.collect_ranks):
             raise ConfigError(
-                f"{self.node} returned {'non-Batch outputs' if handle.protocol.concatenates else 'per-rank outputs'} "
+                f"{self.node} returned {'non-Batch outputs' if concatenates else 'per-rank outputs'} "
                 f"(protocol {handle.protocol_name}); expected Batches concatenated by rows to use the result lazily. "
                 f"Fix: call .get() and pass the value"
             )

@@ -21,6 +21,7 @@ from hybridflow.controller.future import BatchFuture, CallHandle
 from hybridflow.controller.host import FetchArg, RankPayload, WorkerHost
 from hybridflow.controller.pool import ResourcePool
 from hybridflow.controller.records import CallRecord
+from hybridflow.controller.runtime import is_local_ray
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError, WorkerError
@@ -143,7 +144,7 @@ class WorkerGroup:
         started = time.time()
         hosts = dict(enumerate(self._hosts))
         try:
-            master_addr, master_port = ray.get(self._hosts[0].reserve_master_address.remote(),
+            master_addr, master_port = ray.get(self._hosts[0].reserve_master_address.remote(is_local_ray()),
                                                timeout=self.setup_deadline_s)
             setups = {rank: host.setup.remote(master_addr, master_port, self.roles, self.init_kwargs)
                       for rank, host in hosts.items()}
@@ -290,6 +291,7 @@ class WorkerGroup:
             context=context, hosts=dict(enumerate(self._hosts)), pids=dict(self._pids), data_refs=data_refs,
             info_refs=info_refs, collect_ranks=collect_ranks, started_at=started, deadline_s=limit,
             world_size=self.world_size, stack_dump_dir=self.stack_dump_dir, observer=self.observer,
+            rank_zero_only=dispatch.execute == "rank_zero",
         )
         future = BatchFuture(handle)
         return future.get() if dispatch.blocking else future

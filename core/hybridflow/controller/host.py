@@ -20,6 +20,7 @@ import ray
 from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.controller.worker import WorkerContext, set_context
 from hybridflow.engines import MeshInfo
+from hybridflow.transfer.concat import concat_batches
 
 __all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "value_nbytes"]
 
@@ -88,7 +89,7 @@ def _fetch(arg: FetchArg, deadline_at: float) -> tuple[Any, int]:
     if len(pieces) == 1 and not arg.mark_padding:
         return pieces[0], fetched
     pieces = [piece for piece in pieces if len(piece)]
-    batch = Batch.concat(pieces) if len(pieces) > 1 else pieces[0]
+    batch = concat_batches(pieces) if len(pieces) > 1 else pieces[0]
     if arg.mark_padding:
         import torch
 
@@ -127,9 +128,9 @@ class WorkerHost:
         except ImportError:  # pragma: no cover - torch is a core dependency
             pass
 
-    def reserve_master_address(self) -> tuple[str, int]:
-        """This node's IP and a free TCP port on it, for rank 0's torch.distributed store."""
-        address = ray.util.get_node_ip_address()
+    def reserve_master_address(self, loopback: bool) -> tuple[str, int]:
+        """This node's IP (127.0.0.1 on a single-machine Ray) and a free TCP port, for rank 0's rendezvous."""
+        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((address, 0))
             return address, int(sock.getsockname()[1])

@@ -12,10 +12,17 @@ import ray
 
 from hybridflow.errors import ConfigError
 
-__all__ = ["init_ray", "shutdown_ray", "DEFAULT_OBJECT_STORE_BYTES"]
+__all__ = ["init_ray", "shutdown_ray", "is_local_ray", "DEFAULT_OBJECT_STORE_BYTES"]
 
 #: object store cap for a local Ray (500 MB): enough for B=8192 × 2 × [1024] columns in flight, small on a laptop
 DEFAULT_OBJECT_STORE_BYTES = 500_000_000
+
+_local = False
+
+
+def is_local_ray() -> bool:
+    """True when :func:`init_ray` started a single-machine Ray (workers then rendezvous over 127.0.0.1)."""
+    return _local and ray.is_initialized()
 
 
 def init_ray(
@@ -58,8 +65,10 @@ def init_ray(
                 f"Fix: drop them or start a local Ray (address=None)"
             )
         kwargs["address"] = address
+    global _local
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(**kwargs)
+    _local = address is None
     return dict(ray.cluster_resources())
 
 

@@ -19,6 +19,7 @@ from hybridflow.transfer.builtin_protocols import (
     RankZero,
     concat_or_list,
 )
+from hybridflow.transfer.concat import PARALLEL_COPY_BYTES, concat_batches
 from hybridflow.transfer.protocol import (
     RankInput,
     RowSplittable,
@@ -36,6 +37,8 @@ __all__ = [
     "is_row_splittable",
     "split_rows",
     "concat_or_list",
+    "concat_batches",
+    "PARALLEL_COPY_BYTES",
     "OneToAll",
     "AllToAll",
     "DataParallelCompute",

@@ -11,6 +11,7 @@ from typing import Any
 
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
+from hybridflow.transfer.concat import concat_batches
 from hybridflow.transfer.protocol import RankInput, TransferContext, is_row_splittable, split_rows
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
 def concat_or_list(outputs: list[Any]) -> Any:
     """Row-concatenate when every output is a Batch, ``None`` when all are ``None``, else the list itself."""
     if outputs and all(isinstance(output, Batch) for output in outputs):
-        return Batch.concat(outputs)
+        return concat_batches(outputs)
     if all(output is None for output in outputs):
         return None
     return outputs

@@ -1,0 +1,104 @@
+"""Transfer protocols without Ray: how rows map to ranks, which ranks are collected, registry and fast concat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow import registries
+from hybridflow.batch import PADDING_KEY, Batch
+from hybridflow.engines import MeshInfo
+from hybridflow.errors import ConfigError, DuplicateNameError, UnknownNameError, VersionMismatchError
+from hybridflow.plugins import CORE_OWNER
+from hybridflow.transfer import (
+    PARALLEL_COPY_BYTES,
+    TransferContext,
+    concat_batches,
+    get_protocol,
+    protocol_names,
+    register,
+    split_rows,
+)
+
+
+def make(n: int, version: int = 3) -> Batch:
+    return Batch({"ids": torch.arange(n * 2).view(n, 2)}, {"text": [f"r{i}" for i in range(n)]},
+                 {"policy_version": version, "iteration": 7})
+
+
+def context(world: int, mesh: list[MeshInfo] | None = None) -> TransferContext:
+    return TransferContext(world_size=world, role="actor", method="m",
+                           mesh_provider=(lambda: mesh) if mesh is not None else None)
+
+
+def test_builtins_registered_by_core_owner() -> None:
+    names = protocol_names()
+    for name in ("one_to_all", "all_to_all", "dp_compute", "dp_compute_padded", "rank_zero", "mesh"):
+        assert name in names
+        assert registries.transfer_protocols.owner(name) == CORE_OWNER
+    with pytest.raises(UnknownNameError, match='Did you mean "dp_compute"'):
+        get_protocol("dp_compte")
+
+
+def test_dp_compute_splits_rows_and_replicates_other_args() -> None:
+    batch = make(8)
+    inputs = get_protocol("dp_compute").distribute((batch, 0.5), {"flag": True}, context(4))
+    assert [rank_input.args[0]["ids"][:, 0].tolist() for rank_input in inputs] == [[0, 2], [4, 6], [8, 10], [12, 14]]
+    assert all(rank_input.args[1] == 0.5 and rank_input.kwargs == {"flag": True} for rank_input in inputs)
+    assert get_protocol("dp_compute").collect([i.args[0] for i in inputs], context(4)).equals(batch)
+    with pytest.raises(ConfigError, match="dp_compute_padded"):
+        get_protocol("dp_compute").distribute((make(6),), {}, context(4))
+
+
+def test_dp_compute_padded_counts_trailing_padding_per_rank() -> None:
+    inputs = get_protocol("dp_compute_padded").distribute((make(5),), {}, context(4))
+    assert [len(i.args[0]) for i in inputs] == [2, 2, 2, 2]
+    assert [i.padding_rows for i in inputs] == [0, 0, 1, 2]
+    assert [int(i.args[0][PADDING_KEY].sum()) for i in inputs] == [0, 0, 1, 2]
+    assert split_rows(make(3), 4, pad=True)[3][1] == 1
+
+
+def test_mesh_replicates_inside_dp_groups_and_collects_one_rank_per_group() -> None:
+    # 4 ranks = dp 2 × tp 2; collect from tp rank 1 of each dp group (like the last pipeline stage)
+    mesh = [MeshInfo(dp_rank=r // 2, dp_size=2, is_collect=r % 2 == 1) for r in range(4)]
+    protocol = get_protocol("mesh")
+    inputs = protocol.distribute((make(4),), {}, context(4, mesh))
+    assert [i.args[0]["ids"][:, 0].tolist() for i in inputs] == [[0, 2], [0, 2], [4, 6], [4, 6]]
+    assert protocol.collect_ranks(context(4, mesh)) == [1, 3]
+    broken = [MeshInfo(dp_rank=r // 2, dp_size=2, is_collect=True) for r in range(4)]
+    with pytest.raises(ConfigError, match="exactly one collect rank per dp_rank"):
+        protocol.collect_ranks(context(4, broken))
+
+
+def test_rank_zero_all_to_all_and_one_to_all() -> None:
+    assert get_protocol("rank_zero").distribute((1,), {}, context(3))[1:] == [None, None]
+    inputs = get_protocol("all_to_all").distribute(([1, 2, 3],), {"k": ["a", "b", "c"]}, context(3))
+    assert [(i.args[0], i.kwargs["k"]) for i in inputs] == [(1, "a"), (2, "b"), (3, "c")]
+    with pytest.raises(ConfigError, match="list of 3 items"):
+        get_protocol("all_to_all").distribute(([1, 2],), {}, context(3))
+    batch = make(2)
+    assert all(i.args[0] is batch for i in get_protocol("one_to_all").distribute((batch,), {}, context(3)))
+
+
+def test_user_register_validates_and_rejects_duplicates() -> None:
+    class Incomplete:
+        concatenates = True
+
+        def distribute(self, args, kwargs, context):  # noqa: ANN001, ANN201
+            return []
+
+    with pytest.raises(TypeError, match="collect_ranks, collect"):
+        register("incomplete_protocol", Incomplete())
+    with pytest.raises(DuplicateNameError, match="hybridflow \\(core\\)"):
+        register("dp_compute", get_protocol("one_to_all"))
+
+
+def test_concat_batches_matches_batch_concat_on_the_parallel_path() -> None:
+    rows = PARALLEL_COPY_BYTES // (4 * 256) // 3 + 7
+    parts = [Batch({"x": torch.randn(rows, 256), "b": torch.randn(rows, 4).to(torch.bfloat16)},
+                   {"t": [str(i) for i in range(rows)]}, {"policy_version": 1}) for _ in range(4)]
+    fast = concat_batches(parts)
+    assert sum(p.nbytes() for p in parts) >= PARALLEL_COPY_BYTES
+    assert fast.equals(Batch.concat(parts)) and fast["b"].dtype == torch.bfloat16
+    with pytest.raises(VersionMismatchError, match="policy_version"):
+        concat_batches([parts[0], parts[1].with_meta(policy_version=2), parts[2]])
