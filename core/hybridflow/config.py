@@ -179,6 +179,7 @@ class TrainerConfig(_Section):
     tensorboard: bool = True
     deadline_s: float = Field(default=900.0, gt=0)
     threads_per_worker: int = Field(default=1, gt=0)
+    plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
 
 
 class Config(_Section):

@@ -7,6 +7,7 @@ The dataflow of a step is the algorithm driver's; placement is :mod:`hybridflow.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ class Trainer:
     def start(self) -> None:
         from hybridflow.controller import add_call_observer, init_ray
 
+        self._copy_plan()
         ray_config = self.config.ray
         if ray_config.address is None:
             init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
@@ -115,6 +117,20 @@ class Trainer:
                               "tensor_parallel_size": self.config.rollout.tensor_parallel_size}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping))
         self._maybe_resume()
+
+    def _copy_plan(self) -> None:
+        """Copy ``trainer.plan`` (a plan.json from ``hybridflow plan --output DIR``) into the run directory, where
+        calibration and the remap advisor (``hybridflow plan --from-run RUN_DIR``) read it next to the ledger."""
+        if self.config.trainer.plan is None:
+            return
+        from hybridflow.placement.record import PLAN_FILE, load_plan_record
+
+        source = Path(self.config.trainer.plan)
+        source = source / PLAN_FILE if source.is_dir() else source
+        load_plan_record(source)  # ConfigError naming the file if it is missing or malformed
+        target = self.run_dir / PLAN_FILE
+        if not target.exists() or not target.samefile(source):
+            shutil.copyfile(source, target)
 
     def _protocols(self) -> dict[str, str]:
         from hybridflow.controller import dispatch_of
