@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.placement.autoparallel import LayoutPlanner
-from hybridflow.placement.calibration import fit_efficiency, node_seconds, read_ledger
+from hybridflow.placement.calibration import fit_efficiency, match_nodes, node_seconds, read_ledger
 from hybridflow.placement.fragment import build_fragment
 from hybridflow.placement.memory import state_bytes
 from hybridflow.placement.record import PlanInputs, PlanRecord, load_plan_record, retime_plan
@@ -62,11 +62,13 @@ def detect_drift(record_plan: Plan, rows: list[dict[str, Any]], *, window: int, 
     """Nodes whose observed/predicted ratio is off by more than ``threshold``, in the same direction, in at least
     ``persistence`` of the last ``window`` rows; maps each to its median ratio."""
     predicted = {t.name: t.seconds for t in record_plan.timings}
+    measured = node_seconds(rows[-window:])
     drifting: dict[str, float] = {}
-    for name, values in node_seconds(rows[-window:]).items():
-        if name not in predicted or predicted[name] <= 0:
+    for name, stages in match_nodes(predicted, measured).items():
+        expected = sum(predicted[s] for s in stages)
+        if expected <= 0:
             continue
-        ratios = [v / predicted[name] for v in values]
+        ratios = [v / expected for v in measured[name]]
         slow = sum(r > 1 + threshold for r in ratios)
         fast = sum(r < 1 - threshold for r in ratios)
         if max(slow, fast) >= persistence * len(ratios):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,24 @@ from hybridflow.placement.profiles import Efficiency
 from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan
 from hybridflow.placement.search import Plan
 
-__all__ = ["read_ledger", "node_seconds", "NodeComparison", "compare_nodes", "fit_efficiency", "format_comparison",
-           "LEDGER_FILE"]
+__all__ = ["read_ledger", "node_seconds", "match_nodes", "NodeComparison", "compare_nodes", "fit_efficiency",
+           "format_comparison", "LEDGER_FILE", "TRAINER_NODES"]
 
 LEDGER_FILE = "ledger.jsonl"
+
+# `hybridflow train` names ledger nodes role.method; each covers these dataflow stages (those the algorithm has).
+# The hybrid engine reshards the actor's weights at the start of generate, so weight_sync is timed inside it, and
+# ReMax's greedy baseline is a second actor.generate call (the ledger sums both).
+TRAINER_NODES: dict[str, tuple[str, ...]] = {
+    "actor.generate": ("generate", "generate_baseline", "weight_sync"),
+    "actor.compute_log_probs": ("old_log_probs",),
+    "reference.compute_ref_log_probs": ("ref_log_probs",),
+    "critic.compute_values": ("values",),
+    "reward_model.compute_scores": ("reward",),
+    "cost_model.compute_scores": ("cost",),
+    "critic.update_critic": ("critic_update",),
+    "actor.update_policy": ("actor_update",),
+}
 
 
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -54,18 +68,39 @@ def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def node_seconds(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
-    """Each node's measured seconds across ``rows``."""
+    """Each node's measured seconds across ``rows``: ``busy_seconds`` where a row has it, else ``seconds``.
+
+    The trainer's ``seconds`` run from dispatch to the last rank finishing, so a node queued behind another on
+    the same pool includes that wait; ``busy_seconds`` (the node's own run time) is preferred when recorded.
+    """
     seconds: dict[str, list[float]] = {}
     for row in rows:
         for name, node in row["nodes"].items():
-            if isinstance(node, Mapping) and isinstance(node.get("seconds"), int | float):
-                seconds.setdefault(name, []).append(float(node["seconds"]))
+            if not isinstance(node, Mapping):
+                continue
+            value = node.get("busy_seconds", node.get("seconds"))
+            if isinstance(value, int | float):
+                seconds.setdefault(name, []).append(float(value))
     return seconds
+
+
+def match_nodes(stages: Collection[str], measured: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Map each measured node to the simulator stages it covers: its own name if it is a stage (a ledger written
+    in stage names), else the stages :data:`TRAINER_NODES` lists for it that ``stages`` has; others are left out."""
+    matched: dict[str, tuple[str, ...]] = {}
+    for name in measured:
+        if name in stages:
+            matched[name] = (name,)
+        else:
+            covered = tuple(stage for stage in TRAINER_NODES.get(name, ()) if stage in stages)
+            if covered:
+                matched[name] = covered
+    return matched
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeComparison:
-    """Predicted against observed seconds of one node over a run."""
+    """Predicted against observed seconds of one node over a run; ``stages`` are the simulator stages it covers."""
 
     node: str
     kind: str
@@ -74,6 +109,7 @@ class NodeComparison:
     observed_min: float
     observed_max: float
     samples: int
+    stages: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -82,14 +118,21 @@ class NodeComparison:
 
 
 def compare_nodes(plan: Plan, rows: Sequence[Mapping[str, Any]], kinds: Mapping[str, str]) -> list[NodeComparison]:
-    """One :class:`NodeComparison` per node both predicted by ``plan`` and measured in ``rows``."""
+    """One :class:`NodeComparison` per node both predicted by ``plan`` and measured in ``rows``.
+
+    Measured nodes are matched to stages by :func:`match_nodes`; a node covering several stages (the trainer's
+    ``actor.generate`` holds generation and the weight sync) is compared with their summed prediction and takes
+    the kind of its first stage.
+    """
     predicted = {t.name: t.seconds for t in plan.timings}
+    measured = node_seconds(rows)
     comparisons = []
-    for name, values in sorted(node_seconds(rows).items()):
-        if name in predicted:
-            comparisons.append(NodeComparison(node=name, kind=kinds.get(name, "?"), predicted=predicted[name],
-                                              observed_median=statistics.median(values), observed_min=min(values),
-                                              observed_max=max(values), samples=len(values)))
+    for name, stages in sorted(match_nodes(predicted, measured).items()):
+        values = measured[name]
+        comparisons.append(NodeComparison(node=name, kind=kinds.get(stages[0], "?"),
+                                          predicted=sum(predicted[s] for s in stages),
+                                          observed_median=statistics.median(values), observed_min=min(values),
+                                          observed_max=max(values), samples=len(values), stages=stages))
     return comparisons
 
 
