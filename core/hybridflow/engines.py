@@ -10,8 +10,23 @@ Batch column conventions (all tensors, batch dim first; P = prompt length, R = r
   ``attention_mask`` [B, P+R], ``position_ids`` [B, P+R], ``response_mask`` [B, R] (1 on generated tokens up to and
   including EOS), ``rollout_log_probs`` [B, R] (log-prob of each sampled token under the sampling distribution
   before temperature/top-k/top-p, i.e. the policy's own log-prob), and meta ``policy_version``.
-- ``compute_log_probs`` adds ``log_probs`` [B, R] (and ``entropy`` [B, R] when asked); ``compute_values`` adds
-  ``values`` [B, R]; ``compute_scores`` adds ``scores`` [B].
+- ``compute_log_probs`` returns ``log_probs`` [B, R] (and ``entropy`` [B, R] when asked); ``compute_values``
+  returns ``values`` [B, R] (the value of the state before each response token, as in verl); ``compute_scores``
+  returns ``scores`` [B] (read at the last attended token). Each returns a Batch holding *only* the new columns and
+  the input's ``meta``; the driver joins them with ``batch | out``.
+
+Training contract:
+
+- ``train_step(batch, loss_fn=..., mini_batch_size=...)``: one optimizer step per mini-batch; ``mini_batch_size``
+  counts rows over all data-parallel ranks (None: the whole batch in one step); the engine's
+  ``micro_batch_size`` counts rows per forward on one rank.
+- Gradient accumulation follows :mod:`hybridflow.algorithms.losses`: before each ``loss_fn(outputs, micro_batch)``
+  the engine sets ``micro_batch.meta["loss_scale_tokens"]`` and ``["loss_scale_rows"]`` to the mini-batch's valid
+  response tokens and rows (all-reduced over data-parallel ranks, divided by their number, ``is_padding`` rows
+  excluded) and calls ``backward()`` on the returned loss unweighted. ``outputs`` holds what
+  ``loss_fn.required_outputs`` names (default ``("log_probs",)``; ``entropy`` only when asked).
+- Engines may expose ``last_handover_stats`` (bytes received, seconds) after ``generation_weights`` is consumed,
+  and rollout engines ``resident_weight_bytes()``; the ledger reports them when present.
 """
 
 from __future__ import annotations
