@@ -182,6 +182,26 @@ class TrainerConfig(_Section):
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
 
 
+class ReliabilitySection(_Section):
+    """Fault injection (off unless listed) and the recovery policy; see docs/operations.md."""
+
+    faults: list[str] = Field(default_factory=list)
+    max_retries: int = Field(default=2, ge=0)
+    on_hang: Literal["retry", "stop"] = "retry"
+    on_worker_failure: Literal["retry", "stop"] = "retry"
+    deadlines: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ReliabilitySection:
+        from hybridflow.reliability.faults import parse_fault_specs
+
+        parse_fault_specs(self.faults)  # ConfigError naming the bad spec and the known points
+        bad = {node: s for node, s in self.deadlines.items() if not s > 0}
+        if bad:
+            raise ValueError(f"deadlines must be positive seconds per node (e.g. actor.update_policy: 60), got {bad}")
+        return self
+
+
 class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     model: ModelConfig = ModelConfig(preset="tiny-qwen2")
@@ -195,6 +215,7 @@ class Config(_Section):
     resource_pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"main": PoolConfig(devices_per_node=[2])})
     ray: RayConfig = RayConfig()
     trainer: TrainerConfig = TrainerConfig()
+    reliability: ReliabilitySection = ReliabilitySection()
 
     @model_validator(mode="after")
     def _pools_and_batches(self) -> Config:
@@ -209,9 +230,9 @@ class Config(_Section):
         if world % model_parallel:
             raise ValueError(f"actor.parallel: tensor × pipeline = {model_parallel} does not divide the "
                              f"{world} devices of pool {self.actor.pool!r}")
-        if self.data.batch_size * self.rollout.n % (world // model_parallel):
-            raise ValueError(f"data.batch_size × rollout.n = {self.data.batch_size * self.rollout.n} must be a "
-                             f"multiple of the actor's data-parallel size {world // model_parallel}")
+        if self.data.batch_size % (world // model_parallel):
+            raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the actor's "
+                             f"data-parallel size {world // model_parallel} (prompts are split over its ranks)")
         return self
 
     def role_model(self, section: Any) -> ModelConfig:

@@ -22,6 +22,7 @@ from hybridflow.errors import CheckpointError, ConfigError
 from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
+from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards import resolve_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager
@@ -78,6 +79,8 @@ class Trainer:
         self.plans = plan_roles(config, needs_critic=self.algorithm.needs_critic,
                                 needs_reference=self.needs_reference, loss_configs=_loss_configs(config),
                                 tokenizer=self.tokenizer)
+        self.faults = FaultPlan.from_sources(config.reliability.faults, self.run_dir)
+        self.plans = attach_fault_plan(self.plans, self.faults)
         self.kl_controller = build_kl_controller(
             "adaptive" if config.algorithm.adaptive_kl_target else "fixed", kl_coef=config.algorithm.kl_coef,
             target_kl=config.algorithm.adaptive_kl_target, horizon=10_000)
@@ -95,6 +98,7 @@ class Trainer:
         self.groups: Groups | None = None
         self.step = 0
         self._record: IterationRecord | None = None
+        self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -109,6 +113,7 @@ class Trainer:
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"))
         add_call_observer(self._observe)
+        add_call_observer(self.supervisor.observe)
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
                             "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel)}
@@ -157,6 +162,7 @@ class Trainer:
         from hybridflow.controller import remove_call_observer
 
         remove_call_observer(self._observe)
+        remove_call_observer(self.supervisor.observe)
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
@@ -175,7 +181,14 @@ class Trainer:
             for role in groups.role_pool:
                 groups.role(role).save_checkpoint(path)
 
-        return self.checkpoints.save(self.step, write_workers, self._trainer_state())
+        return self.checkpoints.save(self.step, write_workers, self._trainer_state(),
+                                     before_publish=self.supervisor.before_publish(self.step))
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.lagrange is not None and state.get("lagrange"):
+            self.lagrange.load_state_dict(state["lagrange"])
 
     def _maybe_resume(self) -> None:
         mode = self.config.trainer.resume
@@ -188,10 +201,7 @@ class Trainer:
         assert self.groups is not None
         for role in self.groups.role_pool:
             self.groups.role(role).load_checkpoint(str(latest))
-        self.loader.load_state_dict(state["loader"])
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        if self.lagrange is not None and state.get("lagrange"):
-            self.lagrange.load_state_dict(state["lagrange"])
+        self._load_trainer_state(state)
         self.step = int(state["step"])
         self.ledger.truncate_after(self.step - 1)
         self.writer.truncate_after(self.step - 1)
@@ -201,21 +211,22 @@ class Trainer:
         if self._record is None:
             return
         node = f"{record.role}.{record.method}"
-        self._record.add_node(node, pool=record.group, start=record.started_at, end=record.finished_at,
-                              policy_version=self._record.policy_version)
+        # the version each node ran at comes from its outputs (Supervisor.annotate), not from this record
+        self._record.add_node(node, pool=record.group, start=record.started_at, end=record.finished_at)
         self._record.add_edge("driver" if not any(record.bytes_in_per_rank) else "object_store", node,
                               protocol=record.protocol, bytes_per_rank=list(record.bytes_in_per_rank))
 
     def train_step(self) -> dict[str, float]:
-        """One iteration of the algorithm, recorded in the ledger and metrics."""
-        runtime = self.runtime()
+        """One iteration of the algorithm, recorded in the ledger and metrics (a failed attempt's nodes stay in the
+        record, so the row of a retried iteration shows the lost work too)."""
+        runtime = self.supervisor.wrap_runtime(self.runtime())
         prompts = self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
-        self._record = self.ledger.begin(self.step, policy_version=self.step)
+        if self._record is None or self._record.iteration != self.step:
+            self._record = self.ledger.begin(self.step, policy_version=self.step)
         start = time.perf_counter()
-        try:
-            metrics = self.algorithm.step(runtime, prompts)
-        finally:
-            record, self._record = self._record, None
+        metrics = self.algorithm.step(runtime, prompts)
+        record, self._record = self._record, None
+        self.supervisor.annotate(record, prompts)
         metrics["time/step_s"] = time.perf_counter() - start
         tokens = metrics.get("tokens/prompt_and_response", 0.0)
         metrics["throughput/prompt_response_tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
@@ -234,11 +245,11 @@ class Trainer:
         every = self.config.trainer.checkpoint_every
         with Progress(total=total, start=self.step, enabled=self.show_progress) as progress:
             while self.step < total:
-                metrics = self.train_step()
+                metrics = self.supervisor.run_iteration()  # train_step(), retried per reliability policy
                 history.append(metrics)
                 progress.update(self.step, metrics)
                 if every and (self.step % every == 0 or self.step == total):
-                    self.save_checkpoint()
+                    self.supervisor.save_checkpoint()
         (self.run_dir / "summary.json").write_text(json.dumps({"steps": self.step, "last": history[-1] if history
                                                                else {}}, indent=1))
         return history

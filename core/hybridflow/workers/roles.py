@@ -27,6 +27,7 @@ from hybridflow.engines import (
     TrainingEngineConfig,
 )
 from hybridflow.errors import EngineError, VersionMismatchError
+from hybridflow.reliability.faults import arm, iteration_of_checkpoint, maybe_fail
 
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
 
@@ -60,6 +61,11 @@ def _build_training_engine(spec: RoleSpec) -> TrainingEngine:
     return factory(role=spec.role, config=spec.engine_config, device=spec.device)  # type: ignore[no-any-return]
 
 
+def _iteration(batch: Batch) -> int | None:
+    value = batch.meta.get("iteration")
+    return None if value is None else int(value)
+
+
 def _only(batch: Batch, source: Batch, **columns: str) -> Batch:
     """A batch with ``source``'s meta holding ``new_name ← batch[old_name]`` columns only."""
     return Batch({new: batch[old] for new, old in columns.items()}, meta=dict(source.meta))
@@ -71,6 +77,8 @@ class _TrainingRole(Worker):
     def __init__(self, spec: RoleSpec) -> None:
         super().__init__()
         self.spec = spec
+        if spec.extra.get("faults"):
+            arm(spec.extra["faults"])  # fault injection (tests, bench/faults.py); off unless configured
         self.engine = _build_training_engine(spec)
         self.policy_version = 0
 
@@ -81,6 +89,7 @@ class _TrainingRole(Worker):
     def save_checkpoint(self, path: str) -> None:
         target = Path(path) / self.spec.role
         self.engine.save_checkpoint(str(target))
+        maybe_fail("checkpoint.worker_write", iteration=iteration_of_checkpoint(path), rank=self.rank)
         if self.rank == 0:
             (target / "worker_state.json").write_text(json.dumps({"policy_version": self.policy_version}))
 
@@ -115,12 +124,13 @@ class ActorRolloutWorker(_TrainingRole):
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
 
-    def _sync_weights(self) -> None:
+    def _sync_weights(self, iteration: int | None = None) -> None:
         """Reshard the training weights into the rollout engine if it holds an older version."""
         if self.rollout.weights_version == self.policy_version and self.handover["count"] and not self._asleep:
             return
         start = time.perf_counter()
         self.rollout.wake()
+        maybe_fail("actor.handover", iteration=iteration, rank=self.rank)
         self.rollout.update_weights(self.engine.generation_weights(target=self.spec.rollout_engine or "hf"),
                                     version=self.policy_version)
         stats = getattr(self.engine, "last_handover_stats", None)
@@ -131,7 +141,7 @@ class ActorRolloutWorker(_TrainingRole):
 
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
-        self._sync_weights()
+        self._sync_weights(_iteration(prompts))
         sampling = self.spec.sampling
         assert sampling is not None
         if greedy:
@@ -144,6 +154,7 @@ class ActorRolloutWorker(_TrainingRole):
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + self.rank)
         out = self.rollout.generate(prompts, sampling)
+        maybe_fail("actor.generate", iteration=_iteration(prompts), rank=self.rank)
         if out.meta.get("policy_version") != self.policy_version:
             raise VersionMismatchError(
                 f"rollout engine produced policy_version {out.meta.get('policy_version')} but the actor weights are "
@@ -158,6 +169,7 @@ class ActorRolloutWorker(_TrainingRole):
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:
         self._check_version(batch, "compute_log_probs")
+        maybe_fail("actor.log_probs", iteration=_iteration(batch), rank=self.rank)
         return _only(self.engine.compute_log_probs(batch), batch, old_log_probs="log_probs")
 
     @register(protocol="dp_compute", blocking=True, idempotent=False)
@@ -166,6 +178,7 @@ class ActorRolloutWorker(_TrainingRole):
         metrics: dict[str, float] = {}
         for _ in range(self.spec.epochs):
             metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
+            maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank)  # weights already stepped
         self.policy_version += 1
         metrics["actor/policy_version"] = float(self.policy_version)
         return metrics
@@ -187,26 +200,33 @@ class ActorRolloutWorker(_TrainingRole):
 class CriticWorker(_TrainingRole):
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def compute_values(self, batch: Batch) -> Batch:
-        return _only(self.engine.compute_values(batch), batch, values="values")
+        output = _only(self.engine.compute_values(batch), batch, values="values")
+        maybe_fail("critic.values", iteration=_iteration(batch), rank=self.rank)
+        return output
 
     @register(protocol="dp_compute", blocking=True, idempotent=False)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for _ in range(self.spec.epochs):
             metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
+            maybe_fail("critic.update", iteration=_iteration(batch), rank=self.rank)  # weights already stepped
         return metrics
 
 
 class ReferenceWorker(_TrainingRole):
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        return _only(self.engine.compute_log_probs(batch), batch, ref_log_probs="log_probs")
+        output = _only(self.engine.compute_log_probs(batch), batch, ref_log_probs="log_probs")
+        maybe_fail("reference.log_probs", iteration=_iteration(batch), rank=self.rank)
+        return output
 
 
 class RewardModelWorker(_TrainingRole):
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def compute_scores(self, batch: Batch) -> Batch:
-        return _only(self.engine.compute_scores(batch), batch, **{self.spec.output_key: "scores"})
+        output = _only(self.engine.compute_scores(batch), batch, **{self.spec.output_key: "scores"})
+        maybe_fail("reward_model.scores", iteration=_iteration(batch), rank=self.rank)
+        return output
 
 
 def worker_environment() -> dict[str, str]:

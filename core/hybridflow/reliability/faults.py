@@ -1,0 +1,207 @@
+"""Fault injection: named points in the workers, the controller and the trainer where a run can be made to die (hard
+exit), hang or raise, switched on by ``reliability.faults`` or ``HYBRIDFLOW_FAULTS`` and off by default.
+
+Each fault fires once: a marker file in ``RUN_DIR/faults`` survives the killed process, so a replay or a resumed
+run passes the point. Recovering from the fault is :mod:`hybridflow.reliability.recovery`'s business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from hybridflow.errors import ConfigError, HybridflowError
+
+__all__ = ["FAULT_POINTS", "ENV_VAR", "FaultSpec", "FaultPlan", "InjectedFault", "parse_fault_specs", "arm",
+           "armed_plan", "maybe_fail", "iteration_of_checkpoint"]
+
+#: the environment variable read by the driver (never needed in workers: the plan travels in the role specs)
+ENV_VAR = "HYBRIDFLOW_FAULTS"
+
+Side = Literal["worker", "driver"]
+
+#: every injection point: where it fires and in which process
+FAULT_POINTS: dict[str, tuple[Side, str]] = {
+    "actor.generate": ("worker", "inside ActorRolloutWorker.generate, after the rollout, before returning"),
+    "actor.handover": ("worker", "inside the weight handover (rollout engine woken, weights not yet loaded)"),
+    "actor.log_probs": ("worker", "inside ActorRolloutWorker.compute_log_probs"),
+    "actor.update": ("worker", "inside ActorRolloutWorker.update_policy, after the first optimizer step"),
+    "reference.log_probs": ("worker", "inside ReferenceWorker.compute_ref_log_probs"),
+    "critic.values": ("worker", "inside CriticWorker.compute_values"),
+    "critic.update": ("worker", "inside CriticWorker.update_critic, after the first optimizer step"),
+    "reward_model.scores": ("worker", "inside RewardModelWorker.compute_scores"),
+    "checkpoint.worker_write": ("worker", "inside a worker's save_checkpoint, engine state half written"),
+    "generate.before_consume": ("driver", "after actor.generate returned, before anything consumed its output: an "
+                                          "actor rank is killed"),
+    "controller.between_nodes": ("driver", "between two nodes in the controller (iteration done, before the "
+                                           "checkpoint or the next iteration): an actor rank is killed"),
+    "checkpoint.publish": ("driver", "inside CheckpointManager.save, files written, before the atomic rename: "
+                                     "the driver process itself exits"),
+}
+
+Action = Literal["kill", "hang", "raise"]
+_SPEC = re.compile(r"^(?P<point>[a-z_.]+)@(?P<iteration>\d+)(?P<options>(:[a-z=0-9_]+)*)$")
+
+
+class InjectedFault(HybridflowError):
+    """Raised by a fault point whose action is ``raise`` (the other actions exit or hang the process)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultSpec:
+    """One fault: ``point`` fires at ``iteration`` on ``rank`` (workers) doing ``action``."""
+
+    point: str
+    iteration: int
+    action: Action = "kill"
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.point not in FAULT_POINTS:
+            import difflib
+
+            close = difflib.get_close_matches(self.point, list(FAULT_POINTS), n=1)
+            hint = f' Did you mean "{close[0]}"?' if close else ""
+            raise ConfigError(f'unknown fault point "{self.point}"; expected one of {", ".join(FAULT_POINTS)}.{hint}')
+        if self.action not in ("kill", "hang", "raise"):
+            raise ConfigError(f'fault action must be kill, hang or raise; got "{self.action}" for {self.point}')
+        if self.iteration < 0 or self.rank < 0:
+            raise ConfigError(f"fault {self.point}: iteration and rank must be >= 0, got {self.iteration}, {self.rank}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.point}@{self.iteration}:{self.action}:rank={self.rank}"
+
+
+def parse_fault_specs(text: str | list[str] | tuple[str, ...]) -> tuple[FaultSpec, ...]:
+    """``"actor.update@2,actor.generate@1:hang:rank=1"`` → specs. Raises :class:`ConfigError` naming the bad one."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    specs = []
+    for raw in (item.strip() for item in items):
+        if not raw:
+            continue
+        match = _SPEC.match(raw)
+        if match is None:
+            raise ConfigError(f'fault "{raw}" is not of the form POINT@ITERATION[:kill|:hang|:raise][:rank=R] '
+                              f'(e.g. "actor.update@2:kill"); points: {", ".join(FAULT_POINTS)}')
+        action: str = "kill"
+        rank = 0
+        for option in filter(None, match["options"].split(":")):
+            if option.startswith("rank="):
+                rank = int(option.removeprefix("rank="))
+            else:
+                action = option
+        specs.append(FaultSpec(point=match["point"], iteration=int(match["iteration"]), action=action,  # type: ignore[arg-type]
+                               rank=rank))
+    return tuple(specs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultPlan:
+    """The faults of a run and where their fired-markers live (shared by the driver and every worker)."""
+
+    specs: tuple[FaultSpec, ...] = ()
+    marker_dir: str = ""
+    hang_seconds: float = 3600.0
+
+    @classmethod
+    def from_sources(cls, configured: list[str] | tuple[str, ...], run_dir: str | Path,
+                     environ: dict[str, str] | None = None) -> FaultPlan:
+        """Faults from the config plus ``HYBRIDFLOW_FAULTS`` (both empty: an inactive plan)."""
+        env = os.environ if environ is None else environ
+        specs = parse_fault_specs(list(configured)) + parse_fault_specs(env.get(ENV_VAR, ""))
+        return cls(specs=specs, marker_dir=str(Path(run_dir).resolve() / "faults"))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.specs)
+
+    def to_json(self) -> str:
+        return json.dumps({"specs": [[s.point, s.iteration, s.action, s.rank] for s in self.specs],
+                           "marker_dir": self.marker_dir, "hang_seconds": self.hang_seconds})
+
+    @classmethod
+    def from_json(cls, text: str) -> FaultPlan:
+        data = json.loads(text)
+        specs = tuple(FaultSpec(point=p, iteration=i, action=a, rank=r) for p, i, a, r in data["specs"])
+        return cls(specs=specs, marker_dir=data["marker_dir"], hang_seconds=float(data["hang_seconds"]))
+
+    def due(self, point: str, *, iteration: int, rank: int | None = None) -> FaultSpec | None:
+        """The spec firing now at ``point`` (not fired before), else None."""
+        for spec in self.specs:
+            if spec.point != point or spec.iteration != iteration:
+                continue
+            if rank is not None and spec.rank != rank:
+                continue
+            if not self._marker(spec).exists():
+                return spec
+        return None
+
+    def fired(self) -> list[str]:
+        """Labels of the faults that fired in this run (read from the markers)."""
+        return [spec.label for spec in self.specs if self._marker(spec).exists()]
+
+    def _marker(self, spec: FaultSpec) -> Path:
+        return Path(self.marker_dir) / f"{spec.point}@{spec.iteration}.{spec.action}.rank{spec.rank}.fired"
+
+    def mark(self, spec: FaultSpec) -> None:
+        marker = self._marker(spec)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        with marker.open("w") as handle:
+            handle.write(f"pid {os.getpid()} at {time.time()}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+_armed: FaultPlan = FaultPlan()
+
+
+def arm(plan: FaultPlan | str | None) -> FaultPlan:
+    """Set this process's plan (workers call it with the JSON from their role spec); returns it."""
+    global _armed
+    if plan is None:
+        _armed = FaultPlan()
+    else:
+        _armed = FaultPlan.from_json(plan) if isinstance(plan, str) else plan
+    return _armed
+
+
+def armed_plan() -> FaultPlan:
+    return _armed
+
+
+def maybe_fail(point: str, *, iteration: int | None, rank: int | None = None,
+               plan: FaultPlan | None = None) -> FaultSpec | None:
+    """Fire ``point`` if a fault is due: ``kill`` exits this process at once, ``hang`` sleeps, ``raise`` raises.
+
+    Returns the spec only for driver points whose action the caller carries out (killing a worker rank).
+    """
+    plan = _armed if plan is None else plan
+    if not plan.active or iteration is None:
+        return None
+    spec = plan.due(point, iteration=iteration, rank=rank)
+    if spec is None:
+        return None
+    plan.mark(spec)
+    side = FAULT_POINTS[point][0]
+    if spec.action == "raise":
+        raise InjectedFault(f"injected fault {spec.label} (reliability.faults / {ENV_VAR}); remove it to run clean")
+    if spec.action == "hang":
+        deadline = time.monotonic() + plan.hang_seconds
+        while time.monotonic() < deadline:  # a stuck worker: only the watchdog notices
+            time.sleep(0.5)
+        return None
+    if side == "worker" or point == "checkpoint.publish":
+        os._exit(17)  # a hard death: no cleanup, no exception, exactly like a segfault or OOM kill
+    return spec
+
+
+def iteration_of_checkpoint(path: str) -> int | None:
+    """The step of a checkpoint directory being written (``.tmp-step-N-xxxx`` or ``step-N``)."""
+    match = re.search(r"step-(\d+)", str(path))
+    return int(match.group(1)) if match else None

@@ -1,0 +1,158 @@
+"""The call journal: every worker call of an iteration with its result, which pool produced it and whether the
+method is idempotent, so a retried iteration reuses the outputs that are still valid and redoes only the rest.
+
+It also keeps the non-idempotent calls (updates) of iterations since the last checkpoint, to bring a restarted
+group back to the state of the iteration start. Deciding when to retry is :mod:`hybridflow.reliability.recovery`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.batch import Batch
+
+__all__ = ["CallEntry", "Journal", "JournaledRole"]
+
+
+@dataclass(slots=True)
+class CallEntry:
+    """One call as the driver saw it: ``node`` is ``role.method``; ``generation`` the producing pool's restart count."""
+
+    node: str
+    role: str
+    method: str
+    pool: str
+    generation: int
+    idempotent: bool
+    attempt: int
+    result: Any
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedUpdate:
+    """A non-idempotent call of a committed iteration, with its inputs fetched to the driver (for replay)."""
+
+    iteration: int
+    role: str
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _materialize(value: Any) -> Any:
+    """Futures are fetched (a replay after a restart cannot trust object refs of dead producers)."""
+    if hasattr(value, "get") and not isinstance(value, (Batch, dict)):
+        return value.get()
+    return value
+
+
+def _still_valid(result: Any) -> bool:
+    """A future that already failed is not reusable (one still running, or done fine, is)."""
+    if hasattr(result, "done") and hasattr(result, "wait") and not isinstance(result, Batch):
+        if result.done():
+            try:
+                result.wait(timeout=0)
+            except Exception:  # noqa: BLE001 - any failure of the producing call means: redo it
+                return False
+    return True
+
+
+class Journal:
+    """Per iteration: ``begin_attempt`` → calls through :class:`JournaledRole` → ``commit``. Stability: developer."""
+
+    def __init__(self, *, pool_of_role: Callable[[str], str | None]) -> None:
+        self._pool_of_role = pool_of_role
+        self.generation: dict[str, int] = {}
+        self.iteration = -1
+        self.attempt = 0
+        self.entries: dict[tuple[str, str, int], CallEntry] = {}
+        self.used: dict[tuple[str, str, int], CallEntry] = {}
+        self.reused: list[str] = []
+        self.redone: list[str] = []
+        self.update_log: list[LoggedUpdate] = []
+        self._counts: dict[tuple[str, str], int] = {}
+        self.after_call: Callable[[CallEntry], None] | None = None
+
+    # --- iteration lifecycle ----------------------------------------------------------------------------
+    def begin_attempt(self, iteration: int) -> None:
+        if iteration != self.iteration:
+            self.iteration, self.attempt, self.entries = iteration, 0, {}
+        else:
+            self.attempt += 1
+        self.used, self.reused, self.redone, self._counts = {}, [], [], {}
+
+    def commit(self) -> list[CallEntry]:
+        """The effective calls of the finished iteration; its updates join the replay log."""
+        effective = list(self.used.values())
+        for entry in effective:
+            if not entry.idempotent:
+                self.update_log.append(LoggedUpdate(
+                    iteration=self.iteration, role=entry.role, method=entry.method,
+                    args=tuple(_materialize(a) for a in entry.args),
+                    kwargs={k: _materialize(v) for k, v in entry.kwargs.items()}))
+        self.entries = {}
+        return effective
+
+    def checkpointed(self) -> None:
+        """A checkpoint now holds every logged update: the log restarts empty."""
+        self.update_log.clear()
+
+    def restarted(self, pool: str) -> None:
+        """``pool``'s workers are fresh processes: none of its earlier outputs or updates survive."""
+        self.generation[pool] = self.generation.get(pool, 0) + 1
+
+    def updates_for(self, pools: set[str]) -> list[LoggedUpdate]:
+        return [u for u in self.update_log if self._pool_of_role(u.role) in pools]
+
+    # --- calls ----------------------------------------------------------------------------------------------
+    def call(self, role: str, method: str, bound: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        index = self._counts.get((role, method), 0)
+        self._counts[(role, method)] = index + 1
+        key = (role, method, index)
+        node = f"{role}.{method}"
+        pool = self._pool_of_role(role) or role
+        previous = self.entries.get(key)
+        if (previous is not None and previous.generation == self.generation.get(pool, 0)
+                and _still_valid(previous.result)):
+            self.used[key] = previous
+            self.reused.append(node)
+            return previous.result
+        if previous is not None:
+            self.redone.append(node)
+        entry = CallEntry(node=node, role=role, method=method, pool=pool, generation=self.generation.get(pool, 0),
+                          idempotent=bool(bound.dispatch.idempotent), attempt=self.attempt, result=None,
+                          args=args, kwargs=dict(kwargs))
+        entry.result = bound(*args, **kwargs)
+        self.entries[key] = entry
+        self.used[key] = entry
+        if self.after_call is not None:
+            self.after_call(entry)
+        return entry.result
+
+    def wrap(self, role: str, handle: Any, deadlines: dict[str, float] | None = None) -> JournaledRole | None:
+        return None if handle is None else JournaledRole(self, role, handle, dict(deadlines or {}))
+
+
+class JournaledRole:
+    """Stands in for ``group.<role>`` in a driver: same methods, every call goes through the journal."""
+
+    def __init__(self, journal: Journal, role: str, handle: Any, deadlines: dict[str, float]) -> None:
+        self._journal, self._role, self._handle, self._deadlines = journal, role, handle, deadlines
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        bound = getattr(self._handle, name)
+        deadline = self._deadlines.get(f"{self._role}.{name}")
+        if deadline is not None:
+            bound = bound.with_deadline(deadline)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._journal.call(self._role, name, bound, args, kwargs)
+
+        call.__name__ = name
+        return call
