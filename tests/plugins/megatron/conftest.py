@@ -55,3 +55,18 @@ def run_ranks(tmp_path: Path, scenario: str, world: int, args: dict[str, Any], t
 def ranks(tmp_path: Path):
     pytest.importorskip("megatron.core", reason="megatron-core not installed (scripts/install_megatron.sh)")
     return lambda scenario, world, args, timeout_s=240: run_ranks(tmp_path, scenario, world, args, timeout_s)
+
+
+@pytest.fixture(scope="module")
+def module_ranks(tmp_path_factory: pytest.TempPathFactory):
+    """Like ``ranks`` but shared by a test module, so a 1-rank reference runs once."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (scripts/install_megatron.sh)")
+    cache: dict[str, list[Any]] = {}
+
+    def run(scenario: str, world: int, args: dict[str, Any], timeout_s: float = 240) -> list[Any]:
+        key = json.dumps([scenario, world, args], sort_keys=True)
+        if key not in cache:
+            cache[key] = run_ranks(tmp_path_factory.mktemp("ranks"), scenario, world, args, timeout_s)
+        return cache[key]
+
+    return run

@@ -32,9 +32,9 @@ def test_tp2_logits_and_generation_weights_equal_hf(ranks):
         assert result["stats"].bytes_received > 0
 
 
-def _train(ranks, world, **args):
+def _train(module_ranks, world, **args):
     base = {"model": {"architecture": "qwen2", **GQA}, "steps": 2, "micro_batch_size": 2}
-    return ranks("train", world, {**base, **args})
+    return module_ranks("train", world, {**base, **args})
 
 
 def _assert_matches_reference(results, reference, atol=2e-5):
@@ -49,9 +49,9 @@ def _assert_matches_reference(results, reference, atol=2e-5):
     assert moved > 1e-2  # the steps changed the policy, so equality above is not vacuous
 
 
-def test_tp2_train_steps_equal_one_rank(ranks):
-    (reference,) = _train(ranks, 1)
-    results = _train(ranks, 2, tp=2)
+def test_tp2_train_steps_equal_one_rank(module_ranks):
+    (reference,) = _train(module_ranks, 1)
+    results = _train(module_ranks, 2, tp=2)
     _assert_matches_reference(results, reference)
     for step in range(2):
         assert abs(results[0]["metrics"][step]["loss"] - reference["metrics"][step]["loss"]) < 1e-5
@@ -59,16 +59,16 @@ def test_tp2_train_steps_equal_one_rank(ranks):
     assert [r["mesh"] for r in results] == [(0, 1, True), (0, 1, False)]
 
 
-def test_pp2_train_steps_equal_one_rank(ranks):
-    (reference,) = _train(ranks, 1)
-    results = _train(ranks, 2, pp=2)
+def test_pp2_train_steps_equal_one_rank(module_ranks):
+    (reference,) = _train(module_ranks, 1)
+    results = _train(module_ranks, 2, pp=2)
     _assert_matches_reference(results, reference)
     assert [r["mesh"] for r in results] == [(0, 1, False), (0, 1, True)]
     assert results[0]["metrics"] == results[1]["metrics"]  # broadcast from the last stage
 
 
-def test_tp2_dp2_train_steps_equal_one_rank(ranks):
-    (reference,) = _train(ranks, 1)
-    results = _train(ranks, 4, tp=2)
+def test_tp2_dp2_train_steps_equal_one_rank(module_ranks):
+    (reference,) = _train(module_ranks, 1)
+    results = _train(module_ranks, 4, tp=2)
     _assert_matches_reference(results, reference)
     assert sorted(r["mesh"] for r in results) == [(0, 2, False), (0, 2, True), (1, 2, False), (1, 2, True)]
