@@ -43,6 +43,9 @@ def resolve_reward_function(spec: str, *, key: str = "reward.function") -> Rewar
         if not callable(function):
             raise ConfigError(f'{key}: "{module_name}" has no callable "{attribute}"; check the name after ":".')
         return function  # type: ignore[no-any-return]
+    from hybridflow.plugins import get_plugin_manager
+
+    get_plugin_manager()  # the core's own rewards are registered with the manager (no entry points loaded)
     try:
         return registries.rewards.get(spec)  # type: ignore[no-any-return]
     except KeyError as exc:
