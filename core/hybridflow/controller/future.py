@@ -66,22 +66,27 @@ class CallHandle:
         if len(ready) < len(refs):
             ready_set = set(ready)
             stuck = [rank for rank, ref in self.info_refs.items() if ref not in ready_set]
-            self._emit({}, ok=False)
+            final = timeout is None or timeout >= remaining  # the deadline itself expired: the call is over
+            if final:
+                self._emit({}, ok=False)
             try:
                 raise_deadline_exceeded(node=self.node, method=self.method, stuck_ranks=stuck,
                                         deadline_s=min(self.deadline_s, time.time() - self.started_at),
                                         hosts=self.hosts, pids=self.pids, stack_dump_dir=self.stack_dump_dir)
             except BaseException as exc:
-                if timeout is None or timeout >= remaining:
-                    self.failure = exc  # the deadline itself expired: the call is over for good
+                if final:
+                    self.failure = exc
                 raise
         results: dict[int, RankResult] = {}
-        for rank, ref in self.info_refs.items():
-            try:
-                results[rank] = ray.get(ref, timeout=10.0)
-            except (RayActorError, RayError, GetTimeoutError) as exc:
-                results[rank] = RankResult(rank=rank, ok=False, error=f"worker process died ({type(exc).__name__})",
-                                           remote_traceback=str(exc), finished_at=time.time())
+        try:
+            results = dict(zip(self.info_refs, ray.get(refs, timeout=10.0)))
+        except (RayActorError, RayError, GetTimeoutError):
+            for rank, ref in self.info_refs.items():  # find which ranks died
+                try:
+                    results[rank] = ray.get(ref, timeout=10.0)
+                except (RayActorError, RayError, GetTimeoutError) as exc:
+                    results[rank] = RankResult(rank=rank, ok=False, remote_traceback=str(exc), finished_at=time.time(),
+                                               error=f"worker process died ({type(exc).__name__})")
         self.results = results
         failed = [result for result in results.values() if not result.ok]
         self._emit(results, ok=not failed)

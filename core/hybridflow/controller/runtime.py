@@ -27,10 +27,10 @@ def is_local_ray() -> bool:
 
 def init_ray(
     address: str | None = None,
-    *,
     num_cpus: float | None = None,
-    num_gpus: int | None = None,
     object_store_memory: int | None = None,
+    *,
+    num_gpus: int | None = None,
     namespace: str | None = None,
 ) -> dict[str, Any]:
     """Start a local Ray on 127.0.0.1 (or join ``address``) once per process; return the cluster's resources.

@@ -127,8 +127,6 @@ def test_watchdog_dumps_stacks_and_fails_within_deadline(group: WorkerGroup, tmp
     # rank 1 is still spinning: killing and restarting it is the caller's policy (next test)
 
 
-
-
 def test_killed_rank_raises_worker_error_and_restart_recovers(group: WorkerGroup) -> None:
     old_pids = group.process_ids
     group.kill_rank(1)  # also ends the rank the watchdog test left spinning
