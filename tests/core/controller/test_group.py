@@ -234,3 +234,15 @@ def test_module_observer_sees_calls(groups: dict[str, WorkerGroup]) -> None:
         remove_call_observer(observer)
     assert [(r.group, r.role, r.method, r.protocol) for r in seen] == [("narrow", "actor", "row_sums", "dp_compute")]
     assert seen[0].started_at >= started - 1 and seen[0].finished_at >= seen[0].started_at
+
+
+def test_padded_future_edge_spans_producers_and_pads_lazily(groups: dict[str, WorkerGroup],
+                                                            records: list[CallRecord]) -> None:
+    batch = make(6)  # 2 producer ranks × 3 rows → 4 consumer ranks × 2 rows: spans, partial slices, pure padding
+    future = groups["narrow"].actor.tag(batch)
+    out = groups["wide"].actor.padded_echo(future)
+    assert torch.equal(out["ids"], batch["ids"]) and set(out["rows_here"].tolist()) == {2}
+    row = 16 * 8 + 8  # ids + seen_by bytes per row
+    assert records[-1].bytes_in_per_rank == (2 * row, 2 * row, 2 * row, row)  # rank 3 fetched one row to pad from
+    halves = future.chunk(2)
+    assert [len(part) for part in halves] == [3, 3] and torch.equal(halves[1].get(timeout=30)["ids"], batch["ids"][3:])
