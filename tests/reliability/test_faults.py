@@ -1,0 +1,89 @@
+"""Fault specs: parsing, typed errors naming the bad spec, fire-once markers, the config switch and hard exits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.errors import ConfigError
+from hybridflow.reliability.faults import (
+    ENV_VAR,
+    FAULT_POINTS,
+    FaultPlan,
+    InjectedFault,
+    iteration_of_checkpoint,
+    maybe_fail,
+    parse_fault_specs,
+)
+
+
+def test_at_least_ten_points_cover_the_named_places() -> None:
+    assert len(FAULT_POINTS) >= 10
+    assert {"actor.generate", "generate.before_consume", "reference.log_probs", "critic.values",
+            "reward_model.scores", "critic.update", "actor.update", "actor.handover", "checkpoint.worker_write",
+            "checkpoint.publish", "controller.between_nodes"} <= set(FAULT_POINTS)
+
+
+def test_parse_specs() -> None:
+    specs = parse_fault_specs("actor.update@2, actor.generate@1:hang:rank=1,critic.values@0:raise")
+    assert [(s.point, s.iteration, s.action, s.rank) for s in specs] == [
+        ("actor.update", 2, "kill", 0), ("actor.generate", 1, "hang", 1), ("critic.values", 0, "raise", 0)]
+    assert parse_fault_specs("") == ()
+
+
+@pytest.mark.parametrize("text, named", [
+    ("actor.updat@2", 'Did you mean "actor.update"'),
+    ("actor.update", "POINT@ITERATION"),
+    ("actor.update@2:explode", "kill, hang or raise"),
+])
+def test_bad_specs_are_typed_errors_naming_the_spec(text: str, named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_fault_specs(text)
+    assert named in str(info.value)
+
+
+def test_config_switch_off_by_default_and_validated(tmp_path: Path) -> None:
+    assert load_config(None, []).reliability.faults == []
+    config = load_config(None, ['reliability.faults=["actor.update@1"]'])
+    plan = FaultPlan.from_sources(config.reliability.faults, tmp_path, environ={ENV_VAR: "actor.generate@3:hang"})
+    assert [s.label for s in plan.specs] == ["actor.update@1:kill:rank=0", "actor.generate@3:hang:rank=0"]
+    assert not FaultPlan.from_sources([], tmp_path, environ={}).active
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ['reliability.faults=["critic.valu@1"]'])
+    assert "reliability" in str(info.value) and 'Did you mean "critic.values"' in str(info.value)
+
+
+def test_fault_fires_once_per_run(tmp_path: Path) -> None:
+    plan = FaultPlan.from_sources(["critic.values@2:raise:rank=1"], tmp_path, environ={})
+    assert maybe_fail("critic.values", iteration=1, rank=1, plan=plan) is None   # wrong iteration
+    assert maybe_fail("critic.values", iteration=2, rank=0, plan=plan) is None   # wrong rank
+    with pytest.raises(InjectedFault, match="critic.values@2"):
+        maybe_fail("critic.values", iteration=2, rank=1, plan=plan)
+    assert maybe_fail("critic.values", iteration=2, rank=1, plan=plan) is None   # the marker says: fired
+    assert plan.fired() == ["critic.values@2:raise:rank=1"]
+    assert FaultPlan.from_json(plan.to_json()) == plan
+
+
+def test_driver_point_hands_the_kill_to_the_caller(tmp_path: Path) -> None:
+    plan = FaultPlan.from_sources(["generate.before_consume@0:kill:rank=1"], tmp_path, environ={})
+    spec = maybe_fail("generate.before_consume", iteration=0, plan=plan)
+    assert spec is not None and spec.rank == 1
+
+
+def test_kill_is_a_hard_exit_that_leaves_the_marker(tmp_path: Path) -> None:
+    plan = FaultPlan.from_sources(["actor.update@0"], tmp_path, environ={})
+    code = ("import sys; from hybridflow.reliability.faults import FaultPlan, arm, maybe_fail; "
+            "arm(sys.argv[1]); maybe_fail('actor.update', iteration=0, rank=0); print('survived')")
+    done = subprocess.run([sys.executable, "-c", code, plan.to_json()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 17 and "survived" not in done.stdout and "Traceback" not in done.stderr
+    assert plan.fired() == ["actor.update@0:kill:rank=0"]
+
+
+def test_iteration_of_checkpoint() -> None:
+    assert iteration_of_checkpoint("/run/checkpoints/.tmp-step-12-abcd1234") == 12
+    assert iteration_of_checkpoint("/run/checkpoints/step-3") == 3
+    assert iteration_of_checkpoint("/elsewhere") is None
