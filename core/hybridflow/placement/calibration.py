@@ -21,7 +21,7 @@ from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan
 from hybridflow.placement.search import Plan
 
 __all__ = ["read_ledger", "node_seconds", "match_nodes", "NodeComparison", "compare_nodes", "fit_efficiency",
-           "format_comparison", "LEDGER_FILE", "TRAINER_NODES"]
+           "fit_efficiency_to_runs", "format_comparison", "LEDGER_FILE", "TRAINER_NODES"]
 
 LEDGER_FILE = "ledger.jsonl"
 
@@ -171,6 +171,100 @@ def fit_efficiency(inputs: PlanInputs, record: PlanRecord, rows: Sequence[Mappin
             break
         efficiency = replace(efficiency.scaled(**factors), transition_overhead_seconds=overhead)
     return efficiency, comparisons
+
+
+def _time_nodes(inputs: PlanInputs, record: PlanRecord, rows: Sequence[Mapping[str, Any]], efficiency: Efficiency
+                ) -> list[NodeComparison]:
+    usable = inputs.cluster.device.memory_bytes * efficiency.usable_memory_fraction
+    plan = retime_plan(LayoutPlanner(inputs.simulator(efficiency), inputs.dataflow, inputs.models), record, usable)
+    return compare_nodes(plan, rows, {s.name: s.kind for s in inputs.dataflow.stages})
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(vector)
+    a = [row[:] + [v] for row, v in zip(matrix, vector)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                factor = a[r][col] / a[col][col]
+                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def _nonnegative_least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """min ‖A·x − b‖ with x ≥ 0, by trying every support set (few unknowns)."""
+    n = len(rows[0])
+    best, best_error = [0.0] * n, sum(t * t for t in targets)
+    for mask in range(1, 2**n):
+        support = [j for j in range(n) if mask >> j & 1]
+        gram = [[sum(r[i] * r[j] for r in rows) for j in support] for i in support]
+        rhs = [sum(r[i] * t for r, t in zip(rows, targets)) for i in support]
+        solution = _solve(gram, rhs)
+        if solution is None or min(solution) < 0:
+            continue
+        x = [0.0] * n
+        for j, value in zip(support, solution):
+            x[j] = value
+        error = sum((sum(r[j] * x[j] for j in range(n)) - t) ** 2 for r, t in zip(rows, targets))
+        if error < best_error:
+            best, best_error = x, error
+    return best
+
+
+def fit_efficiency_to_runs(inputs: PlanInputs, runs: Sequence[tuple[PlanRecord, Sequence[Mapping[str, Any]]]]
+                           ) -> tuple[Efficiency, list[list[NodeComparison]]]:
+    """Fit each kind's compute efficiency and the shared ``sync_latency_seconds`` to several runs at once.
+
+    Each measured node is modelled as a_kind · compute + fixed + hops · latency (+ the transition overhead if it
+    covers the weight sync): compute and fixed come from re-timing the run's plan at the prior efficiency and at
+    half of it, hops from re-timing at a latency of 1 s and 0. The scales a_kind, the latency and the overhead are
+    the non-negative least-squares solution over every node of every run, weighted by 1/observed (relative
+    errors). Runs whose models all have one data-parallel size cannot tell
+    compute from latency; give runs of different sizes. Returns the fitted efficiency and, per run, the comparison
+    under it.
+
+    Raises:
+        ConfigError: no run has a node both measured and predicted.
+    """
+    prior = replace(inputs.efficiency, sync_latency_seconds=0.0, transition_overhead_seconds=0.0)
+    half = prior.scaled(**{name: 0.5 for names in _KIND_FIELDS.values() for name in names})
+    kinds = list(_KIND_FIELDS)
+    matrix: list[list[float]] = []
+    targets: list[float] = []
+    for record, rows in runs:
+        at_prior = _time_nodes(inputs, record, rows, prior)
+        at_half = {c.node: c.predicted for c in _time_nodes(inputs, record, rows, half)}
+        at_latency = {c.node: c.predicted for c in _time_nodes(inputs, record, rows,
+                                                                replace(prior, sync_latency_seconds=1.0))}
+        for c in at_prior:
+            if c.observed_median <= 0 or c.kind not in (*kinds, "transition"):
+                continue
+            compute = at_half[c.node] - c.predicted
+            fixed = c.predicted - compute
+            hops = at_latency[c.node] - c.predicted
+            weight = 1 / c.observed_median
+            overhead = float(sum(inputs.dataflow.stage(s).kind == "transition" for s in c.stages))
+            matrix.append([weight * (compute if c.kind == kind else 0.0) for kind in kinds]
+                          + [weight * hops, weight * overhead])
+            targets.append(weight * (c.observed_median - fixed))
+    if not matrix:
+        raise ConfigError("No measured node matches a predicted stage in any run; check the ledgers' node names "
+                          f"against {sorted(TRAINER_NODES)} or the dataflow's stage names.")
+    solution = _nonnegative_least_squares(matrix, targets)
+    factors: dict[str, float] = {}
+    for index, kind in enumerate(kinds):
+        if any(row[index] for row in matrix):  # a kind no run measured keeps its prior efficiency
+            for name in _KIND_FIELDS[kind]:
+                factors[name] = 1 / solution[index] if solution[index] > 0 else 1e4
+    overhead = solution[-1] if any(row[-1] for row in matrix) else inputs.efficiency.transition_overhead_seconds
+    efficiency = replace(prior.scaled(**factors), sync_latency_seconds=solution[-2],
+                         transition_overhead_seconds=overhead)
+    return efficiency, [_time_nodes(inputs, record, rows, efficiency) for record, rows in runs]
 
 
 def format_comparison(comparisons: Sequence[NodeComparison]) -> str:

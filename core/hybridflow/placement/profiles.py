@@ -65,6 +65,10 @@ class Efficiency:
 
     ``saturation_tokens`` models small local batches: compute efficiency is scaled by x / (x + saturation_tokens)
     where x is the tokens one device processes in a stage, so a fixed global batch spread thin loses efficiency.
+    ``sync_latency_seconds`` is the cost of one ring hop of a collective over fully sharded (FSDP/ZeRO-3)
+    data-parallel weights, which gather per layer and micro batch: 0 (the default) leaves such engines to the
+    bandwidth terms; on oversubscribed CPU workers it is milliseconds and dominates small models (calibration
+    fits it from runs with different data-parallel sizes).
     """
 
     train: float = 0.45
@@ -75,14 +79,16 @@ class Efficiency:
     saturation_tokens: float = 2048.0
     usable_memory_fraction: float = 0.9
     transition_overhead_seconds: float = 0.5
+    sync_latency_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("train", "infer", "prefill", "decode_bandwidth", "comm", "usable_memory_fraction"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"Efficiency.{name} must be in (0, 1], got {value}.")
-        if self.saturation_tokens < 0 or self.transition_overhead_seconds < 0:
-            raise ConfigError("Efficiency.saturation_tokens and transition_overhead_seconds must be >= 0.")
+        if min(self.saturation_tokens, self.transition_overhead_seconds, self.sync_latency_seconds) < 0:
+            raise ConfigError("Efficiency.saturation_tokens, transition_overhead_seconds and sync_latency_seconds "
+                              "must be >= 0.")
 
     def scaled(self, **factors: float) -> Efficiency:
         """Return a copy with the named fractions multiplied by ``factors`` and clipped to (0, 1]."""

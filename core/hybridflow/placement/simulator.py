@@ -61,7 +61,8 @@ class Simulator:
         compute *= 1 + (p - 1) / micro_batches
         return compute + self._model_parallel_comm(model, parallel, tokens, collectives_per_layer=6,
                                                    micro_batches=micro_batches * steps) \
-            + steps * self._gradient_all_reduce(model, parallel)
+            + steps * self._gradient_all_reduce(model, parallel) \
+            + self._sharded_sync_seconds(model, parallel, per_layer=3 * math.ceil(micro_batches) * steps)
 
     def infer_seconds(self, role: str, model: ModelSpec, parallel: ParallelConfig, sequences: float) -> float:
         """One forward pass (2·params·tokens) over full sequences, with TP and PP-bubble costs."""
@@ -78,7 +79,17 @@ class Simulator:
         micro_batches = max(1.0, sequences / (parallel.data * w.micro_batch_size))
         compute *= 1 + (parallel.pipeline - 1) / micro_batches
         return compute + self._model_parallel_comm(model, parallel, tokens, collectives_per_layer=2,
-                                                   micro_batches=micro_batches)
+                                                   micro_batches=micro_batches) \
+            + self._sharded_sync_seconds(model, parallel, per_layer=math.ceil(micro_batches))
+
+    def _sharded_sync_seconds(self, model: ModelSpec, parallel: ParallelConfig, per_layer: float) -> float:
+        """Latency of fully sharded data parallelism: ``per_layer`` collectives on each of a rank's layers (plus
+        one for embeddings and head), 2·(d−1) ring hops each, at ``Efficiency.sync_latency_seconds`` a hop."""
+        latency = self.efficiency.sync_latency_seconds
+        if latency <= 0 or parallel.data <= 1:
+            return 0.0
+        layers = math.ceil(model.num_layers / parallel.pipeline) + 1
+        return per_layer * layers * 2 * (parallel.data - 1) * latency
 
     def _model_parallel_comm(self, model: ModelSpec, parallel: ParallelConfig, tokens: float,
                              collectives_per_layer: int, micro_batches: float) -> float:
@@ -143,7 +154,8 @@ class Simulator:
         tp_time = 2 * layers * _all_reduce_seconds(step_bytes, tg, tp_link, eff.comm)
         pp_link = self.cluster.link(pg, stride=tg)
         step = pg * (max(memory_time, compute_time) + tp_time) + (pg - 1) * pp_link.latency
-        return prefill + waves * w.response_length * step
+        # gathering sharded training weights for the rollout engine: one collective per layer
+        return prefill + waves * w.response_length * step + self._sharded_sync_seconds(model, parallel, per_layer=1)
 
     def transition_seconds(self, model: ModelSpec, parallel: ParallelConfig, generation: GenerationConfig) -> float:
         """Actor training → generation reshard: per-rank bytes over the model-parallel group's link, plus overhead."""
