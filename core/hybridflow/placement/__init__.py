@@ -22,9 +22,9 @@ from hybridflow.placement.simulator import Simulator
 __all__ = [
     "ALGORITHMS", "Cluster", "CostModel", "DEVICE_PROFILES", "Dataflow", "DeviceProfile", "Efficiency",
     "GenerationConfig", "LLAMA_PRESETS", "MemoryFloor", "ModelSpec", "ParallelConfig", "Plan", "PlanInputs",
-    "PlanRecord", "Recommendation", "RemapCosts", "SearchResult", "Simulator", "Stage", "Workload",
-    "advise_remap", "build_cluster", "build_fragment", "compare_nodes", "compute_memory_floor", "cost_models",
-    "estimate_transition_bytes", "fit_efficiency", "fit_efficiency_to_runs", "get_dataflow", "load_plan_record", "lookup_cost_models",
-    "model_from_hf_config", "parse_model", "read_ledger", "save_plan_record", "search_placements",
-    "set_partitions", "validate_fragment",
+    "PlanRecord", "Recommendation", "RemapCosts", "SearchResult", "Simulator", "Stage", "Workload", "advise_remap",
+    "build_cluster", "build_fragment", "compare_nodes", "compute_memory_floor", "cost_models",
+    "estimate_transition_bytes", "fit_efficiency", "fit_efficiency_to_runs", "get_dataflow", "load_plan_record",
+    "lookup_cost_models", "model_from_hf_config", "parse_model", "read_ledger", "save_plan_record",
+    "search_placements", "set_partitions", "validate_fragment",
 ]

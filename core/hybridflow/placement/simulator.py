@@ -154,12 +154,14 @@ class Simulator:
         tp_time = 2 * layers * _all_reduce_seconds(step_bytes, tg, tp_link, eff.comm)
         pp_link = self.cluster.link(pg, stride=tg)
         step = pg * (max(memory_time, compute_time) + tp_time) + (pg - 1) * pp_link.latency
-        # gathering sharded training weights for the rollout engine: one collective per layer
-        return prefill + waves * w.response_length * step + self._sharded_sync_seconds(model, parallel, per_layer=1)
+        return prefill + waves * w.response_length * step
 
     def transition_seconds(self, model: ModelSpec, parallel: ParallelConfig, generation: GenerationConfig) -> float:
         """Actor training → generation reshard: per-rank bytes over the model-parallel group's link, plus overhead."""
         nbytes = estimate_transition_bytes(model.weight_bytes, parallel.pipeline, parallel.tensor, parallel.data,
                                            generation.pipeline, generation.tensor)
         link = self.cluster.link(parallel.model_parallel_size)
-        return nbytes / (link.bandwidth * self.efficiency.comm) + self.efficiency.transition_overhead_seconds
+        # fully sharded weights are gathered one tensor at a time: ~9 per Llama-style layer (q, k, v, o, gate, up,
+        # down, two norms)
+        return nbytes / (link.bandwidth * self.efficiency.comm) + self.efficiency.transition_overhead_seconds \
+            + self._sharded_sync_seconds(model, parallel, per_layer=9)
