@@ -1,7 +1,9 @@
 """Worker classes for the four model roles; each method declares its transfer protocol with ``@register``.
 
 A worker owns engines built from the registries inside its process; it knows nothing about which plugin supplied
-them. The actor worker is the hybrid engine: it trains and generates on the same ranks and hands its weights from
+them. Training-engine methods use protocol ``mesh`` (data to data-parallel groups, replicated inside tensor and
+pipeline groups, collected from the ranks the engine marks); ``generate`` uses ``dp_compute`` because every rank is
+its own generation replica (tg = 1). The actor worker is the hybrid engine: it trains and generates on the same ranks and hands its weights from
 the training layout to the rollout engine in place before each generation.
 """
 
@@ -166,13 +168,13 @@ class ActorRolloutWorker(_TrainingRole):
             self._asleep = True
         return out
 
-    @register(protocol="dp_compute", blocking=False, idempotent=True)
+    @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:
         self._check_version(batch, "compute_log_probs")
         maybe_fail("actor.log_probs", iteration=_iteration(batch), rank=self.rank)
         return _only(self.engine.compute_log_probs(batch), batch, old_log_probs="log_probs")
 
-    @register(protocol="dp_compute", blocking=True, idempotent=False)
+    @register(protocol="mesh", blocking=True, idempotent=False)
     def update_policy(self, batch: Batch) -> dict[str, float]:
         self._check_version(batch, "update_policy")
         metrics: dict[str, float] = {}
@@ -198,13 +200,13 @@ class ActorRolloutWorker(_TrainingRole):
 
 
 class CriticWorker(_TrainingRole):
-    @register(protocol="dp_compute", blocking=False, idempotent=True)
+    @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_values(self, batch: Batch) -> Batch:
         output = _only(self.engine.compute_values(batch), batch, values="values")
         maybe_fail("critic.values", iteration=_iteration(batch), rank=self.rank)
         return output
 
-    @register(protocol="dp_compute", blocking=True, idempotent=False)
+    @register(protocol="mesh", blocking=True, idempotent=False)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for _ in range(self.spec.epochs):
@@ -214,7 +216,7 @@ class CriticWorker(_TrainingRole):
 
 
 class ReferenceWorker(_TrainingRole):
-    @register(protocol="dp_compute", blocking=False, idempotent=True)
+    @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         output = _only(self.engine.compute_log_probs(batch), batch, ref_log_probs="log_probs")
         maybe_fail("reference.log_probs", iteration=_iteration(batch), rank=self.rank)
@@ -222,7 +224,7 @@ class ReferenceWorker(_TrainingRole):
 
 
 class RewardModelWorker(_TrainingRole):
-    @register(protocol="dp_compute", blocking=False, idempotent=True)
+    @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_scores(self, batch: Batch) -> Batch:
         output = _only(self.engine.compute_scores(batch), batch, **{self.spec.output_key: "scores"})
         maybe_fail("reward_model.scores", iteration=_iteration(batch), rank=self.rank)
