@@ -30,11 +30,13 @@ class Transfer:
 
 
 def collect_boxes(layout: ModelLayout) -> dict[str, RankBoxes]:
-    """Canonical name → rank → boxes that rank holds."""
+    """Canonical name → rank → non-empty boxes that rank holds."""
     out: dict[str, RankBoxes] = {}
     for rank in range(layout.world_size):
         for pieces in layout.pieces(rank).values():
             for piece in pieces:
+                if box_numel(piece.box) == 0:
+                    continue
                 out.setdefault(piece.canonical, {}).setdefault(rank, []).append(piece.box)
     return out
 

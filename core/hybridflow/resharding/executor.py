@@ -115,7 +115,7 @@ def execute_reshard(
         ReshardError: the shards or the process group do not match the plan.
     """
     world = plan.world_size
-    if world > 1 or dist.is_initialized():
+    if world > 1:  # a one-rank plan moves nothing and needs no process group
         if not dist.is_initialized():
             raise ReshardError(f"plan spans {world} ranks but torch.distributed is not initialized.")
         if dist.get_world_size(group) != world or dist.get_rank(group) != rank:

@@ -6,6 +6,7 @@ knows nothing about resharding. Stability: developer.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -29,8 +30,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any, timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    faulthandler.enable()
     import torch
 
     torch.set_num_threads(1)
@@ -48,6 +50,7 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         if task is None:
             break
         fn, size, args = task
+        faulthandler.dump_traceback_later(timeout, exit=True)  # a hung collective prints its stack and exits
         try:
             if rank >= size:
                 result = None
@@ -57,6 +60,7 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
             outbox.put((rank, True, result))
         except BaseException:  # report everything to the parent, which raises it
             outbox.put((rank, False, traceback.format_exc()))
+        faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
@@ -75,7 +79,7 @@ class GlooCluster:
         self._inboxes = [context.Queue() for _ in range(world)]
         port = free_port()
         self._procs = [
-            context.Process(target=_worker, args=(rank, world, port, self._inboxes[rank], self._outbox), daemon=True)
+            context.Process(target=_worker, args=(rank, world, port, self._inboxes[rank], self._outbox, timeout), daemon=True)
             for rank in range(world)
         ]
         for proc in self._procs:

@@ -47,13 +47,15 @@ class CollectiveOp:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Staged parameters filled together, the local copies and collectives that fill them, and the source
-    parameters that may be freed once the bucket is done."""
+    """Staged parameters filled together, the local copies and collectives that fill them, the source
+    parameters that may be freed once the bucket is done, and its planned cost: the most any rank allocates for it
+    (new shards or the source bytes they replace, plus send and receive buffers)."""
 
     params: tuple[str, ...]
     local: tuple[Transfer, ...]
     ops: tuple[CollectiveOp, ...]
     release: tuple[str, ...]
+    cost: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +89,10 @@ class ReshardPlan:
     def lower_bound_bytes(self, rank: int) -> int:
         """Bytes ``rank`` must receive at least: its target shards minus what it already holds."""
         return lower_bound_bytes(self.source, self.target, rank)
+
+    def max_bucket_cost(self) -> int:
+        """Largest planned bucket cost; above ``bucket_bytes`` only when one parameter alone exceeds it."""
+        return max((bucket.cost for bucket in self.buckets), default=0)
 
     def collective_groups(self) -> tuple[tuple[int, ...], ...]:
         """Rank groups of every all-gather, in first-use order (every rank creates them in this order)."""
@@ -286,6 +292,8 @@ def plan_reshard(
         per_param[owner[canonical]][canonical] = transfers
 
     names = list(staging.params)
+    costs = {name: _bucket_costs([t for ts in per_param[name].values() for t in ts], staging, source, name,
+                                 list(per_param[name])) for name in names}
     groups: list[list[str]]
     if strategy in ("full_gather", "consecutive"):
         groups = [names]
@@ -294,13 +302,11 @@ def plan_reshard(
     else:
         groups, current, cost = [], [], defaultdict(int)
         for name in names:
-            extra = _bucket_costs([t for ts in per_param[name].values() for t in ts], staging, source, name,
-                                  list(per_param[name]))
-            if current and any(cost[r] + extra.get(r, 0) > bucket_bytes for r in extra):
+            if current and any(cost[r] + value > bucket_bytes for r, value in costs[name].items()):
                 groups.append(current)
                 current, cost = [], defaultdict(int)
             current.append(name)
-            for rank, value in extra.items():
+            for rank, value in costs[name].items():
                 cost[rank] += value
         if current:
             groups.append(current)
@@ -316,6 +322,10 @@ def plan_reshard(
         flat = {f"{name}/{c}": ts for name in group for c, ts in per_param[name].items()}
         local = tuple(t for ts in flat.values() for t in ts if t.source_rank == t.target_rank)
         release = tuple(sorted(n for n in source.params if last_use.get(n, 0) == index))
-        buckets.append(Bucket(tuple(group), local, tuple(_ops_for(flat)), release))
+        totals: dict[int, int] = defaultdict(int)
+        for name in group:
+            for rank, value in costs[name].items():
+                totals[rank] += value
+        buckets.append(Bucket(tuple(group), local, tuple(_ops_for(flat)), release, max(totals.values(), default=0)))
     return ReshardPlan(source=source, target=target, staging=staging, strategy=strategy,
                        bucket_bytes=bucket_bytes, buckets=tuple(buckets))

@@ -15,5 +15,5 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def gloo_cluster() -> Iterator[GlooCluster]:
     """Four ranks in one gloo group; ``run(fn, *args, size=n)`` uses ranks 0..n-1."""
-    with GlooCluster(4, timeout=240.0) as cluster:
+    with GlooCluster(4, timeout=60.0) as cluster:
         yield cluster

@@ -42,6 +42,8 @@ def reshard_job(rank: int, world: int, group: Any, source: ModelLayout, target: 
         "planned_received": plan.bytes_received(rank),
         "planned_sent": plan.bytes_sent(rank),
         "lower_bound": plan.lower_bound_bytes(rank),
+        "max_bucket_cost": plan.max_bucket_cost(),
+        "multi_param_buckets_within": all(b.cost <= bucket_bytes for b in plan.buckets if len(b.params) > 1),
     }
 
 
