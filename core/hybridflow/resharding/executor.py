@@ -254,7 +254,8 @@ class _Prepared:
             _unpack(buffer, [(t.canonical, t.box) for t in transfers], staging, stage)
         sent = sum(b.numel() for b in self.sends.values())
         received = sum(b.numel() for b, _ in receives)
-        memory.sub(sent + received)
+        unique = {id(b): b.numel() for b in self.sends.values()}
+        memory.sub(sum(unique.values()) + received)
         self.sends.clear()
         return sent, received
 
@@ -280,12 +281,15 @@ def _prepare(op: CollectiveOp, rank: int, shards: MutableMapping[str, torch.Tens
             outgoing.setdefault(t.target_rank, []).append(t)
         if t.target_rank == rank:
             incoming.setdefault(t.source_rank, []).append(t)
-    sends = {}
+    sends: dict[int, torch.Tensor] = {}
+    packed: dict[tuple[Segment, ...], torch.Tensor] = {}  # peers wanting the same bytes share one buffer
     for other, transfers in sorted(outgoing.items()):
-        buffer = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8, device=device)
-        memory.add(buffer.numel())
-        _pack(buffer, [(t.canonical, t.box) for t in transfers], shards, src)
-        sends[other] = buffer
+        key = tuple((t.canonical, t.box) for t in transfers)
+        if key not in packed:
+            packed[key] = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8, device=device)
+            memory.add(packed[key].numel())
+            _pack(packed[key], list(key), shards, src)
+        sends[other] = packed[key]
     return _Prepared(op, False, None, sends, incoming)
 
 

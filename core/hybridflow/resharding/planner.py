@@ -224,10 +224,16 @@ def _bucket_costs(transfers: list[Transfer], staging: ModelLayout, source: Model
     """Per rank, what filling ``param`` allocates on top: max(its new shard, the source bytes it replaces) plus
     the bytes it sends and receives."""
     cost: dict[int, int] = defaultdict(int)
+    payloads: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         if t.source_rank != t.target_rank:
-            cost[t.source_rank] += t.nbytes
             cost[t.target_rank] += t.nbytes
+            payloads[(t.source_rank, t.target_rank)].append(t)
+    unique: dict[int, dict[tuple[tuple[str, tuple[tuple[int, int], ...]], ...], int]] = defaultdict(dict)
+    for (sender, _), sent in payloads.items():  # the executor packs bytes wanted by several peers once
+        unique[sender][tuple((t.canonical, t.box) for t in sent)] = sum(t.nbytes for t in sent)
+    for sender, packs in unique.items():
+        cost[sender] += sum(packs.values())
     spec = staging.params[param]
     for rank in range(staging.world_size):
         new = sum(box_numel(p.box) for p in spec.pieces(staging.mesh, rank)) * spec.dtype.itemsize
