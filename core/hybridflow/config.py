@@ -229,7 +229,9 @@ class Config(_Section):
         model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         if world % model_parallel:
             raise ValueError(f"actor.parallel: tensor × pipeline = {model_parallel} does not divide the "
-                             f"{world} devices of pool {self.actor.pool!r}")
+                             f"{world} devices of pool {self.actor.pool!r}; fix: set "
+                             f"resource_pools.{self.actor.pool}.devices_per_node to a multiple of {model_parallel} "
+                             "or lower the parallel sizes")
         if self.data.batch_size % (world // model_parallel):
             raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the actor's "
                              f"data-parallel size {world // model_parallel} (prompts are split over its ranks)")

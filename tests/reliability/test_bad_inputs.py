@@ -89,7 +89,6 @@ def test_malformed_config_names_the_key(case: tuple[list[str], str]) -> None:
         assert any(word in str(info.value) for word in ("Fix", "must", "expected", "Did you mean"))
 
 
-@pytest.mark.xfail(strict=True, reason="config.py's tensor × pipeline message names the key but no fix; reported")
 def test_parallel_size_error_says_how_to_fix() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(EXAMPLE, ["resource_pools.main.devices_per_node=[1]", "actor.parallel.tensor_parallel_size=2"])

@@ -12,9 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.xfail(strict=True, reason="init_ray(_node_ip_address='127.0.0.1') is not enough with Ray 2.60: the node "
-                                       "registers the host IP and gcs_server/raylet listen on all interfaces (token "
-                                       "auth is on by default); reported to the controller owner")
 def test_local_ray_binds_to_loopback() -> None:
     import ray
 
@@ -40,8 +37,6 @@ class _Payload:
         return (Path.touch, (self.marker,))
 
 
-@pytest.mark.xfail(strict=True, reason="hybridflow_fsdp.checkpoint.load reads engine_state_rank*.pt with "
-                                       "torch.load(weights_only=False); reported to the fsdp plugin owner")
 def test_fsdp_checkpoint_load_does_not_execute_pickled_code(tmp_path: Path) -> None:
     from hybridflow_fsdp import checkpoint
 
@@ -57,3 +52,17 @@ def test_fsdp_checkpoint_load_does_not_execute_pickled_code(tmp_path: Path) -> N
     except Exception:  # noqa: BLE001 - refusing the file is the expected outcome
         pass
     assert not marker.exists(), "loading a checkpoint executed code embedded in it"
+
+
+def test_joining_a_remote_cluster_without_auth_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridflow.controller.security import check_remote_address
+    from hybridflow.errors import ConfigError
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ConfigError, match="allow_remote_without_auth"):
+        check_remote_address("203.0.113.7:6379", allow_without_auth=False)
+    check_remote_address("127.0.0.1:6379", allow_without_auth=False)  # loopback is fine
+    with pytest.warns(UserWarning, match="WITHOUT authentication"):
+        check_remote_address("203.0.113.7:6379", allow_without_auth=True)
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    check_remote_address("203.0.113.7:6379", allow_without_auth=False)  # token auth on: allowed

@@ -6,6 +6,7 @@ exist (:mod:`hybridflow.transfer`) are left to others.
 
 from __future__ import annotations
 
+from hybridflow.controller import security as _security  # noqa: F401  (must run before Ray is imported)
 from hybridflow.controller.decorator import DISPATCH_ATTRIBUTE, Dispatch, dispatch_of, register
 from hybridflow.controller.future import BatchFuture
 from hybridflow.controller.group import BoundMethod, RoleHandle, WorkerGroup

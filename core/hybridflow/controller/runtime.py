@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from hybridflow.controller.security import check_remote_address
 from hybridflow.errors import ConfigError
 
 __all__ = ["init_ray", "shutdown_ray", "is_local_ray", "DEFAULT_OBJECT_STORE_BYTES"]
@@ -64,6 +65,7 @@ def init_ray(
                 f"num_cpus/num_gpus/object_store_memory, got {num_cpus}/{num_gpus}/{object_store_memory}. "
                 f"Fix: drop them or start a local Ray (address=None)"
             )
+        check_remote_address(address, allow_without_auth=allow_remote_without_auth)
         kwargs["address"] = address
     global _local
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

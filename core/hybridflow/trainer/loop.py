@@ -109,7 +109,7 @@ class Trainer:
         if ray_config.address is None:
             init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
         else:
-            init_ray(ray_config.address)
+            init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"))
         add_call_observer(self._observe)

@@ -29,7 +29,10 @@ _EXTRA = "engine_state_rank{rank}.pt"
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG state as tensors and plain Python values, so the file loads with ``weights_only=True``."""
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    numpy_state = [str(name), torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)]
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -37,8 +40,10 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -91,7 +96,12 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
             f"{sorted(p.name for p in directory.iterdir()) if directory.exists() else 'no directory'}). "
             "Pass a directory written by save_checkpoint (a leftover *.tmp is an interrupted save)."
         )
-    extra = torch.load(extra_file, weights_only=False)
+    try:
+        # weights_only: a checkpoint file is data, never code (a tampered pickle must not execute on load)
+        extra = torch.load(extra_file, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not ours or is corrupted
+        raise CheckpointError(f"checkpoint file {extra_file} could not be loaded safely ({type(exc).__name__}: "
+                              f"{exc}); it is corrupted or was not written by hybridflow-fsdp") from exc
     if extra["world_size"] != engine.world_size or extra["role"] != engine.role:
         raise CheckpointError(
             f"checkpoint {path} was written by a {extra['role']} on {extra['world_size']} ranks; this engine is a "
