@@ -219,10 +219,10 @@ def _ops_for(per_param: dict[str, list[Transfer]]) -> list[CollectiveOp]:
     return _merge(ops)
 
 
-def _bucket_costs(transfers: list[Transfer], staging: ModelLayout, source: ModelLayout, param: str,
+def _bucket_costs(transfers: list[Transfer], staging: ModelLayout, held: list[dict[str, int]], param: str,
                   canonicals: list[str]) -> dict[int, int]:
     """Per rank, what filling ``param`` allocates on top: max(its new shard, the source bytes it replaces) plus
-    the bytes it sends and receives."""
+    the bytes it sends and receives. ``held[rank][canonical]`` is the source bytes a rank holds."""
     cost: dict[int, int] = defaultdict(int)
     payloads: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
@@ -237,10 +237,7 @@ def _bucket_costs(transfers: list[Transfer], staging: ModelLayout, source: Model
     spec = staging.params[param]
     for rank in range(staging.world_size):
         new = sum(box_numel(p.box) for p in spec.pieces(staging.mesh, rank)) * spec.dtype.itemsize
-        old = sum(
-            box_numel(p.box) * source.params[name].dtype.itemsize
-            for name, pieces in source.pieces(rank).items() for p in pieces if p.canonical in canonicals
-        )
+        old = sum(held[rank].get(canonical, 0) for canonical in canonicals)
         if new or old:
             cost[rank] += max(new, old)
     return cost
@@ -298,7 +295,12 @@ def plan_reshard(
         per_param[owner[canonical]][canonical] = transfers
 
     names = list(staging.params)
-    costs = {name: _bucket_costs([t for ts in per_param[name].values() for t in ts], staging, source, name,
+    held: list[dict[str, int]] = [defaultdict(int) for _ in range(source.world_size)]
+    for rank in range(source.world_size):
+        for name, pieces in source.pieces(rank).items():
+            for piece in pieces:
+                held[rank][piece.canonical] += box_numel(piece.box) * source.params[name].dtype.itemsize
+    costs = {name: _bucket_costs([t for ts in per_param[name].values() for t in ts], staging, held, name,
                                  list(per_param[name])) for name in names}
     groups: list[list[str]]
     if strategy in ("full_gather", "consecutive"):
