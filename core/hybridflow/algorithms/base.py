@@ -93,6 +93,15 @@ class Runtime:
         return kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.config.algorithm.kl_kind,
                           response_mask=batch["response_mask"])
 
+    def rollout(self, prompts: Batch, *, with_values: bool = False) -> Batch:
+        """Generate, then score the rollout: π_old (actor), π_ref (reference, when configured), values (critic, when
+        asked) — concurrently, each group reading the rollout's shards directly — and the reward."""
+        generated = self.actor.generate(prompts)
+        old = self.old_log_probs(generated)
+        ref = self.reference.compute_ref_log_probs(generated) if self.reference is not None else None
+        values = self.critic.compute_values(generated) if with_values else None
+        return self.score(fill_old_log_probs(self.gather(generated, old, ref, values)))
+
     def old_log_probs(self, generated: Any) -> Any:
         """The actor's log-probs of the sampled tokens (a future), or the rollout's own when recomputing is off."""
         if self.config.actor.recompute_log_probs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_grpo_advantages
-from hybridflow.algorithms.base import Runtime, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, mean_over_ranks
 from hybridflow.batch import Batch
 
 __all__ = ["GRPO"]
@@ -20,11 +20,7 @@ class GRPO:
         return bool(config.actor.kl_loss_coef > 0 or config.algorithm.kl_coef > 0)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        generated = rt.actor.generate(prompts)                          # n samples per prompt, on the actor ranks
-        old = rt.old_log_probs(generated)                               # actor ranks read the rollout shards
-        ref = rt.reference.compute_ref_log_probs(generated) if rt.reference else None
-        batch = fill_old_log_probs(rt.gather(generated, old, ref))
-        batch = rt.score(batch)                                         # rule reward and/or reward model
+        batch = rt.rollout(prompts)                    # n samples per prompt, π_old, π_ref, reward
         batch["advantages"] = compute_grpo_advantages(
             batch["scores"], rt.config.rollout.n, batch["response_mask"],
             normalize_std=rt.config.algorithm.norm_adv_by_std)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.algorithms.advantages import build_token_level_rewards, compute_reinforce_plus_plus_advantages
-from hybridflow.algorithms.base import Runtime, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, mean_over_ranks
 from hybridflow.batch import Batch
 
 __all__ = ["ReinforcePlusPlus"]
@@ -20,10 +20,7 @@ class ReinforcePlusPlus:
         return bool(config.algorithm.kl_coef > 0 or config.actor.kl_loss_coef > 0)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        generated = rt.actor.generate(prompts)
-        old = rt.old_log_probs(generated)
-        ref = rt.reference.compute_ref_log_probs(generated) if rt.reference else None
-        batch = rt.score(fill_old_log_probs(rt.gather(generated, old, ref)))
+        batch = rt.rollout(prompts)                    # samples, π_old, π_ref, reward
         rewards = build_token_level_rewards(batch["scores"], batch["response_mask"], rt.kl_rewards(batch),
                                             rt.kl_controller.value if rt.kl_controller else 0.0)
         batch["advantages"] = compute_reinforce_plus_plus_advantages(rewards, batch["response_mask"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_remax_advantages
-from hybridflow.algorithms.base import Runtime, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, mean_over_ranks
 from hybridflow.batch import Batch
 
 __all__ = ["ReMax"]
@@ -20,11 +20,8 @@ class ReMax:
         return bool(config.actor.kl_loss_coef > 0)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        generated = rt.actor.generate(prompts)                          # sampled responses (rollout.n per prompt)
         greedy = rt.actor.generate(prompts, greedy=True)                # the baseline: one greedy response each
-        old = rt.old_log_probs(generated)
-        ref = rt.reference.compute_ref_log_probs(generated) if rt.reference else None
-        batch = rt.score(fill_old_log_probs(rt.gather(generated, old, ref)))
+        batch = rt.rollout(prompts)                                     # sampled responses, π_old, π_ref, reward
         baseline = rt.score(rt.gather(greedy))["scores"].repeat_interleave(rt.config.rollout.n)
         batch["baseline_scores"] = baseline
         batch["advantages"] = compute_remax_advantages(batch["scores"], baseline, batch["response_mask"])

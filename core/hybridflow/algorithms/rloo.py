@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_rloo_advantages
-from hybridflow.algorithms.base import Runtime, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, mean_over_ranks
 from hybridflow.batch import Batch
 
 __all__ = ["RLOO"]
@@ -19,10 +19,7 @@ class RLOO:
         return bool(config.actor.kl_loss_coef > 0 or config.algorithm.kl_coef > 0)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        generated = rt.actor.generate(prompts)
-        old = rt.old_log_probs(generated)
-        ref = rt.reference.compute_ref_log_probs(generated) if rt.reference else None
-        batch = rt.score(fill_old_log_probs(rt.gather(generated, old, ref)))
+        batch = rt.rollout(prompts)                    # n samples per prompt, π_old, π_ref, reward
         batch["advantages"] = compute_rloo_advantages(batch["scores"], rt.config.rollout.n, batch["response_mask"])
         metrics = mean_over_ranks(rt.actor.update_policy(batch))
         return {**rt.summarize(batch), **metrics}

@@ -15,7 +15,7 @@ from hybridflow.algorithms.advantages import (
     compute_gae,
     whiten,
 )
-from hybridflow.algorithms.base import Runtime, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, mean_over_ranks
 from hybridflow.batch import Batch
 
 __all__ = ["SafeRLHF"]
@@ -29,11 +29,7 @@ class SafeRLHF:
         return bool(config.algorithm.kl_coef > 0 or config.actor.kl_loss_coef > 0)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        generated = rt.actor.generate(prompts)
-        old = rt.old_log_probs(generated)
-        ref = rt.reference.compute_ref_log_probs(generated) if rt.reference else None
-        values = rt.critic.compute_values(generated)
-        batch = rt.score(fill_old_log_probs(rt.gather(generated, old, ref, values)))   # reward scores
+        batch = rt.rollout(prompts, with_values=True)                                 # samples, values, reward
         batch = rt.score(batch, key="costs", cost=True)                               # cost scores
         mask = batch["response_mask"]
         kl_coef = rt.kl_controller.value if rt.kl_controller else 0.0
