@@ -73,9 +73,9 @@ def test_two_data_parallel_sizes_identify_sync_latency_and_predict_a_third_place
 def test_fit_refuses_runs_with_no_matching_node() -> None:
     from hybridflow.errors import ConfigError
 
-    inputs = _inputs()
+    rows = [{"iteration": 0, "nodes": {"driver.other": {"seconds": 1.0}}}]
     with pytest.raises(ConfigError, match="No measured node"):
-        fit_efficiency_to_runs(inputs, [(_record((ROLES,), (4,)), [{"iteration": 0, "nodes": {"x.y": {"seconds": 1}}}])])
+        fit_efficiency_to_runs(_inputs(), [(_record((ROLES,), (4,)), rows)])
 
 
 def test_compare_nodes_sums_the_stages_a_trainer_node_covers() -> None:
