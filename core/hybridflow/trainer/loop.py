@@ -98,6 +98,7 @@ class Trainer:
         self.groups: Groups | None = None
         self.step = 0
         self._record: IterationRecord | None = None
+        self._handover_totals: list[int] | None = None
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -216,6 +217,21 @@ class Trainer:
         self._record.add_edge("driver" if not any(record.bytes_in_per_rank) else "object_store", node,
                               protocol=record.protocol, bytes_per_rank=list(record.bytes_in_per_rank))
 
+    def _record_process_stats(self, record: IterationRecord) -> None:
+        """Bytes resident per pool (RSS of its worker processes) and this iteration's weight-handover bytes."""
+        assert self.groups is not None
+        for pool, group in self.groups.by_pool.items():
+            role = next(r for r, p in self.groups.role_pool.items() if p == pool)
+            stats = self.groups.role(role).process_stats()
+            record.resident_bytes[pool] = sum(s["rss_bytes"] for s in stats)
+            if "actor" in self.groups.role_pool and self.groups.role_pool["actor"] == pool:
+                totals = [s["handover_bytes_received"] for s in stats]
+                previous = self._handover_totals or [0] * len(totals)
+                self._handover_totals = totals
+                record.add_edge("actor.training_engine", "actor.rollout_engine", protocol="reshard",
+                                bytes_per_rank=[now - before if now >= before else now  # restarted worker
+                                                for now, before in zip(totals, previous)])
+
     def train_step(self) -> dict[str, float]:
         """One iteration of the algorithm, recorded in the ledger and metrics (a failed attempt's nodes stay in the
         record, so the row of a retried iteration shows the lost work too)."""
@@ -230,6 +246,7 @@ class Trainer:
         metrics["time/step_s"] = time.perf_counter() - start
         tokens = metrics.get("tokens/prompt_and_response", 0.0)
         metrics["throughput/prompt_response_tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
+        self._record_process_stats(record)
         record.metrics = {k: float(v) for k, v in metrics.items()}
         self.ledger.commit(record)
         self.writer.write(self.step, metrics)

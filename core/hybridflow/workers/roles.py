@@ -103,6 +103,15 @@ class _TrainingRole(Worker):
         if state_file.exists():
             self.policy_version = int(json.loads(state_file.read_text())["policy_version"])
 
+    @register(protocol="one_to_all", idempotent=True)
+    def process_stats(self) -> dict[str, int]:
+        """Resident bytes of this worker process and the weight-handover bytes it has received so far."""
+        import psutil
+
+        handover = getattr(self, "handover", None) or {}
+        return {"rss_bytes": int(psutil.Process().memory_info().rss),
+                "handover_bytes_received": int(handover.get("bytes_received", 0))}
+
     def _check_version(self, batch: Batch, what: str) -> None:
         version = batch.meta.get("policy_version")
         if version is not None and version != self.policy_version:
