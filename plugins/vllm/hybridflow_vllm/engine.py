@@ -84,6 +84,24 @@ class WeightUpdateStats:
     seconds: float
 
 
+def _save_random_states() -> tuple[Any, ...]:
+    import random
+
+    import numpy
+
+    return random.getstate(), numpy.random.get_state(), torch.random.get_rng_state()
+
+
+def _restore_random_states(states: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy
+
+    random.setstate(states[0])
+    numpy.random.set_state(states[1])
+    torch.random.set_rng_state(states[2])
+
+
 def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
@@ -97,6 +115,10 @@ class VllmRolloutEngine:
     platform supports vLLM's sleep mode (CUDA/ROCm/XPU; not CPU, where ``sleep``/``wake`` only mark the engine
     unusable/usable and free nothing).
     """
+
+    #: naming of the weights ``update_weights`` expects (``TrainingEngine.generation_weights(target=...)``): the
+    #: unfused Hugging Face names; vLLM fuses q/k/v and gate/up itself while loading
+    weights_target: str = "hf"
 
     def __init__(self, *, config: RolloutEngineConfig, device: str = "cpu") -> None:
         self.config = config
@@ -139,6 +161,7 @@ class VllmRolloutEngine:
         }
         kwargs.update(options.llm_kwargs)
         set_num_threads = torch.set_num_threads
+        random_states = _save_random_states()
         try:
             return LLM(**kwargs)
         except Exception as exc:
@@ -152,6 +175,9 @@ class VllmRolloutEngine:
             # in-process engine binds nothing (VLLM_CPU_OMP_THREADS_BIND=nobind), so the caller keeps control.
             if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
                 torch.set_num_threads = set_num_threads
+            # vLLM seeds the global RNGs of the process it runs in; the caller's streams (e.g. a colocated trainer's)
+            # continue as if no engine had started
+            _restore_random_states(random_states)
 
     # --- RolloutEngine ----------------------------------------------------------------------------------------
     @property

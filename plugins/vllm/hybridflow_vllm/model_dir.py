@@ -30,6 +30,7 @@ def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirector
             )
         return path, None
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config_dict = dict(spec.config or {})
@@ -45,7 +46,13 @@ def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirector
     try:
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
-        model.save_pretrained(holder.name, safe_serialization=True)
+        # Not model.save_pretrained: under torch.distributed it writes on rank 0 only, and every rank builds its
+        # own engine from its own directory.
+        config.save_pretrained(holder.name)
+        tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)  # shares embed_tokens' storage; safetensors refuses shared tensors
+        save_file(tensors, str(Path(holder.name) / "model.safetensors"), metadata={"format": "pt"})
     finally:
         torch.random.set_rng_state(generator_state)
     return Path(holder.name), holder

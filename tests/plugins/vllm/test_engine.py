@@ -65,8 +65,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(workdir: Path) -> Iterator[VllmRolloutEngine]:
     load_plugins(strict=False)
     factory = registries.rollout_engines.get("vllm")
-    built = factory(config=_rollout_config(ModelSpec(path=str(prepare_model(workdir, seed=0)))), device="cpu")
+    config = _rollout_config(ModelSpec(path=str(prepare_model(workdir, seed=0))))
+    random_state = torch.random.get_rng_state()
+    built = factory(config=config, device="cpu")
     assert isinstance(built, VllmRolloutEngine)
+    assert torch.equal(random_state, torch.random.get_rng_state()), "starting the engine moved the caller's RNG"
+    assert torch.set_num_threads.__module__.startswith("torch"), "vLLM's torch.set_num_threads patch was left on"
     yield built
     built.close()
     assert not torch.distributed.is_initialized(), "close() must release vLLM's torch.distributed group"

@@ -116,3 +116,30 @@ def test_plugin_registers_engine_and_layout_without_importing_vllm() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split("\n")[-2] == "['vllm'] ['vllm'] True False", result.stdout + result.stderr
+
+
+def test_config_only_model_spec_writes_a_seeded_hf_directory() -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridflow.engines import ModelSpec
+    from hybridflow_vllm.model_dir import prepare_model_dir, read_checkpoint_shapes
+
+    config = tiny_model_config()
+    state = torch.random.get_rng_state()
+    path, holder = prepare_model_dir(ModelSpec(config=config, seed=3))
+    assert holder is not None
+    try:
+        assert torch.equal(state, torch.random.get_rng_state()), "writing the model moved the caller's RNG"
+        written = load_file(str(path / "model.safetensors"))
+        assert "lm_head.weight" not in written  # tied: vLLM and transformers take it from embed_tokens
+        torch.manual_seed(3)
+        model_type = config.pop("model_type")
+        expected = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).state_dict()
+        assert all(torch.equal(written[name], expected[name]) for name in written)
+        assert read_checkpoint_shapes(path) == {name: tuple(tensor.shape) for name, tensor in written.items()}
+    finally:
+        holder.cleanup()
+    assert not path.exists()
+    with pytest.raises(ConfigError, match="config.json"):
+        prepare_model_dir(ModelSpec(path=str(path)))
