@@ -16,6 +16,7 @@ from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError, EngineError
 
+from hybridflow_fsdp.fast_decode import build_lean_decoder
 from hybridflow_fsdp.forward import require_columns
 from hybridflow_fsdp.models import build_model, compute_position_ids
 from hybridflow_fsdp.sampling import sample_tokens
@@ -47,6 +48,8 @@ class HFRolloutEngine:
                             attn_implementation=str(config.extra.get("attn_implementation", "sdpa")))
         model.requires_grad_(False)
         self.model = model.to(self.device).eval()
+        # the lean forward (same logits, a fraction of the per-token overhead) unless disabled or unsupported
+        self.decoder = build_lean_decoder(self.model) if config.extra.get("lean_decoder", True) else None
         self._parameters = dict(self.model.named_parameters())
         self._aliases = {name: tensor for name, tensor in self.model.state_dict(keep_vars=True).items()
                          if isinstance(tensor, torch.nn.Parameter)}
@@ -91,7 +94,7 @@ class HFRolloutEngine:
         prompt_mask = prompts["attention_mask"].to(self.device)
         sampled = sample_tokens(self.model, prompt_ids, prompt_mask, sampling=sampling,
                                 eos_token_id=self.config.eos_token_id, pad_token_id=self.config.pad_token_id,
-                                generator=generator)
+                                generator=generator, decoder=self.decoder)
         prompt_positions = compute_position_ids(prompt_mask)
         steps = torch.arange(1, sampled.responses.shape[1] + 1, device=self.device)
         response_positions = prompt_positions[:, -1:] + steps.unsqueeze(0)

@@ -13,6 +13,7 @@ from torch import nn
 
 from hybridflow.engines import SamplingParams
 
+from hybridflow_fsdp.fast_decode import LeanDecoder
 from hybridflow_fsdp.models import compute_position_ids
 
 __all__ = ["SampledTokens", "filter_logits", "pick_tokens", "sample_tokens"]
@@ -50,8 +51,11 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
     else:
-        filtered = filter_logits(logits / sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-        probs = torch.softmax(filtered, dim=-1)
+        if sampling.temperature == 1.0 and sampling.top_k <= 0 and sampling.top_p >= 1.0:
+            probs = raw_log_probs.exp()  # nothing to temper or filter: the raw distribution
+        else:
+            filtered = filter_logits(logits / sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+            probs = torch.softmax(filtered, dim=-1)
         tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
     return tokens, raw_log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -73,28 +77,45 @@ def sample_tokens(
     eos_token_id: int,
     pad_token_id: int,
     generator: torch.Generator,
+    decoder: LeanDecoder | None = None,
 ) -> SampledTokens:
-    """Generate ``sampling.max_new_tokens`` columns for every row; rows stop at EOS (kept, masked 1), then pad."""
+    """Generate ``sampling.max_new_tokens`` columns for every row; rows stop at EOS (kept, masked 1), then pad.
+
+    With ``decoder`` (a :class:`~hybridflow_fsdp.fast_decode.LeanDecoder` of ``model``) the logits come from its lean
+    forward; otherwise from ``model(...)`` with the HF KV cache. Both give the same logits.
+    """
     rows, width = input_ids.shape[0], sampling.max_new_tokens
     device = input_ids.device
     responses = torch.full((rows, width), pad_token_id, dtype=input_ids.dtype, device=device)
     log_probs = torch.zeros((rows, width), dtype=torch.float32, device=device)
-    response_mask = torch.zeros((rows, width), dtype=attention_mask.dtype, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    alive = torch.zeros((rows, width), dtype=torch.bool, device=device)
     position_ids = compute_position_ids(attention_mask)
-    cache_argument = _cache_argument(model)
-    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    if decoder is not None:
+        logits = decoder.prefill(input_ids, attention_mask, position_ids, width)
+    else:
+        cache_argument = _cache_argument(model)
+        output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        logits = output.logits[:, -1, :]
+    positions = position_ids[:, -1]
     for step in range(width):
-        tokens, token_log_probs = pick_tokens(output.logits[:, -1, :], sampling, generator)
+        tokens, token_log_probs = pick_tokens(logits, sampling, generator)
         tokens = tokens.masked_fill(finished, pad_token_id)
         responses[:, step] = tokens
         log_probs[:, step] = token_log_probs.masked_fill(finished, 0.0)
-        response_mask[:, step] = (~finished).to(response_mask.dtype)
+        alive[:, step] = ~finished
         finished |= tokens == eos_token_id
         if step == width - 1 or bool(finished.all()):
             break
+        positions = positions + 1
+        if decoder is not None:
+            logits = decoder.step(tokens, positions)
+            continue
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        position_ids = position_ids[:, -1:] + 1
-        output = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=True, **{cache_argument: getattr(output, cache_argument)})
-    return SampledTokens(responses=responses, log_probs=log_probs, response_mask=response_mask)
+        output = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention_mask,
+                       position_ids=positions.unsqueeze(-1), use_cache=True,
+                       **{cache_argument: getattr(output, cache_argument)})
+        logits = output.logits[:, -1, :]
+    if decoder is not None:
+        decoder.release()
+    return SampledTokens(responses=responses, log_probs=log_probs, response_mask=alive.to(attention_mask.dtype))

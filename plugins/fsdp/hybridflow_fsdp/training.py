@@ -24,6 +24,7 @@ from hybridflow_fsdp.distributed import (
     check_equal_across_ranks,
     ensure_process_group,
 )
+from hybridflow_fsdp.fast_decode import build_lean_decoder
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler
 
@@ -69,8 +70,17 @@ class FSDPTrainingEngine:
         if not self.trainable:
             model.requires_grad_(False)
         model.to(self.device)
-        self.model = apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision)
-        self.optimizer = build_optimizer(self.model.parameters(), config.optim) if self.trainable else None
+        # one rank in full precision: nothing to shard, so the plain module runs without FSDP's per-op DTensor cost
+        self.sharded = self.world_size > 1 or config.mixed_precision != "none" or bool(config.extra.get("fsdp_always"))
+        self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision) if self.sharded
+                      else model)
+        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
+        self.lean = None
+        if (not self.sharded and role in ("actor", "reference") and not config.gradient_checkpointing
+                and config.extra.get("lean_forward", True)):
+            self.lean = build_lean_decoder(self.model)
+        self.optimizer = (build_optimizer(self.model.parameters(), config.optim, foreach=not self.sharded)
+                          if self.trainable else None)
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer is not None else None
         self._version = 0
         self.last_handover_stats: handover.HandoverStats | None = None
@@ -92,7 +102,13 @@ class FSDPTrainingEngine:
             length = forward.response_length(micro)
             logits = self.model(**forward.model_inputs(micro, self.device), use_cache=False).logits
             return {"values": logits[:, -length - 1 : -1, 0].float()}
-        logits = forward.response_logits(self.model, micro, self.device)
+        if self.lean is not None:
+            inputs = forward.model_inputs(micro, self.device)
+            length = forward.response_length(micro)
+            logits = self.lean.forward_logits(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
+                                              last=length + 1)[:, :-1]
+        else:
+            logits = forward.response_logits(self.model, micro, self.device)
         outputs = {"log_probs": forward.compute_token_log_probs(logits, micro["responses"].to(self.device))}
         if with_entropy:
             outputs["entropy"] = forward.compute_entropy(logits)
@@ -246,6 +262,7 @@ class FSDPTrainingEngine:
     def release(self) -> None:
         """Drop the model and optimizer (the process group stays, it belongs to the worker)."""
         self.model = None  # type: ignore[assignment]
+        self.lean = None
         self.optimizer = None
         self.scheduler = None
 
