@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from hybridflow.errors import ReshardError
 from hybridflow.resharding.specs import Box, ModelLayout, box_numel, intersect_boxes
 
-__all__ = ["Transfer", "collect_boxes", "assign_minimal", "assign_contributions"]
+__all__ = ["Transfer", "collect_boxes", "assign_minimal", "assign_contributions", "staged_canonicals"]
 
 RankBoxes = dict[int, list[Box]]
 

@@ -69,6 +69,12 @@ def test_baselines_are_correct_and_cost_more(gloo_cluster: GlooCluster, strategy
     _check(results, exact_lower_bound=False, bucket=None)
     hybrid = plan_reshard(source, target)
     assert all(r["stats"].bytes_received >= 2 * hybrid.lower_bound_bytes(rank) for rank, r in enumerate(results))
+    model_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in
+                      [(torch.Size(s), d) for s, d in source.canonical_shapes().values()])
+    if strategy in ("full_gather", "consecutive"):  # these materialise the whole model before slicing
+        assert all(r["stats"].peak_extra_bytes >= model_bytes // 2 for r in results)
+    else:  # tensor by tensor: far below the model
+        assert all(r["stats"].peak_extra_bytes < model_bytes // 4 for r in results)
 
 
 def test_inside_a_subgroup_of_two_ranks(gloo_cluster: GlooCluster) -> None:
