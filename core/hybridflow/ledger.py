@@ -24,6 +24,7 @@ class NodeRecord:
     tokens: int = 0
     samples: int = 0
     policy_version: int | None = None
+    busy_seconds: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -57,8 +58,10 @@ class IterationRecord:
     notes: list[dict[str, Any]] = field(default_factory=list)
 
     def add_node(self, name: str, *, pool: str, start: float, end: float, tokens: int = 0, samples: int = 0,
-                 policy_version: int | None = None) -> NodeRecord:
-        record = NodeRecord(name, pool, start, end, tokens, samples, policy_version)
+                 policy_version: int | None = None, busy_seconds: float | None = None) -> NodeRecord:
+        """``start``/``end`` span dispatch to collection (queueing included); ``busy_seconds`` is the time the
+        slowest rank spent inside the method, when known."""
+        record = NodeRecord(name, pool, start, end, tokens, samples, policy_version, busy_seconds)
         self.nodes.append(record)
         return record
 
@@ -84,9 +87,10 @@ class IterationRecord:
     def to_json(self) -> dict[str, Any]:
         nodes: dict[str, dict[str, Any]] = {}
         for node in self.nodes:
-            entry = nodes.setdefault(node.name, {"seconds": 0.0, "tokens": 0, "samples": 0, "pool": node.pool,
-                                                 "policy_versions": []})
+            entry = nodes.setdefault(node.name, {"seconds": 0.0, "busy_seconds": 0.0, "tokens": 0, "samples": 0,
+                                                 "pool": node.pool, "policy_versions": []})
             entry["seconds"] += node.seconds
+            entry["busy_seconds"] += node.seconds if node.busy_seconds is None else node.busy_seconds
             entry["tokens"] += node.tokens
             entry["samples"] += node.samples
             if node.policy_version is not None and node.policy_version not in entry["policy_versions"]:

@@ -213,7 +213,9 @@ class Trainer:
             return
         node = f"{record.role}.{record.method}"
         # the version each node ran at comes from its outputs (Supervisor.annotate), not from this record
-        self._record.add_node(node, pool=record.group, start=record.started_at, end=record.finished_at)
+        busy = max(record.compute_seconds_per_rank) if record.compute_seconds_per_rank else None
+        self._record.add_node(node, pool=record.group, start=record.started_at, end=record.finished_at,
+                              busy_seconds=busy)
         self._record.add_edge("driver" if not any(record.bytes_in_per_rank) else "object_store", node,
                               protocol=record.protocol, bytes_per_rank=list(record.bytes_in_per_rank))
 

@@ -142,7 +142,7 @@ class ActorRolloutWorker(_TrainingRole):
         start = time.perf_counter()
         self.rollout.wake()
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank)
-        self.rollout.update_weights(self.engine.generation_weights(target=self.spec.rollout_engine or "hf"),
+        self.rollout.update_weights(self.engine.generation_weights(target=getattr(self.rollout, "weights_target", "hf")),
                                     version=self.policy_version)
         stats = getattr(self.engine, "last_handover_stats", None)
         self.handover["seconds"] += time.perf_counter() - start
