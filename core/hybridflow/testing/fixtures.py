@@ -102,6 +102,10 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any)
     config = AutoConfig.for_model(model_type, **config_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(path, safe_serialization=True)
+    # written directly: save_pretrained writes only on rank 0 inside a torch.distributed world
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(path)
+    save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
     build_char_tokenizer().save_pretrained(path)
     return path
