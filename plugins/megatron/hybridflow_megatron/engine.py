@@ -19,7 +19,7 @@ from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig
 from hybridflow.errors import ConfigError, EngineError
 
-from hybridflow_megatron import cpu_shim, gather, persist
+from hybridflow_megatron import cpu_shim, handover, persist
 from hybridflow_megatron.model import build_stage, ensure_parallel_state
 
 __all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABLE_ROLES"]
@@ -89,7 +89,9 @@ class MegatronTrainingEngine:
         else:
             model.requires_grad_(False)
             self.model = model
-        self.last_handover_stats: gather.GatherStats | None = None
+        self.last_handover_stats: handover.HandoverStats | None = None
+        self.handover = handover.WeightHandover(
+            self, bucket_bytes=int(extra.get("handover_bucket_bytes", handover.DEFAULT_BUCKET_BYTES)))
 
     # --- construction ---------------------------------------------------------------------------------------
     def _wrap_for_training(self, model: Any) -> tuple[Any, Any]:
@@ -363,13 +365,17 @@ class MegatronTrainingEngine:
             yield layout_name_of(name, layer_offset=offset, value_head=self.arch.value_head), param.detach()
 
     def generation_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights for a tg=1 generation engine on every rank (a collective over all ranks)."""
+        """Full HF-named weights for a tg=1 generation engine on every rank (a collective over all ranks), moved by
+        the core reshard planner's cached plan; see :mod:`hybridflow_megatron.handover` (stats in
+        ``last_handover_stats``)."""
         self._check_role("generation_weights", ("actor", "reference"))
-        if target not in ("hf", "vllm"):
-            raise ConfigError(f"generation_weights target must be 'hf' or 'vllm'; got {target!r}")
-        state, self.last_handover_stats = gather.gather_hf_state(self.module, arch=self.arch,
-                                                                 placement=self.placement)
-        return iter(state.items())
+        return self.handover.generation_weights(target=target)
+
+    def reshard_weights(self, target: Any) -> dict[str, torch.Tensor]:
+        """This rank's shards of ``target``, a ``ModelLayout`` over ``GenerationLayout(..., training=
+        self.layout().mesh)`` (e.g. vLLM's fused per-TP-rank layout); a collective over all ranks."""
+        self._check_role("reshard_weights", ("actor", "reference"))
+        return self.handover.reshard(target)
 
     def release(self) -> None:
         """Drop the model and optimizer (the process groups stay; they belong to the worker)."""

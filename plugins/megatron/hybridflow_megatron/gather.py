@@ -1,7 +1,7 @@
 """Assemble full HF-named weights on every rank from megatron shards: all-gather over tensor ranks, broadcast over stages.
 
-It is the tg = 1 handover (and the HF export's source); bytes-optimal resharding to other generation layouts is the
-core reshard planner's job, fed by :mod:`hybridflow_megatron.layout`.
+It is the HF export's source and the handover's fallback for a vocabulary megatron padded for tensor parallelism;
+every other handover goes through the core reshard planner (:mod:`hybridflow_megatron.handover`).
 """
 
 from __future__ import annotations

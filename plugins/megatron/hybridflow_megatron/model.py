@@ -25,8 +25,8 @@ from hybridflow_megatron.convert import (
     tensor_parallel_dim,
 )
 
-__all__ = ["StagePlacement", "ValueHead", "ensure_parallel_state", "build_hf_model", "build_transformer_config",
-           "build_stage"]
+__all__ = ["StagePlacement", "ValueHead", "ensure_parallel_state", "destroy_parallel_state", "build_hf_model",
+           "build_transformer_config", "build_stage"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _parallel_sizes: tuple[int, int] | None = None
@@ -98,6 +98,18 @@ def ensure_parallel_state(parallel: ParallelConfig, *, device: str, timeout_s: f
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
     )
+
+
+def destroy_parallel_state() -> None:
+    """Forget megatron's parallel groups of this process (torch.distributed stays up), so that a later engine may
+    use another (t, p). Release every engine built on the old groups first; every rank must call it."""
+    global _parallel_sizes
+    if _parallel_sizes is None:
+        return
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    _parallel_sizes = None
 
 
 def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:

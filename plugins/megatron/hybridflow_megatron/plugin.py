@@ -45,5 +45,7 @@ def hybridflow_report_capabilities() -> dict[str, str]:
         "training": "GPTModel (local spec) with tensor, pipeline and data parallelism, distributed optimizer; "
                     "roles actor, critic, reference",
         "cpu": "runs on gloo through hybridflow_megatron.cpu_shim (fusions off, fp32)",
-        "handover": "generation_weights: tg = 1 (TP all-gather + PP broadcast); layout 'megatron' for the planner",
+        "handover": "generation_weights (tg = 1) and reshard_weights (any generation layout) through the core "
+                    "reshard planner, exactly the lower-bound bytes; TP all-gather + PP broadcast only for a padded "
+                    "vocabulary",
     }

@@ -47,13 +47,14 @@ def build_engine(args: dict, role: str = "actor"):
     from hybridflow.testing.fixtures import tiny_model_config
     from hybridflow_megatron.engine import build_megatron_training_engine
 
-    spec = ModelSpec(config=tiny_model_config(**args.get("model", {})), seed=args.get("seed", 3))
+    values = {**tiny_model_config(**args.get("model", {})), **args.get("config", {})}  # e.g. vocab_size=64
+    spec = ModelSpec(config=values, seed=args.get("seed", 3))
     config = TrainingEngineConfig(
         model=spec,
         parallel=ParallelConfig(tensor_parallel_size=args.get("tp", 1), pipeline_parallel_size=args.get("pp", 1)),
         optim=OptimConfig(lr=args.get("lr", 1e-2), grad_clip=args.get("grad_clip", 1.0)),
         micro_batch_size=args.get("micro_batch_size", 2),
-        extra={"timeout_s": 90},
+        extra={"timeout_s": 90, **args.get("extra", {})},
     )
     return build_megatron_training_engine(role=role, config=config, device="cpu")
 
@@ -107,13 +108,96 @@ def scenario_logits(args: dict) -> dict:
     return out
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _handover_case(args: dict) -> dict:
+    """tg=1 handover twice (plan reuse), a vLLM tg=t target, then a train step and the reshard vs the gather path."""
+    import torch.distributed as dist
+
+    from hybridflow.algorithms.losses import PolicyLossConfig, make_actor_loss_fn
+    from hybridflow.errors import ConfigError
+    from hybridflow.resharding import GenerationLayout, lower_bound_bytes
+    from hybridflow_megatron import gather
+    from hybridflow_megatron.model import build_hf_model
+
+    engine = build_engine(args)
+    rank = dist.get_rank()
+    hf_state = build_hf_model(engine.config.model, role="actor").state_dict()
+    source = engine.layout()
+    held = _nbytes(t for _, t in engine.iter_weight_shards())
+    first = dict(engine.generation_weights())
+    first_stats = engine.last_handover_stats
+    target = engine.handover.generation_layout()
+    plan = engine.handover.plan_for(target)
+    second = dict(engine.generation_weights())
+    out = {
+        "stats": [first_stats, engine.last_handover_stats],
+        "plan_reused": engine.handover.plan_for(engine.handover.generation_layout()) is plan,
+        "buckets": len(plan.buckets),
+        "lower_bound": lower_bound_bytes(source, target, rank),
+        "full_minus_held": _nbytes(first.values()) - held,
+        "names": sorted(first),
+        "hf_names": sorted(hf_state),
+        "unequal": sorted(n for n in first if not torch.equal(first[n], hf_state[n])),
+        "second_unequal": sorted(n for n in first if not torch.equal(second[n], first[n])),
+    }
+    del first, second
+    try:
+        engine.generation_weights(target="sglang-fused")
+    except ConfigError as error:
+        out["bad_target"] = str(error)
+    try:
+        from hybridflow_vllm.layout import build_vllm_layout
+    except ImportError:
+        out["vllm"] = None
+    else:
+        shapes = {name: shape for name, (shape, _) in source.canonical_shapes().items()}
+        mesh = GenerationLayout(tensor=engine.placement.tp_size, training=source.mesh)
+        vllm_target = build_vllm_layout(shapes, model_config=dict(engine.config.model.config), mesh=mesh)
+        shards = engine.reshard_weights(vllm_target)
+        reference = vllm_target.extract_shards(hf_state, rank)
+        out["vllm"] = {
+            "stats": engine.last_handover_stats,
+            "lower_bound": lower_bound_bytes(source, vllm_target, rank),
+            "names_equal": sorted(shards) == sorted(reference),
+            "unequal": sorted(n for n in reference if not torch.equal(shards[n], reference[n])),
+            "fused": sorted(n for n in shards if "qkv_proj" in n or "gate_up_proj" in n),
+        }
+    info = engine.mesh_info()
+    batch = make_batch(rows=4)
+    local = batch.slice(info.dp_rank * len(batch) // info.dp_size, (info.dp_rank + 1) * len(batch) // info.dp_size)
+    local["old_log_probs"] = engine.compute_log_probs(local)["log_probs"]
+    engine.train_step(local, loss_fn=make_actor_loss_fn(PolicyLossConfig()))
+    after = dict(engine.generation_weights())
+    gathered, gather_stats = gather.gather_hf_state(engine.module, arch=engine.arch, placement=engine.placement)
+    out["after_stats"] = engine.last_handover_stats
+    out["gather_bytes"] = gather_stats.bytes_received
+    out["after_vs_gather_unequal"] = sorted(n for n in gathered if not torch.equal(after[n], gathered[n]))
+    out["after_changed"] = any(not torch.equal(after[n], hf_state[n]) for n in after)
+    engine.release()
+    return out
+
+
+def scenario_handover(args: dict) -> dict:
+    """Every case of ``args["cases"]`` (its own (p, t) over the same processes) through :func:`_handover_case`."""
+    from hybridflow_megatron.model import destroy_parallel_state
+
+    results = []
+    for case in args["cases"]:
+        results.append(_handover_case({**args, **case}))
+        destroy_parallel_state()
+    return {"cases": results}
+
+
 def main() -> None:
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
                       LOCAL_RANK=rank, OMP_NUM_THREADS="1")
-    result = {"train": scenario_train, "logits": scenario_logits}[scenario](args)
+    result = {"train": scenario_train, "logits": scenario_logits, "handover": scenario_handover}[scenario](args)
     torch.save(result, os.path.join(out_dir, f"rank_{rank}.pt"))
     import torch.distributed as dist
 
