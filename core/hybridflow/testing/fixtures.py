@@ -103,9 +103,11 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     # written directly: save_pretrained writes only on rank 0 inside a torch.distributed world
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     model.config.save_pretrained(path)
-    save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
+             if not (config.tie_word_embeddings and name == "lm_head.weight")}  # tied: stored once, as HF does
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     build_char_tokenizer().save_pretrained(path)
     return path
