@@ -38,3 +38,13 @@ def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(tmp_pat
     assert [m["actor/policy_version"] for m in history] == [1.0, 2.0]
     # the mesh protocol sends each tensor-parallel pair the same rows and collects one copy: 16 prompts × 4 samples
     assert all(m["grad_norm"] == m["grad_norm"] and m["response/length_mean"] > 0 for m in history)
+
+
+def test_ppo_with_megatron_actor_critic_reference_checkpoints_and_resumes(tmp_path: Path, tiny_config) -> None:
+    overrides = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "actor.engine=megatron", "critic.engine=megatron",
+                 "reference.engine=megatron", "trainer.checkpoint_every=1")
+    first = run(tiny_config(tmp_path / "ppo", *overrides, "trainer.total_steps=2"))
+    assert [m["actor/policy_version"] for m in first] == [1.0, 2.0]
+    assert any(k.startswith("critic/") for k in first[-1]) and "kl/actor_ref" in first[-1]
+    resumed = run(tiny_config(tmp_path / "ppo", *overrides, "trainer.total_steps=3", "trainer.resume=must"))
+    assert [m["actor/policy_version"] for m in resumed] == [3.0]  # actor, critic and reference state reloaded
