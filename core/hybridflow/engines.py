@@ -57,6 +57,7 @@ __all__ = [
     "TrainingEngineFactory",
     "RolloutEngineFactory",
     "ROLLOUT_CAPABILITIES",
+    "local_mini_batch_rows",
 ]
 
 Role = Literal["actor", "critic", "reference", "reward_model"]
@@ -257,3 +258,22 @@ class TrainingEngineFactory(Protocol):
 
 class RolloutEngineFactory(Protocol):
     def __call__(self, *, config: RolloutEngineConfig, device: str) -> RolloutEngine: ...
+
+
+def local_mini_batch_rows(rows: int, mini_batch_size: int | None, data_parallel_size: int) -> int:
+    """Rows of one mini-batch on this rank: ``mini_batch_size`` counts rows over all data-parallel ranks (None: the
+    whole local batch is one mini-batch). Shared by training engines so they agree on the unit."""
+    if mini_batch_size is None:
+        return rows
+    if mini_batch_size < data_parallel_size or mini_batch_size % data_parallel_size:
+        raise ConfigError(
+            f"mini_batch_size counts rows over all {data_parallel_size} data-parallel ranks and must be a positive "
+            f"multiple of it; got {mini_batch_size}"
+        )
+    local = mini_batch_size // data_parallel_size
+    if rows % local:
+        raise ConfigError(
+            f"this rank holds {rows} rows, not a multiple of its share of the mini-batch ({local} = "
+            f"{mini_batch_size} / {data_parallel_size} ranks); make the batch a multiple of mini_batch_size"
+        )
+    return local

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
-from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig
+from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
 
 from hybridflow_fsdp import checkpoint, forward, handover
@@ -160,20 +160,7 @@ class FSDPTrainingEngine:
 
     # --- training -------------------------------------------------------------------------------------------
     def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
-        if mini_batch_size is None:
-            return rows
-        if mini_batch_size % self.world_size or mini_batch_size < self.world_size:
-            raise ConfigError(
-                f"mini_batch_size counts rows over all {self.world_size} data-parallel ranks and must be a positive "
-                f"multiple of it; got {mini_batch_size}"
-            )
-        local = mini_batch_size // self.world_size
-        if rows % local:
-            raise ConfigError(
-                f"this rank holds {rows} rows, not a multiple of its share of the mini-batch ({local} = "
-                f"{mini_batch_size} / {self.world_size} ranks); make the batch a multiple of mini_batch_size"
-            )
-        return local
+        return local_mini_batch_rows(rows, mini_batch_size, self.world_size)
 
     def _count_global(self, mini: Batch) -> tuple[int, int]:
         """Rows and valid response tokens of the mini-batch on all ranks (``is_padding`` rows excluded)."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import PADDING_KEY, Batch
-from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig
+from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
 
 from hybridflow_megatron import cpu_shim, handover, persist
@@ -219,18 +219,7 @@ class MegatronTrainingEngine:
 
     # --- training -------------------------------------------------------------------------------------------
     def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
-        if mini_batch_size is None:
-            return rows
-        dp = self.placement.dp_size
-        if mini_batch_size % dp:
-            raise ConfigError(
-                f"mini_batch_size counts rows over all {dp} data-parallel ranks and must be a positive multiple of "
-                f"it; got {mini_batch_size}"
-            )
-        local = mini_batch_size // dp
-        if rows % local:
-            raise ConfigError(f"this rank holds {rows} rows, not a multiple of its mini-batch share {local}")
-        return local
+        return local_mini_batch_rows(rows, mini_batch_size, self.placement.dp_size)
 
     def _global_loss_scale(self, local: dict[str, float]) -> dict[str, float]:
         """Mini-batch token/row totals over the data-parallel group ÷ dp, so DP averaging gives the global mean."""
