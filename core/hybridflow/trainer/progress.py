@@ -12,7 +12,8 @@ from typing import Any
 
 __all__ = ["MetricsWriter", "Progress", "read_metrics"]
 
-HEADLINE = ("reward/mean", "response/length_mean", "time/step_s", "actor/pg_loss", "kl/actor_ref")
+HEADLINE = {"reward/mean": "reward", "response/length_mean": "len", "time/step_s": "step_s", "grad_norm": "grad_norm",
+            "kl/actor_ref": "kl", "lagrange/lambda": "lambda"}
 
 
 class MetricsWriter:
@@ -74,7 +75,7 @@ class Progress:
         return self
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
-        text = "  ".join(f"{key.split('/')[-1]}={metrics[key]:.3g}" for key in HEADLINE if key in metrics)
+        text = "  ".join(f"{label}={metrics[key]:.3g}" for key, label in HEADLINE.items() if key in metrics)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, metrics=text)
             if not self._progress.console.is_terminal:
