@@ -66,9 +66,12 @@ def hybridflow_register_transfer_protocols(registry: Registry[Any]) -> None:
 def hybridflow_register_layouts(registry: Registry[Any]) -> None:
     """Register layout builders: the per-parameter shard specs of an engine's weights.
 
-    Runs once at plugin load. Each entry is a callable returning a
-    :class:`hybridflow.resharding.ModelLayout` for given parameter shapes and parallel sizes; the reshard
-    planner uses the training engine's layout as source and the rollout engine's as target.
+    Runs once at plugin load. Each entry is a callable ``builder(named_shapes, **sizes) ->``
+    :class:`hybridflow.resharding.ModelLayout`: ``named_shapes`` maps Hugging Face parameter names to full shapes,
+    and the keyword arguments are the engine's parallel sizes and model facts, named as the registering plugin
+    documents (``fsdp``: ``data``; ``megatron``: ``tensor, pipeline, data, num_heads, num_kv_heads, head_dim``;
+    ``vllm``/``sglang``: ``model_config, tensor_parallel_size``). The reshard planner takes the training engine's
+    layout as source and the rollout engine's as target (see docs/resharding.md).
     """
 
 
