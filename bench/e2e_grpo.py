@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,8 @@ def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         trainer.close()
         shutdown_ray()
+        if not args.keep_run_dirs:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return {"system": "hybridflow", "startup_s": startup_s, "step_s": [b - a for a, b in zip(ends, ends[1:])],
             "tokens": tokens, "rewards": rewards,
             "config": {"workers": args.workers, "training_engine": config.actor.engine,
@@ -140,7 +143,11 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[arithmetic], args=config, train_dataset=dataset,
                               processing_class=build_char_tokenizer(), callbacks=[clock])
     startup_s = time.perf_counter() - started
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if not args.keep_run_dirs:
+            shutil.rmtree(output_dir, ignore_errors=True)
     cumulative = [float(log["num_tokens"]) for log in clock.logs]
     tokens = [b - a for a, b in zip([0.0, *cumulative], cumulative)]
     return {"system": "trl", "startup_s": startup_s, "step_s": [b - a for a, b in zip(clock.ends, clock.ends[1:])],
@@ -168,6 +175,8 @@ def launch(system: str, args: argparse.Namespace) -> dict[str, Any] | str:
     command = [python, __file__, "--run-one", system, "--steps", str(args.steps), "--workers", str(args.workers),
                "--lr", str(args.lr), "--seed", str(args.seed),
                "--recompute-log-probs" if args.recompute_log_probs else "--no-recompute-log-probs"]
+    if args.keep_run_dirs:
+        command.append("--keep-run-dirs")
     for item in args.set:
         command += ["--set", item]
     try:
@@ -216,6 +225,7 @@ def main() -> None:
     parser.add_argument("--trl-python", default="", help="interpreter of the TRL run (default: this one)")
     parser.add_argument("--set", action="append", default=[], help="extra hybridflow config override key=value")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--keep-run-dirs", action="store_true", help="keep each run's directory (ledger, metrics)")
     parser.add_argument("--run-one", choices=("hybridflow", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_one:
