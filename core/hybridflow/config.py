@@ -84,6 +84,7 @@ class _ModelRole(_Section):
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
     mixed_precision: Literal["none", "bf16"] = "none"
+    extra: dict[str, Any] = Field(default_factory=dict)  # engine-specific options, passed through unchanged
 
 
 class ActorConfig(_ModelRole):

@@ -63,7 +63,8 @@ class Runtime:
 
     def decode_responses(self, batch: Batch) -> list[str]:
         responses, mask = batch["responses"], batch["response_mask"].bool()
-        return [self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(responses, mask)]
+        return list(self.tokenizer.batch_decode([row[m].tolist() for row, m in zip(responses, mask)],
+                                                skip_special_tokens=True))
 
     def score(self, batch: Batch, *, key: str = "scores", cost: bool = False) -> Batch:
         """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model when configured."""
