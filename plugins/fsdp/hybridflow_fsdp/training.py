@@ -244,6 +244,11 @@ class FSDPTrainingEngine:
         """Full weights for a tg=1 generation engine, gathered one parameter at a time (a collective: every rank
         must consume the whole iterator). Bytes received are in ``last_handover_stats`` once it is exhausted."""
         self._check_role("generation_weights", ("actor", "reference"))
+        path = self.config.extra.get("handover", "stream")
+        if path not in handover.PATHS:
+            raise ConfigError(f"actor.extra.handover must be one of {handover.PATHS}, got {path!r}")
+        if path == "reshard" and self.world_size > 1:
+            return handover.reshard_generation_weights(self, target=target)
         return handover.stream_generation_weights(self, target=target)
 
     def release(self) -> None:

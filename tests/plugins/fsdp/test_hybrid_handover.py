@@ -76,3 +76,40 @@ def test_hybrid_engine_handover_on_two_ranks(tmp_path: Path) -> None:
     again = fresh.generate(build_prompt_batch(), SAMPLING)
     assert torch.equal(again["responses"], results[0]["generated"]["responses"])
     assert torch.allclose(again["rollout_log_probs"], results[0]["generated"]["rollout_log_probs"], atol=1e-6)
+
+
+def _both_paths_rank(rank: int, world_size: int, model_path: str, workdir: str) -> None:
+    from hybridflow.resharding.planner import lower_bound_bytes
+    from hybridflow_fsdp.layouts import build_fsdp_training_layout, build_hf_rollout_layout
+    from hybridflow_fsdp.training import FSDPTrainingEngine
+
+    spec = ModelSpec(path=model_path)
+    results = {}
+    for path in ("stream", "reshard"):
+        actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
+            model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2,
+            extra={"handover": path, "handover_bucket_bytes": 64 << 10}), device="cpu")
+        actor.train_step(build_training_batch(rows=8).chunk(world_size)[rank], loss_fn=sequence_mean_nll)
+        weights = dict(actor.generation_weights())
+        again = dict(actor.generation_weights())  # the cached plan is reused
+        results[path] = {"weights": weights, "stats": actor.last_handover_stats, "again": again}
+    shapes = {name: tuple(t.shape) for name, t in results["stream"]["weights"].items()}
+    results["lower_bound"] = lower_bound_bytes(build_fsdp_training_layout(shapes, data=world_size),
+                                               build_hf_rollout_layout(shapes, data=world_size), rank)
+    torch.save(results, f"{workdir}/paths{rank}.pt")
+
+
+def test_reshard_path_equals_stream_path_and_moves_the_lower_bound(tmp_path: Path) -> None:
+    """extra.handover=reshard runs the 3D-HybridEngine planner/executor: same weights bit for bit as the streamed
+    per-parameter gather, bytes measured from the collectives equal to the planner's lower bound, peak ≤ a bucket."""
+    model_path = prepare_model(tmp_path)
+    run_rank_groups([(_both_paths_rank, 2, (str(model_path), str(tmp_path)))], workdir=tmp_path, timeout_s=240)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"paths{rank}.pt", weights_only=False)
+        stream, reshard = result["stream"], result["reshard"]
+        assert stream["weights"].keys() == reshard["weights"].keys()
+        assert all(torch.equal(stream["weights"][k], reshard["weights"][k]) for k in stream["weights"])
+        assert all(torch.equal(reshard["again"][k], reshard["weights"][k]) for k in reshard["weights"])
+        assert reshard["stats"].path == "reshard" and stream["stats"].path == "stream"
+        assert reshard["stats"].bytes_received == result["lower_bound"] == stream["stats"].bytes_received > 0
+        assert reshard["stats"].peak_gathered_bytes <= 64 << 10
