@@ -19,6 +19,20 @@ def test_local_ray_binds_to_loopback() -> None:
     assert {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]} == {"127.0.0.1"}
 
 
+def test_local_ray_services_listen_on_loopback_only() -> None:
+    import ipaddress
+
+    import psutil
+    import ray
+
+    assert ray.is_initialized()
+    children = {process.pid for process in psutil.Process().children(recursive=True)}
+    listening = [c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.pid in children]
+    assert listening, "no listening Ray socket found among this process's children"
+    addresses = {c.laddr.ip.removeprefix("::ffff:") for c in listening}
+    assert all(ipaddress.ip_address(a).is_loopback for a in addresses), addresses
+
+
 def test_docs_say_module_function_rewards_execute_code() -> None:
     text = (ROOT / "docs" / "operations.md").read_text()
     assert "`module:function` execute code" in text

@@ -83,7 +83,11 @@ def load(engine: Any, path: str) -> None:
     if meta != expected:
         raise CheckpointError(f"checkpoint {root} was written with layout {meta}; this engine runs {expected}. "
                               "Export to HF (export_hf) and build the new layout from that directory instead.")
-    state = torch.load(_rank_file(root), map_location="cpu", weights_only=False)
+    try:  # weights_only: a checkpoint file is data, never code
+        state = torch.load(_rank_file(root), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable file is corrupted or not ours
+        raise CheckpointError(f"checkpoint file {_rank_file(root)} could not be loaded safely "
+                              f"({type(exc).__name__}: {exc})") from exc
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             param.copy_(state["model"][name].to(param.device))
