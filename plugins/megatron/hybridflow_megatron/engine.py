@@ -21,6 +21,7 @@ from hybridflow.errors import ConfigError, EngineError
 
 from hybridflow_megatron import cpu_shim, handover, persist
 from hybridflow_megatron.model import build_stage, ensure_parallel_state
+from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
 
 __all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABLE_ROLES"]
 
@@ -79,6 +80,7 @@ class MegatronTrainingEngine:
         model, self.arch, self.hf_config = build_stage(
             config.model, role=role, placement=self.placement, device=device,
             overrides=extra.get("transformer_overrides"), vocab_multiple=int(extra.get("vocab_multiple", 8)),
+            transformer_engine=uses_transformer_engine(device, extra),
         )
         self.trainable = role in TRAINABLE_ROLES
         self.optimizer: Any = None
@@ -348,7 +350,7 @@ class MegatronTrainingEngine:
                 "layout shards need a vocabulary the tensor size × extra.vocab_multiple divides"
             )
         offset = int(get_transformer_layer_offset(self.module.config))
-        for name, param in self.module.named_parameters():
+        for name, param in named_local_parameters(self.module):
             if self.arch.tied_embeddings and name == "output_layer.weight":
                 continue  # the last stage's copy of the tied embedding
             yield layout_name_of(name, layer_offset=offset, value_head=self.arch.value_head), param.detach()

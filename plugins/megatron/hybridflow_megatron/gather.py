@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow_megatron.convert import ArchInfo, hf_from_megatron_shards
+from hybridflow_megatron.spec_names import named_local_parameters
 
 __all__ = ["GatherStats", "gather_hf_state"]
 
@@ -36,7 +37,7 @@ def gather_hf_state(module: Any, *, arch: ArchInfo, placement: Any) -> tuple[dic
     from megatron.core import parallel_state as ps
 
     received = 0
-    local = {name: param.detach() for name, param in module.named_parameters()}
+    local = {name: param.detach() for name, param in named_local_parameters(module)}
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(placement.tp_size)]
     tp_group = ps.get_tensor_model_parallel_group()
     for name in sorted(local):

@@ -17,6 +17,7 @@ from hybridflow.engines import ModelSpec, ParallelConfig
 from hybridflow.errors import ConfigError, EngineError
 
 from hybridflow_megatron import cpu_shim
+from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 from hybridflow_megatron.convert import (
     ArchInfo,
     ShardPosition,
@@ -201,9 +202,10 @@ class ValueHead(torch.nn.Module):
 
 
 def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device: str,
-                overrides: dict[str, Any] | None = None, vocab_multiple: int = 8) -> tuple[Any, ArchInfo, Any]:
-    """(GPTModel for this rank's stage with HF weights loaded, ArchInfo, HF config)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+                overrides: dict[str, Any] | None = None, vocab_multiple: int = 8,
+                transformer_engine: bool = False) -> tuple[Any, ArchInfo, Any]:
+    """(GPTModel for this rank's stage with HF weights loaded, ArchInfo, HF config); the TransformerEngine layer
+    spec when ``transformer_engine`` (see :mod:`hybridflow_megatron.spec_names`), else megatron's local spec."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -216,7 +218,7 @@ def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device
     with cpu_shim.cpu_tensor_methods():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=build_layer_spec(transformer_engine=transformer_engine),
             vocab_size=arch.padded_vocab_size,
             max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
             pre_process=placement.is_first_stage,
@@ -250,7 +252,7 @@ def mark_tensor_parallel_params(model: torch.nn.Module, *, value_head: bool) -> 
     when it initialises weights itself (``perform_initialization``); grad norms and checkpoints read them."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    for name, param in model.named_parameters():
+    for name, param in named_local_parameters(model):
         dim = tensor_parallel_dim(name, value_head=value_head)
         if dim is not None and not getattr(param, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(param, True, dim, 1)
@@ -258,7 +260,7 @@ def mark_tensor_parallel_params(model: torch.nn.Module, *, value_head: bool) -> 
 
 def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
     """Copy ``shard`` into ``model``'s parameters; every parameter must be covered and every tensor used."""
-    params = dict(model.named_parameters())
+    params = dict(named_local_parameters(model))
     missing = sorted(set(params) - set(shard))
     unexpected = sorted(set(shard) - set(params))
     if missing or unexpected:
