@@ -55,7 +55,10 @@ def hybridflow_register_layouts(registry: Any) -> None:
 @hookimpl
 def hybridflow_report_capabilities() -> dict[str, str]:
     return {
-        "training": "FSDP2 fully_shard over data-parallel ranks (gloo on CPU, nccl on CUDA); tp = pp = 1",
-        "rollout": "hf: KV-cache sampling with the HF forward, tg = 1; sleep frees weights, wake + update_weights",
-        "handover": "per-parameter DTensor all-gather into the colocated hf engine, bytes counted per rank",
+        "training": "FSDP2 fully_shard over data-parallel ranks (gloo on CPU, nccl on CUDA); tp = pp = 1; "
+                    "unsharded on a single fp32 rank",
+        "rollout": "hf: KV-cache sampling (lean Qwen2/Llama decoder, HF forward otherwise), tg = 1; sleep frees "
+                   "weights, wake + update_weights",
+        "handover": "stream: per-parameter DTensor all-gather (default); reshard: the 3D-HybridEngine planner and "
+                    "executor (actor.extra.handover=reshard); bytes counted per rank",
     }
