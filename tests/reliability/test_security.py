@@ -30,9 +30,16 @@ def test_local_ray_services_listen_on_loopback_only() -> None:
 
     assert ray.is_initialized()
     services = ("gcs_server", "raylet", "dashboard", "runtime_env", "log_monitor", "monitor.py")
-    children = {process.pid for process in psutil.Process().children(recursive=True)
-                if any(name in " ".join([process.name(), *process.cmdline()]) for name in services)}
-    names = {psutil.Process(pid).name() for pid in children}
+
+    def describe(process: psutil.Process) -> str:
+        try:
+            return " ".join([process.name(), *process.cmdline()])
+        except psutil.Error:  # exited or a zombie since it was listed
+            return ""
+
+    service_processes = {p.pid: describe(p) for p in psutil.Process().children(recursive=True)}
+    children = {pid for pid, text in service_processes.items() if any(name in text for name in services)}
+    names = {service_processes[pid].split(" ", 1)[0] for pid in children}
     assert {"gcs_server", "raylet"} <= names, names
     listening = [c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.pid in children]
     assert listening, "no listening Ray socket found among this process's children"
