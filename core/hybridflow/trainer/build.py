@@ -183,12 +183,8 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
         groups.pools[pool_name] = pool
         classes = {plan.role: WORKER_CLASSES[plan.role] for plan in pool_plans}
         init_kwargs = {plan.role: {"spec": plan.spec} for plan in pool_plans}
-        try:
-            group = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=f"{pool_name}",
-                                deadline_s=deadline_s, stack_dump_dir=stack_dump_dir)
-        except ConfigError:
-            raise
-        groups.by_pool[pool_name] = group
+        groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
+                                                deadline_s=deadline_s, stack_dump_dir=stack_dump_dir)
         for plan in pool_plans:
             groups.role_pool[plan.role] = pool_name
     return groups
