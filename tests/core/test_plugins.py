@@ -34,15 +34,30 @@ def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def make_broken_plugin(site: Path, *, name: str = "broken", import_error: str = "missing_backend_xyz") -> None:
-    """A distribution whose plugin module fails to import (its backend is not installed)."""
-    dist_info = site / f"hybridflow_{name}-0.3.1.dist-info"
+def make_plugin_dist(site: Path, name: str, source: str, *, version: str = "1.0", extra_metadata: str = "") -> None:
+    """A distribution ``hybridflow-<name>`` whose entry point is the module ``hybridflow_<name>_plugin`` = ``source``
+    (installed metadata only, as pip leaves it: importlib.metadata finds it on ``sys.path``)."""
+    dist_info = site / f"hybridflow_{name}-{version}.dist-info"
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: hybridflow-{name}\nVersion: 0.3.1\nProvides-Extra: backend\n"
+        f"Metadata-Version: 2.1\nName: hybridflow-{name}\nVersion: {version}\n{extra_metadata}"
     )
     (dist_info / "entry_points.txt").write_text(f"[hybridflow]\n{name} = hybridflow_{name}_plugin\n")
-    (site / f"hybridflow_{name}_plugin.py").write_text(f"import {import_error}\n")
+    (site / f"hybridflow_{name}_plugin.py").write_text(source)
+
+
+def make_broken_plugin(site: Path, *, name: str = "broken", import_error: str = "missing_backend_xyz") -> None:
+    """A distribution whose plugin module fails to import (its backend is not installed)."""
+    make_plugin_dist(site, name, f"import {import_error}\n", version="0.3.1", extra_metadata="Provides-Extra: backend\n")
+
+
+LOAD_AND_PRINT_ERROR = """
+    from hybridflow import plugins
+    try:
+        plugins.load_plugins()
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+    """
 
 
 def run_python(code: str, *site_dirs: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -146,49 +161,19 @@ def test_disable_variable_skips_import(tmp_path: Path) -> None:
 
 def test_duplicate_registration_names_both_owners(tmp_path: Path, example_site: Path) -> None:
     # a second distribution registering the same reward name as the example plugin
-    dist_info = tmp_path / "hybridflow_clash-1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hybridflow-clash\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text("[hybridflow]\nclash = hybridflow_clash_plugin\n")
-    (tmp_path / "hybridflow_clash_plugin.py").write_text(
-        "from hybridflow.hookspecs import hookimpl\n"
-        "@hookimpl\ndef hybridflow_register_rewards(registry):\n"
-        "    registry.register('example_length', lambda **k: [])\n"
-    )
-    result = run_python(
-        """
-        from hybridflow import plugins
-        try:
-            plugins.load_plugins()
-        except Exception as exc:
-            print(type(exc).__name__, exc)
-        """,
-        tmp_path, example_site,
-    )
+    make_plugin_dist(tmp_path, "clash", "from hybridflow.hookspecs import hookimpl\n"
+                     "@hookimpl\ndef hybridflow_register_rewards(registry):\n"
+                     "    registry.register('example_length', lambda **k: [])\n")
+    result = run_python(LOAD_AND_PRINT_ERROR, tmp_path, example_site)
     out = result.stdout
     assert "example_length" in out and "registered twice" in out, out + result.stderr
     assert "hybridflow-example" in out and "hybridflow-clash" in out
 
 
 def test_misspelled_hook_fails_at_startup(tmp_path: Path) -> None:
-    dist_info = tmp_path / "hybridflow_typo-1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hybridflow-typo\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text("[hybridflow]\ntypo = hybridflow_typo_plugin\n")
-    (tmp_path / "hybridflow_typo_plugin.py").write_text(
-        "from hybridflow.hookspecs import hookimpl\n"
-        "@hookimpl\ndef hybridflow_register_rewardz(registry):\n    pass\n"
-    )
-    result = run_python(
-        """
-        from hybridflow import plugins
-        try:
-            plugins.load_plugins()
-        except Exception as exc:
-            print(type(exc).__name__, exc)
-        """,
-        tmp_path,
-    )
+    make_plugin_dist(tmp_path, "typo", "from hybridflow.hookspecs import hookimpl\n"
+                     "@hookimpl\ndef hybridflow_register_rewardz(registry):\n    pass\n")
+    result = run_python(LOAD_AND_PRINT_ERROR, tmp_path)
     assert "hybridflow_register_rewardz" in result.stdout, result.stdout + result.stderr
 
 
