@@ -114,6 +114,7 @@ class CallHandle:
                 results[r].finished_at - results[r].started_at if r in results else 0.0 for r in range(self.world_size)
             ),
             ok=ok,
+            counters_per_rank=tuple(results[r].counters if r in results else {} for r in range(self.world_size)),
         )
         notify_observers(record, self.observer)
 

@@ -128,6 +128,7 @@ class WorkerGroup:
         self.stack_dump_dir = stack_dump_dir
         self._hosts: list[Any] = []
         self._pids: dict[int, int] = {}
+        self._nodes: dict[int, str] = {}
         self._mesh: dict[str, list[MeshInfo]] = {}
         self._start()
 
@@ -177,7 +178,9 @@ class WorkerGroup:
             raise WorkerError(f"{self.name}: constructing the roles failed on rank {rank}: {error}. Fix the worker "
                               f"constructor; the remote traceback follows.\n{remote}", rank=rank, method="__init__",
                               remote_traceback=remote)
-        self._pids = dict(zip(hosts, ray.get([host.process_id.remote() for host in self._hosts], timeout=30.0)))
+        locations = ray.get([host.process_location.remote() for host in self._hosts], timeout=30.0)
+        self._pids = {rank: pid for rank, (pid, _node) in zip(hosts, locations)}
+        self._nodes = {rank: node for rank, (_pid, node) in zip(hosts, locations)}
 
     def shutdown(self) -> None:
         """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""
@@ -199,6 +202,13 @@ class WorkerGroup:
 
     @property
     def process_ids(self) -> dict[int, int]:
+        return dict(self._pids)
+
+    def local_process_ids(self) -> dict[int, int] | None:
+        """Rank → pid when every rank runs on the driver's Ray node (their /proc is readable here), else None."""
+        here = ray.get_runtime_context().get_node_id()
+        if not self._pids or any(self._nodes.get(rank) != here for rank in self._pids):
+            return None
         return dict(self._pids)
 
     def __enter__(self) -> WorkerGroup:
@@ -307,10 +317,18 @@ def _settle(value: Any) -> Any:
     return value
 
 
+#: batches up to this many tensor bytes travel inside the call (Ray's own inline limit is 100 KiB); larger ones are
+#: stored once in the object store and fetched zero-copy by each rank
+INLINE_BATCH_BYTES = 90 * 1024
+
+
 def _stage(value: Any, puts: dict[int, tuple[Any, Any]], slices: dict[tuple[Any, int, int], Any]) -> Any:
-    """Replace a Batch by a ref the rank fetches (stored once per call) and a future by its shard's refs."""
+    """Replace a Batch by a ref the rank fetches (stored once per call; small ones inline) and a future by its
+    shard's refs."""
     if isinstance(value, BatchFuture):
         return value.to_fetch_arg(slices)
+    if isinstance(value, Batch) and value.nbytes() <= INLINE_BATCH_BYTES:
+        return FetchArg(refs=(), inline=value)
     if isinstance(value, Batch):
         key = id(value)
         if key not in puts:

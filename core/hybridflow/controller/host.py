@@ -27,12 +27,14 @@ __all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "value_nbytes"
 
 @dataclass(frozen=True, slots=True)
 class FetchArg:
-    """An argument the receiving rank fetches itself: the concatenation of ``refs`` plus optional padding rows."""
+    """An argument the receiving rank fetches itself: the concatenation of ``refs`` plus optional padding rows, or
+    a small batch carried ``inline`` in the call itself (no object-store round trip; its bytes still count)."""
 
     refs: tuple[Any, ...]
     padding_rows: int = 0
     pad_ref: Any = None
     mark_padding: bool = False
+    inline: Any = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +60,7 @@ class RankResult:
     bytes_in: int = 0
     started_at: float = 0.0
     finished_at: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
 
 
 def value_nbytes(value: Any) -> int:
@@ -79,6 +82,8 @@ def _is_user_frame(filename: str) -> bool:
 
 
 def _fetch(arg: FetchArg, deadline_at: float) -> tuple[Any, int]:
+    if arg.inline is not None:
+        return arg.inline, value_nbytes(arg.inline)
     timeout = max(1.0, deadline_at - time.time())
     refs = list(arg.refs) + ([arg.pad_ref] if arg.pad_ref is not None else [])
     values = ray.get(refs, timeout=timeout)
@@ -179,6 +184,7 @@ class WorkerHost:
                                     remote_traceback=traceback.format_exc(), bytes_in=bytes_in,
                                     started_at=started, finished_at=time.time())
         is_batch = isinstance(output, Batch)
+        counters = getattr(self.roles[role], "counters", None)
         return output, RankResult(
             rank=self.context.rank,
             is_batch=is_batch,
@@ -188,6 +194,7 @@ class WorkerHost:
             bytes_in=bytes_in,
             started_at=started,
             finished_at=time.time(),
+            counters=dict(counters()) if callable(counters) else {},
         )
 
     @ray.method(concurrency_group="transfer")
@@ -213,6 +220,11 @@ class WorkerHost:
     @ray.method(concurrency_group="control")
     def process_id(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def process_location(self) -> tuple[int, str]:
+        """(pid, Ray node id) of this worker process."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def mesh_info(self, role: str) -> MeshInfo:
         instance = self.roles[role]

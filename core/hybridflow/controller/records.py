@@ -32,6 +32,8 @@ class CallRecord:
     finished_at: float
     compute_seconds_per_rank: tuple[float, ...] = ()
     ok: bool = True
+    #: what each rank's role reported from its ``counters()`` after the call (cumulative, e.g. handover bytes)
+    counters_per_rank: tuple[dict[str, float], ...] = ()
 
 
 CallObserver = Callable[[CallRecord], None]

@@ -99,6 +99,7 @@ class Trainer:
         self.step = 0
         self._record: IterationRecord | None = None
         self._handover_totals: list[int] | None = None
+        self._actor_counters: tuple[dict[str, float], ...] = ()
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -218,16 +219,35 @@ class Trainer:
                               busy_seconds=busy)
         self._record.add_edge("driver" if not any(record.bytes_in_per_rank) else "object_store", node,
                               protocol=record.protocol, bytes_per_rank=list(record.bytes_in_per_rank))
+        if record.role == "actor" and record.counters_per_rank:
+            self._actor_counters = record.counters_per_rank
 
     def _record_process_stats(self, record: IterationRecord) -> None:
-        """Bytes resident per pool (RSS of its worker processes) and this iteration's weight-handover bytes."""
+        """Bytes resident per pool (RSS of its worker processes) and this iteration's weight-handover bytes.
+
+        RSS is read from /proc here when the pool's workers share the driver's node, else asked of the workers;
+        the handover bytes come with the actor's call reports (its ``counters()``), so no extra call is made."""
+        import psutil
+
         assert self.groups is not None
         for pool, group in self.groups.by_pool.items():
             role = next(r for r, p in self.groups.role_pool.items() if p == pool)
-            stats = self.groups.role(role).process_stats()
-            record.resident_bytes[pool] = sum(s["rss_bytes"] for s in stats)
-            if "actor" in self.groups.role_pool and self.groups.role_pool["actor"] == pool:
-                totals = [s["handover_bytes_received"] for s in stats]
+            is_actor_pool = "actor" in self.groups.role_pool and self.groups.role_pool["actor"] == pool
+            local = group.local_process_ids()
+            stats: list[dict[str, int]] | None = None
+            try:
+                rss = sum(psutil.Process(pid).memory_info().rss for pid in local.values()) if local else None
+            except psutil.Error:  # a worker exited since: ask the group (which raises a clear error if it is gone)
+                rss = None
+            if rss is None:
+                stats = list(self.groups.role(role).process_stats())
+                rss = sum(s["rss_bytes"] for s in stats)
+            record.resident_bytes[pool] = rss
+            if is_actor_pool:
+                if stats is not None:
+                    totals = [s["handover_bytes_received"] for s in stats]
+                else:
+                    totals = [int(c.get("handover_bytes_received", 0)) for c in self._actor_counters]
                 previous = self._handover_totals or [0] * len(totals)
                 self._handover_totals = totals
                 record.add_edge("actor.training_engine", "actor.rollout_engine", protocol="reshard",

@@ -112,6 +112,11 @@ class _TrainingRole(Worker):
         return {"rss_bytes": int(psutil.Process().memory_info().rss),
                 "handover_bytes_received": int(handover.get("bytes_received", 0))}
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters sent back with every call's report (no extra round trip)."""
+        handover = getattr(self, "handover", None) or {}
+        return {"handover_bytes_received": float(handover.get("bytes_received", 0))}
+
     def _check_version(self, batch: Batch, what: str) -> None:
         version = batch.meta.get("policy_version")
         if version is not None and version != self.policy_version:

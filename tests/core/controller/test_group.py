@@ -246,3 +246,33 @@ def test_padded_future_edge_spans_producers_and_pads_lazily(groups: dict[str, Wo
     assert records[-1].bytes_in_per_rank == (2 * row, 2 * row, 2 * row, row)  # rank 3 fetched one row to pad from
     halves = future.chunk(2)
     assert [len(part) for part in halves] == [3, 3] and torch.equal(halves[1].get(timeout=30)["ids"], batch["ids"][3:])
+
+
+def test_small_batches_travel_inline_large_ones_through_the_object_store(
+        groups: dict[str, WorkerGroup], records: list[CallRecord], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's shard under INLINE_BATCH_BYTES rides in the call (no ray.put); a larger one is stored (once per
+    shard); both count exactly their shard bytes on every rank."""
+    from hybridflow.controller import group as group_module
+
+    puts: list[int] = []
+    real_put = ray.put
+    monkeypatch.setattr(group_module.ray, "put", lambda value, **kw: (puts.append(id(value)), real_put(value, **kw))[1])
+    wide = groups["wide"]
+    small = make(8, columns=16)  # 1 KiB
+    large = make(8, columns=group_module.INLINE_BATCH_BYTES // 8 // 2 + 64)  # shards of 2 rows
+    assert small.nbytes() <= group_module.INLINE_BATCH_BYTES < large.nbytes() // 4
+    for batch, stored in ((small, False), (large, True)):
+        puts.clear()
+        out = wide.actor.row_sums(batch)
+        assert out["sum"].tolist() == batch["ids"].sum(dim=1).tolist()
+        assert len(puts) == (4 if stored else 0), f"{batch.nbytes()} bytes: {len(puts)} object-store puts"
+        assert records[-1].bytes_in_per_rank == tuple([batch.nbytes() // 4] * 4)
+
+
+def test_call_reports_carry_role_counters_and_local_pids(groups: dict[str, WorkerGroup],
+                                                         records: list[CallRecord]) -> None:
+    wide = groups["wide"]
+    wide.actor.count_call()
+    assert records[-1].counters_per_rank == ({},) * 4  # Actor defines no counters()
+    local = wide.local_process_ids()
+    assert local == wide.process_ids and sorted(local) == [0, 1, 2, 3]
