@@ -156,11 +156,15 @@ class PromptLoader:
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
+        self._cached_order: tuple[int, list[int]] | None = None
 
     def _order(self, epoch: int) -> list[int]:
+        if self._cached_order is not None and self._cached_order[0] == epoch:
+            return self._cached_order[1]
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        self._cached_order = (epoch, order)
         return order
 
     def next_batch(self) -> Batch:
