@@ -63,7 +63,11 @@ class LeanDecoder:
         self._bias = torch.empty(0)
         self._packed: list[Any] = []
         self._cos = self._sin = torch.empty(0)
-        self._length = 0
+        self._step_cos = self._step_sin = torch.empty(0)
+        self._embedding = torch.empty(0)
+        self._head: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
+        self._repeats = 1
+        self._length = self._prompt_width = 0
 
     # --- pieces ---------------------------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -91,9 +95,14 @@ class LeanDecoder:
         v = v.transpose(1, 2)
         if start is not None:
             end = start + width
-            self._k[index][:, :, start:end] = k
-            self._v[index][:, :, start:end] = v
-            k, v = self._k[index][:, :, :end], self._v[index][:, :, :end]
+            if self._repeats > 1:  # one prompt row fills `repeats` cache rows (a broadcast copy, no repeat)
+                shape = (rows, self._repeats, *self._k[index].shape[1:])
+                self._k[index].view(shape)[:, :, :, start:end] = k.unsqueeze(1)
+                self._v[index].view(shape)[:, :, :, start:end] = v.unsqueeze(1)
+            else:
+                self._k[index][:, :, start:end] = k
+                self._v[index][:, :, start:end] = v
+                k, v = self._k[index][:, :, :end], self._v[index][:, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
         h = h + F.linear(out.transpose(1, 2).reshape(rows, width, -1), attention.o_proj.weight, attention.o_proj.bias)
         mlp = layer.mlp
@@ -142,86 +151,223 @@ class LeanDecoder:
         h = self._hidden(input_ids, position_ids, None, self._prompt_mask(attention_mask.bool()))
         return self._logits(h if last is None else h[:, -last:])
 
+    def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                        response_width: int) -> torch.Tensor:
+        """Logits [B, R, V] predicting each of the last ``response_width`` tokens (gradients flow).
+
+        Rows that repeat the previous row's prompt (the n samples of one prompt, as rollouts produce them) share
+        one forward of that prompt: the prompt columns are computed once per distinct prompt and the responses
+        attend to its keys/values — the same logits and gradients as the full forward, with the prompt's
+        arithmetic done once instead of n times. Without repeats this is :meth:`forward_logits`.
+        """
+        prompt_width = input_ids.shape[1] - response_width
+        firsts = _distinct_prompt_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
+                                       position_ids[:, :prompt_width]) if prompt_width > 0 else None
+        if firsts is None:
+            return self.forward_logits(input_ids, attention_mask, position_ids, last=response_width + 1)[:, :-1]
+        unique_rows, owner = firsts
+        return self._shared_prefix_logits(input_ids, attention_mask, position_ids, prompt_width, unique_rows, owner)
+
+    def _shared_prefix_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              position_ids: torch.Tensor, prompt_width: int, unique_rows: torch.Tensor,
+                              owner: torch.Tensor) -> torch.Tensor:
+        rows, width = input_ids.shape
+        prompts, responses = len(unique_rows), width - prompt_width
+        device = input_ids.device
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        self._rope_tables(int(position_ids.max()) + 1, device)
+        prompt_tokens = prompts * prompt_width
+        # one flat token stream: the distinct prompts' tokens, then every row's response tokens
+        ids = torch.cat((input_ids[unique_rows, :prompt_width].reshape(-1), input_ids[:, prompt_width:].reshape(-1)))
+        positions = torch.cat((position_ids[unique_rows, :prompt_width].reshape(-1),
+                               position_ids[:, prompt_width:].reshape(-1)))
+        embedding = self.model.model.embed_tokens.weight  # type: ignore[union-attr]
+        h = F.embedding(ids, embedding)
+        cos = self._cos[positions].unsqueeze(1).to(h.dtype)  # [N, 1, D]
+        sin = self._sin[positions].unsqueeze(1).to(h.dtype)
+        sin = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)  # rotate_half folded into sin
+        keys = attention_mask.bool()
+        prompt_keys = keys[unique_rows, :prompt_width]
+        prompt_mask = self._prompt_mask(prompt_keys)  # [U, 1, P, P]
+        causal = torch.ones(responses, responses, dtype=torch.bool, device=device).tril()
+        response_mask = torch.cat((keys[:, None, None, :prompt_width].expand(rows, 1, responses, prompt_width),
+                                   (causal & keys[:, None, None, prompt_width:])
+                                   | torch.eye(responses, dtype=torch.bool, device=device)), dim=-1)
+        gqa = kv_heads != heads
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            x = self._norm(h, layer.input_layernorm)
+            qkv = F.linear(x, torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)),
+                           None if attention.q_proj.bias is None else
+                           torch.cat((attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias)))
+            qk = qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+            v = qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+            q_p = qk[:prompt_tokens, :heads].view(prompts, prompt_width, heads, dim).transpose(1, 2)
+            k_p = qk[:prompt_tokens, heads:].view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
+            v_p = v[:prompt_tokens].view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
+            q_r = qk[prompt_tokens:, :heads].view(rows, responses, heads, dim).transpose(1, 2)
+            k_r = qk[prompt_tokens:, heads:].view(rows, responses, kv_heads, dim).transpose(1, 2)
+            v_r = v[prompt_tokens:].view(rows, responses, kv_heads, dim).transpose(1, 2)
+            out_p = _attend(q_p, k_p, v_p, prompt_mask, gqa)
+            out_r = _attend(q_r, torch.cat((k_p[owner], k_r), dim=2), torch.cat((v_p[owner], v_r), dim=2),
+                            response_mask, gqa)
+            out = torch.cat((out_p.transpose(1, 2).reshape(prompt_tokens, heads * dim),
+                             out_r.transpose(1, 2).reshape(rows * responses, heads * dim)))
+            h = h + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
+            x = self._norm(h, layer.post_attention_layernorm)
+            gate, up = F.linear(x, torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
+                                None if mlp.gate_proj.bias is None else
+                                torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias))).chunk(2, -1)
+            h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        # the last prompt position predicts the first response token; response positions predict the rest
+        last_prompt = h[:prompt_tokens].view(prompts, prompt_width, -1)[:, -1]
+        first = self._logits(last_prompt)[owner].unsqueeze(1)
+        rest = self._logits(h[prompt_tokens:].view(rows, responses, -1)[:, :-1])
+        return torch.cat((first, rest), dim=1)
+
     # --- public ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                max_new_tokens: int) -> torch.Tensor:
-        """Logits [B, V] of the last prompt position; allocates the cache for ``max_new_tokens`` more."""
+                max_new_tokens: int, *, repeats: int = 1) -> torch.Tensor:
+        """Logits [B·repeats, V] of the last prompt position; allocates the cache for ``max_new_tokens`` more.
+
+        With ``repeats`` > 1 each prompt row is computed once and its keys/values are shared by ``repeats``
+        consecutive rows of the cache (``repeat_interleave`` order), the layout of n samples per prompt.
+        Afterwards :meth:`step` may be called without positions: row r's k-th new token sits at its last prompt
+        position + 1 + k (the tables for that are made here).
+        """
         rows, width = input_ids.shape
         total = width + max_new_tokens
         backbone = self.model.model  # type: ignore[union-attr]
         parameter = backbone.embed_tokens.weight
         dtype, device = parameter.dtype, parameter.device
-        self._k = [torch.empty(rows, self.num_kv_heads, total, self.head_dim, dtype=dtype, device=device)
+        self._k = [torch.empty(rows * repeats, self.num_kv_heads, total, self.head_dim, dtype=dtype, device=device)
                    for _ in self.layers]
         self._v = [torch.empty_like(k) for k in self._k]
-        self._rope_tables(total + int(position_ids.max()) + 1, device)
+        self._repeats = repeats
+        last = position_ids[:, -1].repeat_interleave(repeats) if repeats > 1 else position_ids[:, -1]
+        self._rope_tables(int(position_ids.max()) + max_new_tokens + 1, device)
+        steps = last[None, :] + torch.arange(1, max_new_tokens + 1, device=device)[:, None]  # [N, B·r]
+        half = self.head_dim // 2
+        self._step_cos = self._cos[steps].unsqueeze(2).to(dtype)  # [N, B·r, 1, D]
+        sin = self._sin[steps].unsqueeze(2).to(dtype)
+        self._step_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half folded into sin
         keys = torch.ones(rows, total, dtype=torch.bool, device=device)
         keys[:, :width] = attention_mask.bool()
+        if repeats > 1:
+            keys = keys.repeat_interleave(repeats, dim=0)
         self._mask = keys[:, None, None, :]
         bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill_(~keys, float("-inf"))
         self._bias = bias[:, None, None]
         self._pack()
-        prompt_mask = self._prompt_mask(keys[:, :width])
-        self._length = width
-        return self._forward(input_ids, position_ids, 0, prompt_mask)
+        prompt_mask = self._prompt_mask(attention_mask.bool())
+        self._length = self._prompt_width = width
+        logits = self._forward(input_ids, position_ids, 0, prompt_mask)
+        self._repeats = 1
+        return logits.repeat_interleave(repeats, dim=0) if repeats > 1 else logits
 
     def _pack(self) -> None:
-        """Per layer: q/k/v and gate/up weights concatenated (one matmul each per decode step)."""
+        """Per layer: q/k/v and gate/up weights concatenated (one matmul each per decode step), with the RMSNorm
+        weight that precedes them folded in (``norm(x)·g @ Wᵀ = norm(x) @ (W·g)ᵀ``), and direct references to the
+        rest, so a decode step does no module attribute lookups."""
 
-        def joined(*modules: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def joined(norm: nn.Module, *modules: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([m.weight for m in modules])
+            weight = (weight.float() * norm.weight.float()).to(weight.dtype)
             if all(m.bias is None for m in modules):
                 return weight, None
             return weight, torch.cat([m.bias if m.bias is not None else weight.new_zeros(m.weight.shape[0])
                                       for m in modules])
 
         self._packed = []
+        query_rows = self.num_heads * self.head_dim
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            self._packed.append((joined(attention.q_proj, attention.k_proj, attention.v_proj),
-                                 joined(mlp.gate_proj, mlp.up_proj)))
+            qkv_weight, qkv_bias = joined(layer.input_layernorm, attention.q_proj, attention.k_proj, attention.v_proj)
+            # the 1/√d of the attention scores folded into the query rows (RoPE is linear, so it commutes)
+            qkv_weight[:query_rows] *= self.head_dim**-0.5
+            if qkv_bias is not None:
+                qkv_bias = qkv_bias.clone()
+                qkv_bias[:query_rows] *= self.head_dim**-0.5
+            self._packed.append(((qkv_weight, qkv_bias),
+                                 (attention.o_proj.weight, attention.o_proj.bias),
+                                 joined(layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj),
+                                 (mlp.down_proj.weight, mlp.down_proj.bias)))
+        backbone, head = self.model.model, self.model.lm_head  # type: ignore[union-attr]
+        self._embedding = backbone.embed_tokens.weight
+        self._head = joined(backbone.norm, head)
+
+    def _plain_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the next matmul by :meth:`_pack`)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     def _decode_layer(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       slot: int) -> torch.Tensor:
-        """One layer for one new token per row: ``h`` [B, H], keys/values written to cache ``slot``."""
-        layer = self.layers[index]
-        (qkv_weight, qkv_bias), (gate_up_weight, gate_up_bias) = self._packed[index]
+        """One layer for one new token per row: ``h`` [B, H], keys/values written to cache ``slot``; ``sin`` is
+        signed (``rotate_half`` folded in), so the rotation is ``x·cos + roll(x, D/2)·sin``."""
+        (qkv_weight, qkv_bias), (o_weight, o_bias), (gate_up_weight, gate_up_bias), (down_weight, down_bias) = \
+            self._packed[index]
         rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(self._norm(h, layer.input_layernorm), qkv_weight, qkv_bias)
-        qk = self._rope(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, sin)
+        qkv = F.linear(self._plain_norm(h), qkv_weight, qkv_bias)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
         self._k[index][:, :, slot] = qk[:, heads:]
         self._v[index][:, :, slot] = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
         keys, values = self._k[index][:, :, : slot + 1], self._v[index][:, :, : slot + 1]
         query = qk[:, :heads].reshape(rows, kv_heads, heads // kv_heads, dim)  # head h reads kv head h // group
-        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(dim**-0.5).add_(self._bias[..., : slot + 1])
+        scores = torch.matmul(query, keys.transpose(-1, -2)).add_(self._bias[..., : slot + 1])  # query pre-scaled
         # softmax spelled out: torch.softmax over a last dim this short costs several times exp + sum + div
         weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
         out = torch.matmul(weights, values).div_(weights.sum(-1, keepdim=True)).view(rows, heads * dim)
-        attention = layer.self_attn
-        h = h + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
-        gate, up = F.linear(self._norm(h, layer.post_attention_layernorm), gate_up_weight, gate_up_bias).chunk(2, -1)
-        mlp = layer.mlp
-        return h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        h = h + F.linear(out, o_weight, o_bias)
+        gate, up = F.linear(self._plain_norm(h), gate_up_weight, gate_up_bias).chunk(2, -1)
+        return h + F.linear(F.silu(gate).mul_(up), down_weight, down_bias)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] after appending ``tokens`` [B] at ``positions`` [B]."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] after appending ``tokens`` [B] at ``positions`` [B] (default: the next position of every
+        row, from the tables :meth:`prefill` made)."""
         slot = self._length
         self._length += 1
-        backbone = self.model.model  # type: ignore[union-attr]
-        h = F.embedding(tokens, backbone.embed_tokens.weight)
-        cos = self._cos[positions].unsqueeze(1).to(h.dtype)
-        sin = self._sin[positions].unsqueeze(1).to(h.dtype)
+        h = F.embedding(tokens, self._embedding)
+        if positions is None:
+            cos, sin = self._step_cos[slot - self._prompt_width], self._step_sin[slot - self._prompt_width]
+        else:
+            half = self.head_dim // 2
+            cos = self._cos[positions].unsqueeze(1).to(h.dtype)
+            sin = self._sin[positions].unsqueeze(1).to(h.dtype)
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for index in range(len(self.layers)):
             h = self._decode_layer(index, h, cos, sin, slot)
-        return self._logits(h)
+        return F.linear(self._plain_norm(h), *self._head)
 
     def release(self) -> None:
         """Free the KV cache."""
         self._k, self._v, self._packed = [], [], []
         self._mask = torch.empty(0, dtype=torch.bool)
         self._bias = torch.empty(0)
+        self._step_cos = self._step_sin = torch.empty(0)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          prompt_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first row of each run of identical consecutive prompts, run index of every row), or None when no two
+    consecutive rows share their prompt (nothing to share)."""
+    if prompt_ids.shape[0] < 2:
+        return None
+    same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])
+            & (prompt_positions[1:] == prompt_positions[:-1])).all(-1)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat((torch.ones(1, dtype=torch.bool, device=same.device), ~same))
+    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
 
 
 def build_lean_decoder(model: nn.Module) -> LeanDecoder | None:

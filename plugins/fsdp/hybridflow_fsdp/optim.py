@@ -17,12 +17,12 @@ __all__ = ["build_optimizer", "build_scheduler", "compute_lr_factor"]
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], config: OptimConfig, *,
-                    foreach: bool = False) -> torch.optim.AdamW:
+                    foreach: bool = False, fused: bool = False) -> torch.optim.AdamW:
     """AdamW over ``parameters``: the single-tensor path by default (it works on DTensor shards on every device),
-    the multi-tensor ``foreach`` path for plain tensors (fewer kernel launches)."""
+    the multi-tensor ``foreach`` path or the ``fused`` kernel (one per parameter, CPU and CUDA) for plain tensors."""
     return torch.optim.AdamW(
         list(parameters), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-        foreach=foreach,
+        **({"fused": True} if fused else {"foreach": foreach}),
     )
 
 

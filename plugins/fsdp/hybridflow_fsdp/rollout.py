@@ -90,11 +90,13 @@ class HFRolloutEngine:
         seed = sampling.seed if sampling.seed is not None else self.config.seed + self._calls
         self._calls += 1
         generator = torch.Generator().manual_seed(int(seed))
+        # each distinct prompt is prefilled once and shared by its n samples
+        sampled = sample_tokens(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                                sampling=sampling, eos_token_id=self.config.eos_token_id,
+                                pad_token_id=self.config.pad_token_id, generator=generator, decoder=self.decoder,
+                                repeats=sampling.n)
         prompt_ids = prompts["input_ids"].to(self.device)
         prompt_mask = prompts["attention_mask"].to(self.device)
-        sampled = sample_tokens(self.model, prompt_ids, prompt_mask, sampling=sampling,
-                                eos_token_id=self.config.eos_token_id, pad_token_id=self.config.pad_token_id,
-                                generator=generator, decoder=self.decoder)
         prompt_positions = compute_position_ids(prompt_mask)
         steps = torch.arange(1, sampled.responses.shape[1] + 1, device=self.device)
         response_positions = prompt_positions[:, -1:] + steps.unsqueeze(0)

@@ -56,8 +56,18 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch
         else:
             filtered = filter_logits(logits / sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
             probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+        tokens = draw_from(probs, generator)
     return tokens, raw_log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs`` [B, V] (rows need not sum to 1) by inverting the CDF at a uniform draw.
+
+    Index i is drawn iff cdf[i-1] <= u·total < cdf[i], so zero-probability entries are never drawn; one uniform per
+    row (``torch.multinomial`` draws an exponential per entry, several times the cost on small rows)."""
+    cdf = probs.cumsum(-1)
+    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=generator.device).to(probs.device)
+    return (cdf <= uniform.mul_(cdf[:, -1:])).sum(-1)
 
 
 def _cache_argument(model: nn.Module) -> str:
@@ -78,39 +88,46 @@ def sample_tokens(
     pad_token_id: int,
     generator: torch.Generator,
     decoder: LeanDecoder | None = None,
+    repeats: int = 1,
 ) -> SampledTokens:
     """Generate ``sampling.max_new_tokens`` columns for every row; rows stop at EOS (kept, masked 1), then pad.
 
-    With ``decoder`` (a :class:`~hybridflow_fsdp.fast_decode.LeanDecoder` of ``model``) the logits come from its lean
-    forward; otherwise from ``model(...)`` with the HF KV cache. Both give the same logits.
+    ``repeats`` > 1 samples that many rows per prompt (``repeat_interleave`` order); with ``decoder`` (a
+    :class:`~hybridflow_fsdp.fast_decode.LeanDecoder` of ``model``) the prompts' forward is computed once and shared,
+    and the logits come from its lean forward; otherwise from ``model(...)`` with the HF KV cache. Both give the
+    same logits.
     """
-    rows, width = input_ids.shape[0], sampling.max_new_tokens
+    width = sampling.max_new_tokens
+    if decoder is None and repeats > 1:
+        input_ids = input_ids.repeat_interleave(repeats, dim=0)
+        attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
+        repeats = 1
+    rows = input_ids.shape[0] * repeats
     device = input_ids.device
     responses = torch.full((rows, width), pad_token_id, dtype=input_ids.dtype, device=device)
     log_probs = torch.zeros((rows, width), dtype=torch.float32, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    alive = torch.zeros((rows, width), dtype=torch.bool, device=device)
     position_ids = compute_position_ids(attention_mask)
     if decoder is not None:
-        logits = decoder.prefill(input_ids, attention_mask, position_ids, width)
+        logits = decoder.prefill(input_ids, attention_mask, position_ids, width, repeats=repeats)
     else:
         cache_argument = _cache_argument(model)
         output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
         logits = output.logits[:, -1, :]
     positions = position_ids[:, -1]
+    steps = width
     for step in range(width):
         tokens, token_log_probs = pick_tokens(logits, sampling, generator)
-        tokens = tokens.masked_fill(finished, pad_token_id)
         responses[:, step] = tokens
-        log_probs[:, step] = token_log_probs.masked_fill(finished, 0.0)
-        alive[:, step] = ~finished
+        log_probs[:, step] = token_log_probs
         finished |= tokens == eos_token_id
         if step == width - 1 or bool(finished.all()):
+            steps = step + 1
             break
-        positions = positions + 1
         if decoder is not None:
-            logits = decoder.step(tokens, positions)
+            logits = decoder.step(tokens)  # rows past their EOS keep decoding; their columns are masked below
             continue
+        positions = positions + 1
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         output = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention_mask,
                        position_ids=positions.unsqueeze(-1), use_cache=True,
@@ -118,4 +135,11 @@ def sample_tokens(
         logits = output.logits[:, -1, :]
     if decoder is not None:
         decoder.release()
+    # a column is alive until (and including) the row's first EOS; after it: pad, log-prob 0, mask 0
+    eos_before = (responses[:, :steps] == eos_token_id).long().cumsum(-1)
+    eos_before = torch.cat([torch.zeros_like(eos_before[:, :1]), eos_before[:, :-1]], dim=1)
+    alive = torch.zeros((rows, width), dtype=torch.bool, device=device)
+    alive[:, :steps] = eos_before == 0
+    responses.masked_fill_(~alive, pad_token_id)
+    log_probs.masked_fill_(~alive, 0.0)
     return SampledTokens(responses=responses, log_probs=log_probs, response_mask=alive.to(attention_mask.dtype))

@@ -79,7 +79,7 @@ class FSDPTrainingEngine:
         if (not self.sharded and role in ("actor", "reference") and not config.gradient_checkpointing
                 and config.extra.get("lean_forward", True)):
             self.lean = build_lean_decoder(self.model)
-        self.optimizer = (build_optimizer(self.model.parameters(), config.optim, foreach=not self.sharded)
+        self.optimizer = (build_optimizer(self.model.parameters(), config.optim, fused=not self.sharded)
                           if self.trainable else None)
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer is not None else None
         self._version = 0
@@ -105,8 +105,8 @@ class FSDPTrainingEngine:
         if self.lean is not None:
             inputs = forward.model_inputs(micro, self.device)
             length = forward.response_length(micro)
-            logits = self.lean.forward_logits(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
-                                              last=length + 1)[:, :-1]
+            logits = self.lean.response_logits(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
+                                               length)
         else:
             logits = forward.response_logits(self.model, micro, self.device)
         outputs = {"log_probs": forward.compute_token_log_probs(logits, micro["responses"].to(self.device))}
@@ -211,7 +211,7 @@ class FSDPTrainingEngine:
     def _clip_and_step(self) -> float:
         assert self.optimizer is not None and self.scheduler is not None
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=not self.sharded or None)
         norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(norm_value):
             self.optimizer.step()

@@ -114,3 +114,36 @@ def test_unsharded_single_rank_engine_steps_like_fsdp() -> None:
         weights.append({name: tensor.clone() for name, tensor in engine.generation_weights()})
     gap = max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0])
     assert gap < 1e-5, f"unsharded and FSDP engines diverged by {gap} after 3 AdamW steps"
+
+
+@pytest.mark.parametrize("fixture", ["qwen2-h16", "llama"])
+def test_shared_prompt_forward_matches_full_forward_and_gradients(fixture: str) -> None:
+    """Rows repeating their predecessor's prompt share one prompt forward; logits and gradients are unchanged."""
+    model = build_model(ModelSpec(config=tiny_model_config(**FIXTURES[fixture]), seed=4), role="actor")
+    prompt_ids, prompt_mask = padded_batch(rows=5, prompt=6, seed=1)
+    repeats = torch.tensor([3, 1, 4, 2, 2])  # uneven groups, one prompt alone
+    ids, mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
+    rows, width = ids.shape[0], 7
+    generator = torch.Generator().manual_seed(7)
+    responses = torch.randint(4, 45, (rows, width), generator=generator)
+    response_mask = torch.ones(rows, width, dtype=torch.long)
+    for row in range(rows):  # rows end at different lengths (EOS, then padding)
+        end = int(torch.randint(1, width + 1, (1,), generator=generator))
+        response_mask[row, end:] = 0
+    input_ids = torch.cat([ids, responses.masked_fill(response_mask == 0, PAD_ID)], 1)
+    attention_mask = torch.cat([mask, response_mask], 1)
+    positions = compute_position_ids(attention_mask)
+    decoder = LeanDecoder(model)
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        if shared:
+            logits = decoder.response_logits(input_ids, attention_mask, positions, width)
+        else:
+            logits = decoder.forward_logits(input_ids, attention_mask, positions, last=width + 1)[:, :-1]
+        log_probs = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1) * response_mask
+        (-(log_probs.sum() / response_mask.sum())).backward()
+        results.append((log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert (results[0][0] - results[1][0]).abs().max() < 1e-5
+    gap = max((results[0][1][n] - results[1][1][n]).abs().max().item() for n in results[0][1])
+    assert gap < 1e-6 and max(g.abs().max().item() for g in results[0][1].values()) > 1e-3
