@@ -16,7 +16,7 @@ from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import compute_rule_rewards
 
-__all__ = ["Algorithm", "Runtime", "mean_over_ranks", "fill_old_log_probs"]
+__all__ = ["Algorithm", "Runtime", "mean_over_ranks", "fill_old_log_probs", "decode_batch"]
 
 
 class Algorithm(Protocol):
@@ -65,7 +65,7 @@ class Runtime:
         # plain lists first: iterating and masking tensors row by row costs more than the decoding itself
         rows, masks = batch["responses"].tolist(), batch["response_mask"].bool().tolist()
         kept = [[token for token, keep in zip(row, mask) if keep] for row, mask in zip(rows, masks)]
-        return list(self.tokenizer.batch_decode(kept, skip_special_tokens=True))
+        return decode_batch(self.tokenizer, kept)
 
     def score(self, batch: Batch, *, key: str = "scores", cost: bool = False) -> Batch:
         """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model when configured."""
@@ -123,6 +123,17 @@ class Runtime:
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
         return metrics
+
+
+def decode_batch(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
+    """``tokenizer.batch_decode(sequences, skip_special_tokens=True)``; for a fast tokenizer without clean-up, the
+    same text straight from its ``backend_tokenizer`` (skipping transformers' per-element input conversion, which
+    costs more than the decoding)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode_batch") and not getattr(
+            tokenizer, "clean_up_tokenization_spaces", True):
+        return list(backend.decode_batch(sequences, skip_special_tokens=True))
+    return list(tokenizer.batch_decode(sequences, skip_special_tokens=True))
 
 
 def fill_old_log_probs(batch: Batch) -> Batch:

@@ -132,10 +132,11 @@ class LeanDecoder:
     def _rope_tables(self, length: int, device: torch.device) -> None:
         if self._cos.shape[0] >= length and self._cos.device == device:
             return
-        reference = torch.empty(0, dtype=torch.float32, device=device)
-        rotary = self.model.model.rotary_emb  # type: ignore[union-attr]
-        cos, sin = rotary(reference, torch.arange(length, device=device).unsqueeze(0))
-        self._cos, self._sin = cos[0], sin[0]
+        with torch.inference_mode(False):  # kept across calls: ordinary tensors even when made during generation
+            reference = torch.empty(0, dtype=torch.float32, device=device)
+            rotary = self.model.model.rotary_emb  # type: ignore[union-attr]
+            cos, sin = rotary(reference, torch.arange(length, device=device).unsqueeze(0))
+            self._cos, self._sin = cos[0].clone(), sin[0].clone()
 
     @staticmethod
     def _prompt_mask(keys: torch.Tensor) -> torch.Tensor:
@@ -200,15 +201,20 @@ class LeanDecoder:
             qkv = F.linear(x, torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)),
                            None if attention.q_proj.bias is None else
                            torch.cat((attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias)))
-            qk = qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)
+            # split (one backward cat per split) rather than slices (a zero-filled gradient per slice)
+            qk, v = qkv.split(((heads + kv_heads) * dim, kv_heads * dim), dim=-1)
+            qk = qk.view(-1, heads + kv_heads, dim)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
-            v = qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
-            q_p = qk[:prompt_tokens, :heads].view(prompts, prompt_width, heads, dim).transpose(1, 2)
-            k_p = qk[:prompt_tokens, heads:].view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
-            v_p = v[:prompt_tokens].view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
-            q_r = qk[prompt_tokens:, :heads].view(rows, responses, heads, dim).transpose(1, 2)
-            k_r = qk[prompt_tokens:, heads:].view(rows, responses, kv_heads, dim).transpose(1, 2)
-            v_r = v[prompt_tokens:].view(rows, responses, kv_heads, dim).transpose(1, 2)
+            qk_p, qk_r = qk.split((prompt_tokens, rows * responses))
+            v_p, v_r = v.split((prompt_tokens, rows * responses))
+            q_p, k_p = qk_p.split((heads, kv_heads), dim=1)
+            q_r, k_r = qk_r.split((heads, kv_heads), dim=1)
+            q_p = q_p.view(prompts, prompt_width, heads, dim).transpose(1, 2)
+            k_p = k_p.view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
+            v_p = v_p.view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
+            q_r = q_r.view(rows, responses, heads, dim).transpose(1, 2)
+            k_r = k_r.view(rows, responses, kv_heads, dim).transpose(1, 2)
+            v_r = v_r.view(rows, responses, kv_heads, dim).transpose(1, 2)
             out_p = _attend(q_p, k_p, v_p, prompt_mask, gqa)
             out_r = _attend(q_r, torch.cat((k_p[owner], k_r), dim=2), torch.cat((v_p[owner], v_r), dim=2),
                             response_mask, gqa)
@@ -216,14 +222,14 @@ class LeanDecoder:
                              out_r.transpose(1, 2).reshape(rows * responses, heads * dim)))
             h = h + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
             x = self._norm(h, layer.post_attention_layernorm)
-            gate, up = F.linear(x, torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
-                                None if mlp.gate_proj.bias is None else
-                                torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias))).chunk(2, -1)
+            # two matmuls, not one over [gate; up] then chunk: contiguous halves make silu and its backward faster
+            gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
             h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         # the last prompt position predicts the first response token; response positions predict the rest
-        last_prompt = h[:prompt_tokens].view(prompts, prompt_width, -1)[:, -1]
-        first = self._logits(last_prompt)[owner].unsqueeze(1)
-        rest = self._logits(h[prompt_tokens:].view(rows, responses, -1)[:, :-1])
+        h_p, h_r = h.split((prompt_tokens, rows * responses))
+        first = self._logits(h_p.view(prompts, prompt_width, -1)[:, -1])[owner].unsqueeze(1)
+        rest = self._logits(h_r.view(rows, responses, -1)[:, :-1])
         return torch.cat((first, rest), dim=1)
 
     # --- public ---------------------------------------------------------------------------------------------------

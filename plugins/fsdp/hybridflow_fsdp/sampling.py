@@ -97,6 +97,18 @@ def sample_tokens(
     and the logits come from its lean forward; otherwise from ``model(...)`` with the HF KV cache. Both give the
     same logits.
     """
+    # inference mode (no version counters or autograd bookkeeping: ~10% off each decode step); what leaves it is
+    # cloned into ordinary tensors, so callers may use the outputs in autograd
+    with torch.inference_mode():
+        sampled = _sample(model, input_ids, attention_mask, sampling=sampling, eos_token_id=eos_token_id,
+                          pad_token_id=pad_token_id, generator=generator, decoder=decoder, repeats=repeats)
+    return SampledTokens(responses=sampled.responses.clone(), log_probs=sampled.log_probs.clone(),
+                         response_mask=sampled.response_mask.clone())
+
+
+def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, sampling: SamplingParams,
+            eos_token_id: int, pad_token_id: int, generator: torch.Generator, decoder: LeanDecoder | None,
+            repeats: int) -> SampledTokens:
     width = sampling.max_new_tokens
     if decoder is None and repeats > 1:
         input_ids = input_ids.repeat_interleave(repeats, dim=0)

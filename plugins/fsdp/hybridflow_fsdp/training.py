@@ -118,15 +118,18 @@ class FSDPTrainingEngine:
         if self.role not in roles:
             raise EngineError(f"{method} is for roles {list(roles)}; this engine is a {self.role}")
 
-    @torch.no_grad()
     def _infer(self, batch: Batch, *, with_entropy: bool, columns: tuple[str, ...]) -> Batch:
         self.model.eval()
         parts: dict[str, list[torch.Tensor]] = {column: [] for column in columns}
-        for micro in self._micro_batches(batch):
-            outputs = self._forward_outputs(micro, with_entropy=with_entropy)
-            for column in columns:
-                parts[column].append(outputs[column].cpu())
-        return Batch({c: torch.cat(p) for c, p in parts.items()}, meta=batch.meta, batch_size=len(batch))
+        # unsharded: inference mode (less per-op bookkeeping); FSDP's hooks keep the plain no-grad mode
+        with torch.inference_mode() if not self.sharded else torch.no_grad():
+            for micro in self._micro_batches(batch):
+                outputs = self._forward_outputs(micro, with_entropy=with_entropy)
+                for column in columns:
+                    parts[column].append(outputs[column].cpu())
+            merged = {c: torch.cat(p) for c, p in parts.items()}
+        # ordinary tensors out (inference tensors cannot be saved for a later backward)
+        return Batch({c: t.clone() for c, t in merged.items()}, meta=batch.meta, batch_size=len(batch))
 
     def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
         """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""

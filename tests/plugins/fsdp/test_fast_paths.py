@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from hybridflow.batch import Batch
 from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
 from hybridflow.testing.contracts.rollout import build_prompt_batch
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
@@ -147,3 +148,21 @@ def test_shared_prompt_forward_matches_full_forward_and_gradients(fixture: str) 
     assert (results[0][0] - results[1][0]).abs().max() < 1e-5
     gap = max((results[0][1][n] - results[1][1][n]).abs().max().item() for n in results[0][1])
     assert gap < 1e-6 and max(g.abs().max().item() for g in results[0][1].values()) > 1e-3
+
+
+def test_generation_and_inference_outputs_are_ordinary_tensors() -> None:
+    """Generation and log-prob inference run in inference mode; nothing that leaves them is an inference tensor
+    (those cannot be saved for a backward), so an in-process loss over them trains."""
+    spec = ModelSpec(config=tiny_model_config(num_heads=4, num_kv_heads=2))
+    rollout = HFRolloutEngine(config=RolloutEngineConfig(model=spec, eos_token_id=EOS_ID, max_new_tokens=6))
+    out = rollout.generate(build_prompt_batch(), SamplingParams(n=2, max_new_tokens=6, seed=0))
+    engine = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(model=spec, micro_batch_size=4))
+    old = engine.compute_log_probs(out)
+    assert not any(t.is_inference() for t in (*out.tensors.values(), *old.tensors.values()))
+    assert rollout.decoder is not None and not rollout.decoder._cos.is_inference()
+    batch = out | Batch({"old_log_probs": old["log_probs"], "advantages": torch.randn(len(out))[:, None]
+                         .expand(-1, out["responses"].shape[1]).contiguous()}, batch_size=len(out))
+    from hybridflow.algorithms.losses import make_actor_loss_fn
+
+    metrics = engine.train_step(batch, loss_fn=make_actor_loss_fn())
+    assert metrics["grad_norm"] > 0 and engine.state_version() == 1
