@@ -108,10 +108,16 @@ def aggregate_loss(
     """Reduce a per-token loss ``[B, R]`` to a scalar by ``loss_agg``, over ``loss_scale`` if given (see module)."""
     valid = _valid(response_mask)
     numerator, local = _aggregate(_fill_padding(loss_matrix, valid), valid, loss_agg)
+    return _scaled(numerator, local, loss_scale)
+
+
+def _scaled(numerator: torch.Tensor, local: torch.Tensor, loss_scale: float | None) -> torch.Tensor:
+    """``numerator`` over the local count, or over ``loss_scale`` (the mini-batch count, which must be > 0)."""
     if loss_scale is None:
         return numerator / local.clamp(min=1)
     if not loss_scale > 0:
-        raise AlgorithmInputError(f"loss_scale must be > 0, got {loss_scale}; it is the mini-batch token/row count")
+        raise AlgorithmInputError(f"loss_scale must be > 0, got {loss_scale}; it is the mini-batch token/row count "
+                                  "(a mini-batch with no valid response token has no loss)")
     return numerator / loss_scale
 
 
@@ -151,7 +157,7 @@ def ppo_policy_loss(
         dual_active = (advantages < 0) & (losses > bound)
         losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
     numerator, local = _aggregate(losses, valid, loss_agg)
-    loss = numerator / (local.clamp(min=1) if loss_scale is None else loss_scale)
+    loss = _scaled(numerator, local, loss_scale)
     with torch.no_grad():
         metrics = {
             "pg_loss": float(numerator / local.clamp(min=1)),
@@ -189,7 +195,7 @@ def value_loss(
         clipped = (clipped_values - returns) ** 2
         losses, clip_active = 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
     numerator, local = _aggregate(losses, valid, loss_agg)
-    loss = numerator / (local.clamp(min=1) if loss_scale is None else loss_scale)
+    loss = _scaled(numerator, local, loss_scale)
     with torch.no_grad():
         metrics = {
             "vf_loss": float(numerator / local.clamp(min=1)),

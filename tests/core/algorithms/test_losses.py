@@ -226,3 +226,12 @@ def test_value_loss_config_rejects_bad_values():
         ValueLossConfig(clip_range=0.0)
     with pytest.raises(ConfigError, match="coef"):
         ValueLossConfig(coef=0.0)
+
+
+def test_all_padding_mini_batch_is_a_clear_error():
+    batch, log_probs, _, _ = make_batch(1, 3, 4)
+    batch["response_mask"].zero_()
+    scale = compute_loss_scale(batch)
+    assert scale["loss_scale_tokens"] == 0
+    with pytest.raises(AlgorithmInputError, match="loss_scale must be > 0"):
+        make_actor_loss_fn()({"log_probs": log_probs}, batch.with_meta(**scale))
