@@ -22,7 +22,7 @@ from hybridflow.controller.worker import WorkerContext, set_context
 from hybridflow.engines import MeshInfo
 from hybridflow.transfer.concat import concat_batches
 
-__all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "value_nbytes"]
+__all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "tune_malloc", "value_nbytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,33 @@ class RankResult:
     started_at: float = 0.0
     finished_at: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)
+
+
+#: glibc mallopt parameters: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Keep freed tensor memory in this process's heap (glibc only; a no-op elsewhere); True when applied.
+
+    Training steps allocate and free the same activation sizes every iteration. With glibc's defaults, blocks over
+    its (adaptive) mmap threshold are mapped and unmapped each time and a grown heap is trimmed back, so every step
+    page-faults its activations in again (hundreds of faults per step measured on the tiny GRPO fixture, up to
+    ~1.5× its update time). Blocks under 64 MiB now come from the heap, which is kept up to 256 MiB above use.
+    Workers call it at start-up unless ``HYBRIDFLOW_MALLOC_TUNING=0``.
+    """
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or "glibc" not in " ".join(platform.libc_ver()).lower():
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)))
+    except (OSError, AttributeError):
+        return False
 
 
 def value_nbytes(value: Any) -> int:
@@ -126,6 +153,8 @@ class WorkerHost:
     def __init__(self, group: str, rank: int, world_size: int, local_rank: int) -> None:
         self.context = WorkerContext(group=group, rank=rank, world_size=world_size, local_rank=local_rank)
         self.roles: dict[str, Any] = {}
+        if os.environ.get("HYBRIDFLOW_MALLOC_TUNING", "1") != "0":
+            tune_malloc()
         try:
             import torch
 
