@@ -269,9 +269,36 @@ class LeanDecoder:
         self._pack()
         prompt_mask = self._prompt_mask(attention_mask.bool())
         self._length = self._prompt_width = width
-        logits = self._forward(input_ids, position_ids, 0, prompt_mask)
+        logits = self._prefill_forward(input_ids, position_ids, prompt_mask)
         self._repeats = 1
         return logits.repeat_interleave(repeats, dim=0) if repeats > 1 else logits
+
+    def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The prompts through the packed weights (as :meth:`_decode_layer`), filling cache slots ``[0, W)`` (each
+        prompt row into ``_repeats`` consecutive cache rows); logits [B, V] of the last position."""
+        rows, width = input_ids.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.embedding(input_ids, self._embedding)
+        cos = self._cos[positions].unsqueeze(2).to(h.dtype)  # [B, W, 1, D]
+        sin = self._sin[positions].unsqueeze(2).to(h.dtype)
+        sin = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)
+        shape = (rows, self._repeats, kv_heads, self._k[0].shape[2], dim)
+        for index in range(len(self.layers)):
+            (qkv_weight, qkv_bias), (o_weight, o_bias), (gate_up_weight, gate_up_bias), (down_weight, down_bias) = \
+                self._packed[index]
+            qkv = F.linear(self._plain_norm(h), qkv_weight, qkv_bias)
+            qk = qkv[..., : (heads + kv_heads) * dim].view(rows, width, heads + kv_heads, dim)
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin).transpose(1, 2)  # [B, H+KV, W, D]
+            k = qk[:, heads:]
+            v = qkv[..., (heads + kv_heads) * dim :].view(rows, width, kv_heads, dim).transpose(1, 2)
+            self._k[index].view(shape)[:, :, :, :width] = k.unsqueeze(1)
+            self._v[index].view(shape)[:, :, :, :width] = v.unsqueeze(1)
+            out = F.scaled_dot_product_attention(qk[:, :heads], k, v, attn_mask=mask, scale=1.0,  # q pre-scaled
+                                                 enable_gqa=kv_heads != heads)
+            h = h + F.linear(out.transpose(1, 2).reshape(rows, width, heads * dim), o_weight, o_bias)
+            gate, up = F.linear(self._plain_norm(h), gate_up_weight, gate_up_bias).chunk(2, -1)
+            h = h + F.linear(F.silu(gate).mul_(up), down_weight, down_bias)
+        return F.linear(self._plain_norm(h[:, -1]), *self._head)
 
     def _pack(self) -> None:
         """Per layer: q/k/v and gate/up weights concatenated (one matmul each per decode step), with the RMSNorm
