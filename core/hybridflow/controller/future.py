@@ -48,13 +48,16 @@ class CallHandle:
     rank_zero_only: bool = False
     results: dict[int, RankResult] | None = None
     failure: BaseException | None = None
+    fetched: dict[int, Any] | None = None
 
     @property
     def node(self) -> str:
         return f"{self.group}.{self.role}"
 
-    def resolve(self, timeout: float | None = None) -> dict[int, RankResult]:
-        """Wait (bounded by the deadline and ``timeout``) for every rank's report; raise the first failure."""
+    def resolve(self, timeout: float | None = None, *, with_outputs: list[int] | None = None) -> dict[int, RankResult]:
+        """Wait (bounded by the deadline and ``timeout``) for every rank's report; raise the first failure.
+
+        ``with_outputs``: ranks whose outputs are fetched in the same call (kept for :meth:`fetch_outputs`)."""
         if self.failure is not None:
             raise self.failure
         if self.results is not None:
@@ -62,7 +65,19 @@ class CallHandle:
         remaining = self.started_at + self.deadline_s - time.time()
         wait_s = max(0.0, remaining if timeout is None else min(timeout, remaining))
         refs = list(self.info_refs.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        results: dict[int, RankResult] = {}
+        waited_from = time.time()
+        wanted = [self.data_refs[rank] for rank in with_outputs or []]
+        try:  # the common case in one call: every report (and wanted output) arrives in time
+            values = ray.get(refs + wanted, timeout=wait_s)
+            results = dict(zip(self.info_refs, values[: len(refs)]))
+            if wanted:
+                self.fetched = dict(zip(with_outputs or [], values[len(refs):]))
+            ready = refs
+        except (GetTimeoutError, RayActorError, RayError):
+            # out of time, or a rank died: wait out the others (what is left of the time), then sort ranks out below
+            left = max(0.0, waited_from + wait_s - time.time())
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=left)
         if len(ready) < len(refs):
             ready_set = set(ready)
             stuck = [rank for rank, ref in self.info_refs.items() if ref not in ready_set]
@@ -77,9 +92,9 @@ class CallHandle:
                 if final:
                     self.failure = exc
                 raise
-        results: dict[int, RankResult] = {}
         try:
-            results = dict(zip(self.info_refs, ray.get(refs, timeout=10.0)))
+            if not results:
+                results = dict(zip(self.info_refs, ray.get(refs, timeout=10.0)))
         except (RayActorError, RayError, GetTimeoutError):
             for rank, ref in self.info_refs.items():  # find which ranks died
                 try:
@@ -119,7 +134,10 @@ class CallHandle:
         notify_observers(record, self.observer)
 
     def fetch_outputs(self, ranks: list[int], timeout: float | None) -> list[Any]:
-        self.resolve(timeout)
+        self.resolve(timeout, with_outputs=ranks if self.results is None else None)
+        fetched, self.fetched = self.fetched or {}, None
+        if all(rank in fetched for rank in ranks):
+            return [fetched[rank] for rank in ranks]
         return list(ray.get([self.data_refs[rank] for rank in ranks], timeout=timeout or max(10.0, self.deadline_s)))
 
 
