@@ -167,14 +167,25 @@ class PromptLoader:
         self._cached_order = (epoch, order)
         return order
 
-    def next_batch(self) -> Batch:
+    def _next_place(self) -> tuple[int, int]:
+        """(epoch, position) of the next batch."""
         if self.position + self.batch_size > len(self.dataset):
-            self.epoch += 1
-            self.position = 0
-        order = self._order(self.epoch)[self.position:self.position + self.batch_size]
-        uids = [f"e{self.epoch}-p{index}" for index in order]
+            return self.epoch + 1, 0
+        return self.epoch, self.position
+
+    def _batch_at(self, epoch: int, position: int) -> Batch:
+        order = self._order(epoch)[position:position + self.batch_size]
+        return self.dataset.batch(order, uids=[f"e{epoch}-p{index}" for index in order])
+
+    def next_batch(self) -> Batch:
+        self.epoch, self.position = self._next_place()
+        batch = self._batch_at(self.epoch, self.position)
         self.position += self.batch_size
-        return self.dataset.batch(order, uids=uids)
+        return batch
+
+    def peek(self) -> Batch:
+        """The batch :meth:`next_batch` will return, without advancing."""
+        return self._batch_at(*self._next_place())
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

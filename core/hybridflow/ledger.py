@@ -88,7 +88,8 @@ class IterationRecord:
         nodes: dict[str, dict[str, Any]] = {}
         for node in self.nodes:
             entry = nodes.setdefault(node.name, {"seconds": 0.0, "busy_seconds": 0.0, "tokens": 0, "samples": 0,
-                                                 "pool": node.pool, "policy_versions": []})
+                                                 "pool": node.pool, "policy_versions": [], "dispatched_at": node.start})
+            entry["dispatched_at"] = min(entry["dispatched_at"], node.start)  # before "start" when submitted ahead
             entry["seconds"] += node.seconds
             entry["busy_seconds"] += node.seconds if node.busy_seconds is None else node.busy_seconds
             entry["tokens"] += node.tokens

@@ -16,6 +16,13 @@ from hybridflow.trainer.progress import read_metrics
 __all__ = ["main", "summarize_run", "render_plots"]
 
 
+def _node_seconds(node: dict[str, Any]) -> float:
+    """A node's own run time (``busy_seconds``) when recorded; dispatch-to-collection ``seconds`` otherwise (that
+    includes queueing, e.g. a generation submitted ahead waiting for the update before it)."""
+    busy = node.get("busy_seconds")
+    return float(busy) if busy else float(node.get("seconds", 0.0))
+
+
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     """Headline numbers of a run: steps, reward trajectory, time per node, policy updates per hour."""
     run_dir = Path(run_dir)
@@ -32,7 +39,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     node_seconds: dict[str, float] = {}
     for row in ledger:
         for name, node in row["nodes"].items():
-            node_seconds[name] = node_seconds.get(name, 0.0) + node["seconds"]
+            node_seconds[name] = node_seconds.get(name, 0.0) + _node_seconds(node)
     edge_bytes = sum(edge["bytes"] for row in ledger for edge in row["edges"])
     return {
         "steps": len(metrics),
@@ -76,7 +83,7 @@ def render_plots(run_dir: str | Path) -> list[Path]:
         bottom = [0.0] * len(ledger)
         x = [row["iteration"] for row in ledger]
         for name in names:
-            values = [row["nodes"].get(name, {}).get("seconds", 0.0) for row in ledger]
+            values = [_node_seconds(row["nodes"][name]) if name in row["nodes"] else 0.0 for row in ledger]
             axis.bar(x, values, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, values)]
         axis.plot(x, [row["seconds"] for row in ledger], color="black", linewidth=1, label="iteration wall time")

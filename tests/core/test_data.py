@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from hybridflow.data import PromptDataset, PromptLoader, load_rows
 from hybridflow.errors import DatasetError, RewardError
@@ -73,6 +74,18 @@ def test_loader_is_seeded_and_resumable(tokenizer) -> None:
     assert [list(resumed.next_batch()["uid"]) for _ in range(5)] == rest
     uids = [u for b in first for u in b["uid"]]
     assert len(set(uids)) == 12  # no prompt twice within an epoch
+
+
+def test_peek_returns_the_next_batch_without_advancing(tokenizer) -> None:
+    dataset = PromptDataset.from_rows(make_arithmetic_rows(num_rows=20, seed=1), tokenizer, max_prompt_length=8)
+    loader = PromptLoader(dataset, batch_size=6, seed=3)
+    for _ in range(7):  # crosses two epoch boundaries (20 rows, batches of 6)
+        state = loader.state_dict()
+        peeked = loader.peek()
+        assert loader.state_dict() == state
+        batch = loader.next_batch()
+        assert list(peeked["uid"]) == list(batch["uid"]) and torch.equal(peeked["input_ids"], batch["input_ids"])
+    assert loader.state_dict()["epoch"] == 2
 
 
 def test_rewards_checked_and_resolved() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -129,6 +130,9 @@ class WorkerGroup:
         self._hosts: list[Any] = []
         self._pids: dict[int, int] = {}
         self._nodes: dict[int, str] = {}
+        self._ahead: dict[tuple[str, str], tuple[tuple[Any, ...], BatchFuture]] = {}
+        #: called with (role, method) after a blocking call is dispatched, before the driver waits for it
+        self.before_block: Callable[[str, str], None] | None = None
         self._mesh: dict[str, list[MeshInfo]] = {}
         self._start()
 
@@ -184,6 +188,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""
+        self._ahead.clear()
         for host in self._hosts:
             try:
                 ray.kill(host, no_restart=True)
@@ -260,8 +265,36 @@ class WorkerGroup:
             self._mesh[role] = list(ray.get(refs, timeout=self.deadline_s))
         return self._mesh[role]
 
+    # --- calls submitted ahead -------------------------------------------------------------------------------
+    def submit_ahead(self, role: str, method: str, *args: Any) -> None:
+        """Dispatch ``role.method(*args)`` now, non-blocking, and keep its future for the first later call of that
+        method with the very same argument objects (and no keyword arguments), which then gets it instead of
+        dispatching again. The ranks run calls in the order they were dispatched, so a call submitted while
+        another is running starts the moment that one ends, with no driver round trip in between."""
+        dispatch = dispatch_of(getattr(self.roles[role], method))
+        if dispatch is None:
+            raise ConfigError(f'"{role}.{method}" is not a registered method of group "{self.name}"')
+        future = self._invoke(role, method, replace(dispatch, blocking=False), args, {}, deadline_s=None)
+        self._ahead[(role, method)] = (args, future)
+
+    def drop_ahead(self) -> int:
+        """Forget calls submitted ahead that no one claimed (they still run); returns how many there were."""
+        dropped = len(self._ahead)
+        self._ahead.clear()
+        return dropped
+
+    def _claim_ahead(self, role: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ahead = self._ahead.get((role, method))
+        if ahead is None or kwargs or len(ahead[0]) != len(args) or any(a is not b for a, b in zip(ahead[0], args)):
+            return None
+        del self._ahead[(role, method)]
+        return ahead[1]
+
     def _invoke(self, role: str, method: str, dispatch: Dispatch, args: tuple[Any, ...], kwargs: dict[str, Any],
                 *, deadline_s: float | None) -> Any:
+        claimed = self._claim_ahead(role, method, args, kwargs) if self._ahead else None
+        if claimed is not None:
+            return claimed.get() if dispatch.blocking else claimed
         if not self._hosts:
             raise ConfigError(f'WorkerGroup "{self.name}" is shut down; expected a running group. Fix: restart()')
         protocol = get_protocol(dispatch.protocol)
@@ -304,6 +337,8 @@ class WorkerGroup:
             rank_zero_only=dispatch.execute == "rank_zero",
         )
         future = BatchFuture(handle)
+        if dispatch.blocking and self.before_block is not None:
+            self.before_block(role, method)  # e.g. the trainer submitting the next iteration's first call ahead
         return future.get() if dispatch.blocking else future
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ from hybridflow import registries
 from hybridflow.algorithms.base import Runtime
 from hybridflow.algorithms.controllers import LagrangeMultiplier, build_kl_controller
 from hybridflow.algorithms.losses import PolicyLossConfig, ValueLossConfig
+from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows
 from hybridflow.errors import CheckpointError, ConfigError
@@ -100,6 +101,8 @@ class Trainer:
         self._record: IterationRecord | None = None
         self._handover_totals: list[int] | None = None
         self._actor_counters: tuple[dict[str, float], ...] = ()
+        self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
+        self._last_step_end: float | None = None
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -114,6 +117,7 @@ class Trainer:
             init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"))
+        self.groups.by_pool[self.groups.role_pool["actor"]].before_block = self._submit_generation_ahead
         add_call_observer(self._observe)
         add_call_observer(self.supervisor.observe)
         protocols = self._protocols()
@@ -254,18 +258,62 @@ class Trainer:
                                 bytes_per_rank=[now - before if now >= before else now  # restarted worker
                                                 for now, before in zip(totals, previous)])
 
+    # --- lookahead ----------------------------------------------------------------------------------------
+    def _lookahead_allowed(self) -> bool:
+        """Submitting the next generation ahead changes nothing a run can observe only when no checkpoint is taken
+        after this step (it would capture the rollout engine after that generation), this is not the last step,
+        and no faults are injected (their tests count calls per iteration)."""
+        trainer = self.config.trainer
+        following = self.step + 1
+        if not trainer.lookahead or following >= trainer.total_steps or self.faults.active:
+            return False
+        return not (trainer.checkpoint_every and following % trainer.checkpoint_every == 0)
+
+    def _submit_generation_ahead(self, role: str, method: str) -> None:
+        """``before_block`` of the actor's group: once ``actor.update_policy`` is dispatched, dispatch the next
+        iteration's ``actor.generate(prompts)`` behind it, so the actor starts generating the moment its update
+        ends instead of after a driver round trip (plus this step's bookkeeping)."""
+        if (role, method) != ("actor", "update_policy") or self._ahead is not None or not self._lookahead_allowed():
+            return
+        assert self.groups is not None
+        prompts = self.loader.peek().with_meta(iteration=self.step + 1, policy_version=self.step + 1)
+        self.groups.by_pool[self.groups.role_pool["actor"]].submit_ahead("actor", "generate", prompts)
+        self._ahead = prompts
+
+    def _claim_ahead_prompts(self, prompts: Batch) -> tuple[Batch, bool]:
+        """The prompts object given to the generation submitted ahead when it is this iteration's batch."""
+        ahead, self._ahead = self._ahead, None
+        if (ahead is not None and ahead.meta.get("iteration") == prompts.meta.get("iteration")
+                and list(ahead.non_tensors.get("uid", [])) == list(prompts.non_tensors.get("uid", []))):
+            return ahead, True
+        return prompts, False
+
+    def _drop_ahead(self) -> None:
+        self._ahead = None
+        if self.groups is not None:
+            for group in self.groups.by_pool.values():
+                group.drop_ahead()
+
     def train_step(self) -> dict[str, float]:
         """One iteration of the algorithm, recorded in the ledger and metrics (a failed attempt's nodes stay in the
         record, so the row of a retried iteration shows the lost work too)."""
         runtime = self.supervisor.wrap_runtime(self.runtime())
         prompts = self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
+        prompts, overlapped = self._claim_ahead_prompts(prompts)
         if self._record is None or self._record.iteration != self.step:
             self._record = self.ledger.begin(self.step, policy_version=self.step)
         start = time.perf_counter()
-        metrics = self.algorithm.step(runtime, prompts)
+        try:
+            metrics = self.algorithm.step(runtime, prompts)
+        except BaseException:
+            self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
+            raise
         record, self._record = self._record, None
         self.supervisor.annotate(record, prompts)
-        metrics["time/step_s"] = time.perf_counter() - start
+        now = time.perf_counter()
+        # with a generation submitted ahead, this step's work began before train_step did: time it end to end
+        metrics["time/step_s"] = now - (self._last_step_end if overlapped and self._last_step_end else start)
+        self._last_step_end = now
         tokens = metrics.get("tokens/prompt_and_response", 0.0)
         metrics["throughput/prompt_response_tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
         self._record_process_stats(record)

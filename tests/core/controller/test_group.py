@@ -276,3 +276,24 @@ def test_call_reports_carry_role_counters_and_local_pids(groups: dict[str, Worke
     assert records[-1].counters_per_rank == ({},) * 4  # Actor defines no counters()
     local = wide.local_process_ids()
     assert local == wide.process_ids and sorted(local) == [0, 1, 2, 3]
+
+
+def test_submit_ahead_is_claimed_only_by_the_same_arguments(groups: dict[str, WorkerGroup],
+                                                            records: list[CallRecord]) -> None:
+    """A call submitted ahead is handed to the first later call with the very same argument objects (one dispatch
+    in all); a call with other arguments dispatches anew and leaves it; drop_ahead forgets it."""
+    wide = groups["wide"]
+    batch, other = make(8), make(8)
+    wide.submit_ahead("actor", "tag", batch)
+    dispatched = len(records)  # records are emitted when collected: nothing yet
+    fresh = wide.actor.tag(other)  # equal values, another object: not claimed
+    assert torch.equal(fresh.get()["ids"], other["ids"]) and len(records) == dispatched + 1
+    claimed = wide.actor.tag(batch)
+    assert torch.equal(claimed.get()["ids"], batch["ids"]) and len(records) == dispatched + 2
+    assert wide.drop_ahead() == 0  # claimed: nothing left
+    wide.submit_ahead("actor", "tag", batch)
+    assert wide.drop_ahead() == 1
+    again = wide.actor.tag(batch)  # dropped: a new dispatch
+    assert torch.equal(again.get()["ids"], batch["ids"]) and len(records) == dispatched + 3
+    with pytest.raises(ConfigError, match="not a registered method"):
+        wide.submit_ahead("actor", "mesh_info", batch)
