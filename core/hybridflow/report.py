@@ -35,7 +35,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     rewards = [m.get("reward/mean", 0.0) for m in metrics]
     head = rewards[: max(1, len(rewards) // 10)]
     tail = rewards[-max(1, len(rewards) // 10):]
-    seconds = sum(row["seconds"] for row in ledger) or sum(m.get("time/step_s", 0.0) for m in metrics)
+    # steps timed end to end (with trainer.lookahead a step's generation starts inside the step before it, so the
+    # ledger rows' own spans would undercount)
+    seconds = sum(m.get("time/step_s", 0.0) for m in metrics) or sum(row["seconds"] for row in ledger)
     node_seconds: dict[str, float] = {}
     for row in ledger:
         for name, node in row["nodes"].items():
