@@ -14,7 +14,7 @@ from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, Samp
 from hybridflow.testing.contracts.rollout import build_prompt_batch
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID, tiny_model_config
-from hybridflow_fsdp.fast_decode import LeanDecoder, build_lean_decoder
+from hybridflow_fsdp.fast_decode import LeanDecoder, _distinct_prompt_rows, build_lean_decoder
 from hybridflow_fsdp.models import build_model, compute_position_ids
 from hybridflow_fsdp.rollout import HFRolloutEngine
 from hybridflow_fsdp.sampling import sample_tokens
@@ -60,19 +60,26 @@ def test_lean_training_forward_matches_hf_log_probs_and_gradients() -> None:
     positions, width = compute_position_ids(mask), responses.shape[1]
     response_mask = batch["response_mask"].float()
     decoder = LeanDecoder(model)
+    assert_same_log_probs_and_gradients(
+        model, responses, response_mask,
+        lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -width - 1 : -1],
+        lambda: decoder.forward_logits(ids, mask, positions, last=width + 1)[:, :-1])
+
+
+def assert_same_log_probs_and_gradients(model, responses, response_mask, *forwards) -> None:  # type: ignore[no-untyped-def]
+    """Each forward (returning response logits) gives the same masked log-probs (1e-5) and gradients (1e-6)."""
     results = []
-    for lean in (False, True):
+    for forward_logits in forwards:
         model.zero_grad()
-        if lean:
-            logits = decoder.forward_logits(ids, mask, positions, last=width + 1)[:, :-1]
-        else:
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -width - 1 : -1]
+        logits = forward_logits()
         log_probs = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1) * response_mask
         (-(log_probs.sum() / response_mask.sum())).backward()
         results.append((log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert (results[0][0] - results[1][0]).abs().max() < 1e-5
-    gap = max((results[0][1][n] - results[1][1][n]).abs().max().item() for n in results[0][1])
-    assert gap < 1e-6 and max(g.abs().max().item() for g in results[0][1].values()) > 1e-3
+    for other in results[1:]:
+        assert (results[0][0] - other[0]).abs().max() < 1e-5
+        gap = max((results[0][1][n] - other[1][n]).abs().max().item() for n in results[0][1])
+        assert gap < 1e-6
+    assert max(g.abs().max().item() for g in results[0][1].values()) > 1e-3
 
 
 def test_lean_sampling_equals_hf_cache_sampling() -> None:
@@ -135,19 +142,12 @@ def test_shared_prompt_forward_matches_full_forward_and_gradients(fixture: str) 
     attention_mask = torch.cat([mask, response_mask], 1)
     positions = compute_position_ids(attention_mask)
     decoder = LeanDecoder(model)
-    results = []
-    for shared in (False, True):
-        model.zero_grad()
-        if shared:
-            logits = decoder.response_logits(input_ids, attention_mask, positions, width)
-        else:
-            logits = decoder.forward_logits(input_ids, attention_mask, positions, last=width + 1)[:, :-1]
-        log_probs = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1) * response_mask
-        (-(log_probs.sum() / response_mask.sum())).backward()
-        results.append((log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert (results[0][0] - results[1][0]).abs().max() < 1e-5
-    gap = max((results[0][1][n] - results[1][1][n]).abs().max().item() for n in results[0][1])
-    assert gap < 1e-6 and max(g.abs().max().item() for g in results[0][1].values()) > 1e-3
+    firsts = _distinct_prompt_rows(ids, mask, compute_position_ids(mask))  # the shared path is the one taken
+    assert firsts is not None and firsts[0].tolist() == [0, 3, 4, 8, 10]
+    assert_same_log_probs_and_gradients(
+        model, responses, response_mask,
+        lambda: decoder.forward_logits(input_ids, attention_mask, positions, last=width + 1)[:, :-1],
+        lambda: decoder.response_logits(input_ids, attention_mask, positions, width))
 
 
 def test_generation_and_inference_outputs_are_ordinary_tensors() -> None:
