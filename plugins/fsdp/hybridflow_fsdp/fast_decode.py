@@ -59,14 +59,12 @@ class LeanDecoder:
         self.eps = float(config.rms_norm_eps)
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
-        self._mask = torch.empty(0, dtype=torch.bool)
         self._bias = torch.empty(0)
         self._packed: list[Any] = []
         self._cos = self._sin = torch.empty(0)
         self._step_cos = self._step_sin = torch.empty(0)
         self._embedding = torch.empty(0)
         self._head: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
-        self._repeats = 1
         self._length = self._prompt_width = 0
 
     # --- pieces ---------------------------------------------------------------------------------------------------
@@ -81,9 +79,9 @@ class LeanDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _layer(self, layer: nn.Module, h: torch.Tensor, index: int, cos: torch.Tensor, sin: torch.Tensor,
-               start: int | None, mask: torch.Tensor) -> torch.Tensor:
-        """One decoder layer; ``start`` is the cache slot of ``h``'s first column (None: no cache, full sequence)."""
+    def _layer(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """One decoder layer over whole sequences (no cache; gradients flow)."""
         rows, width, _ = h.shape
         attention = layer.self_attn
         x = self._norm(h, layer.input_layernorm)
@@ -93,16 +91,6 @@ class LeanDecoder:
         q = self._rope(q.transpose(1, 2), cos, sin)
         k = self._rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        if start is not None:
-            end = start + width
-            if self._repeats > 1:  # one prompt row fills `repeats` cache rows (a broadcast copy, no repeat)
-                shape = (rows, self._repeats, *self._k[index].shape[1:])
-                self._k[index].view(shape)[:, :, :, start:end] = k.unsqueeze(1)
-                self._v[index].view(shape)[:, :, :, start:end] = v.unsqueeze(1)
-            else:
-                self._k[index][:, :, start:end] = k
-                self._v[index][:, :, start:end] = v
-                k, v = self._k[index][:, :, :end], self._v[index][:, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
         h = h + F.linear(out.transpose(1, 2).reshape(rows, width, -1), attention.o_proj.weight, attention.o_proj.bias)
         mlp = layer.mlp
@@ -111,23 +99,18 @@ class LeanDecoder:
         return h + F.linear(gate * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
                             mlp.down_proj.bias)
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int | None,
-                mask: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         backbone = self.model.model  # type: ignore[union-attr]
         h = F.embedding(input_ids, backbone.embed_tokens.weight)
         cos = self._cos[positions].unsqueeze(1).to(h.dtype)
         sin = self._sin[positions].unsqueeze(1).to(h.dtype)
-        for index, layer in enumerate(self.layers):
-            h = self._layer(layer, h, index, cos, sin, start, mask)
+        for layer in self.layers:
+            h = self._layer(layer, h, cos, sin, mask)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head  # type: ignore[union-attr]
         return F.linear(self._norm(h, self.model.model.norm), head.weight, head.bias)  # type: ignore[union-attr]
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int,
-                 mask: torch.Tensor) -> torch.Tensor:
-        return self._logits(self._hidden(input_ids, positions, start, mask)[:, -1])
 
     def _rope_tables(self, length: int, device: torch.device) -> None:
         if self._cos.shape[0] >= length and self._cos.device == device:
@@ -149,7 +132,7 @@ class LeanDecoder:
                        last: int | None = None) -> torch.Tensor:
         """Logits [B, T, V] of a whole sequence (no cache; gradients flow), or of its ``last`` positions only."""
         self._rope_tables(int(position_ids.max()) + 1, input_ids.device)
-        h = self._hidden(input_ids, position_ids, None, self._prompt_mask(attention_mask.bool()))
+        h = self._hidden(input_ids, position_ids, self._prompt_mask(attention_mask.bool()))
         return self._logits(h if last is None else h[:, -last:])
 
     def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -251,7 +234,6 @@ class LeanDecoder:
         self._k = [torch.empty(rows * repeats, self.num_kv_heads, total, self.head_dim, dtype=dtype, device=device)
                    for _ in self.layers]
         self._v = [torch.empty_like(k) for k in self._k]
-        self._repeats = repeats
         last = position_ids[:, -1].repeat_interleave(repeats) if repeats > 1 else position_ids[:, -1]
         self._rope_tables(int(position_ids.max()) + max_new_tokens + 1, device)
         steps = last[None, :] + torch.arange(1, max_new_tokens + 1, device=device)[:, None]  # [N, B·r]
@@ -263,26 +245,25 @@ class LeanDecoder:
         keys[:, :width] = attention_mask.bool()
         if repeats > 1:
             keys = keys.repeat_interleave(repeats, dim=0)
-        self._mask = keys[:, None, None, :]
         bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill_(~keys, float("-inf"))
         self._bias = bias[:, None, None]
         self._pack()
         prompt_mask = self._prompt_mask(attention_mask.bool())
         self._length = self._prompt_width = width
-        logits = self._prefill_forward(input_ids, position_ids, prompt_mask)
-        self._repeats = 1
+        logits = self._prefill_forward(input_ids, position_ids, prompt_mask, repeats)
         return logits.repeat_interleave(repeats, dim=0) if repeats > 1 else logits
 
-    def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                         repeats: int) -> torch.Tensor:
         """The prompts through the packed weights (as :meth:`_decode_layer`), filling cache slots ``[0, W)`` (each
-        prompt row into ``_repeats`` consecutive cache rows); logits [B, V] of the last position."""
+        prompt row into ``repeats`` consecutive cache rows); logits [B, V] of the last position."""
         rows, width = input_ids.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.embedding(input_ids, self._embedding)
         cos = self._cos[positions].unsqueeze(2).to(h.dtype)  # [B, W, 1, D]
         sin = self._sin[positions].unsqueeze(2).to(h.dtype)
         sin = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)
-        shape = (rows, self._repeats, kv_heads, self._k[0].shape[2], dim)
+        shape = (rows, repeats, kv_heads, self._k[0].shape[2], dim)
         for index in range(len(self.layers)):
             (qkv_weight, qkv_bias), (o_weight, o_bias), (gate_up_weight, gate_up_bias), (down_weight, down_bias) = \
                 self._packed[index]
@@ -380,7 +361,6 @@ class LeanDecoder:
     def release(self) -> None:
         """Free the KV cache."""
         self._k, self._v, self._packed = [], [], []
-        self._mask = torch.empty(0, dtype=torch.bool)
         self._bias = torch.empty(0)
         self._step_cos = self._step_sin = torch.empty(0)
 
