@@ -74,10 +74,12 @@ class LeanDecoder:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE as ``x·cos + roll(x, D/2)·sin`` with the signed ``sin`` of :meth:`_rope_tables` (``rotate_half``
+        folded into its sign): no slicing, negating and concatenating of ``x``, and the same products and sum as
+        HF's ``x·cos + rotate_half(x)·sin``, so the same rounding."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def _layer(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
@@ -119,7 +121,8 @@ class LeanDecoder:
             reference = torch.empty(0, dtype=torch.float32, device=device)
             rotary = self.model.model.rotary_emb  # type: ignore[union-attr]
             cos, sin = rotary(reference, torch.arange(length, device=device).unsqueeze(0))
-            self._cos, self._sin = cos[0].clone(), sin[0].clone()
+            half = sin.shape[-1] // 2  # sin stored signed: its first half negated (rotate_half folded in)
+            self._cos, self._sin = cos[0].clone(), torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     @staticmethod
     def _prompt_mask(keys: torch.Tensor) -> torch.Tensor:
@@ -169,7 +172,6 @@ class LeanDecoder:
         h = F.embedding(ids, embedding)
         cos = self._cos[positions].unsqueeze(1).to(h.dtype)  # [N, 1, D]
         sin = self._sin[positions].unsqueeze(1).to(h.dtype)
-        sin = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)  # rotate_half folded into sin
         keys = attention_mask.bool()
         prompt_keys = keys[unique_rows, :prompt_width]
         prompt_mask = self._prompt_mask(prompt_keys)  # [U, 1, P, P]
@@ -187,7 +189,7 @@ class LeanDecoder:
             # split (one backward cat per split) rather than slices (a zero-filled gradient per slice)
             qk, v = qkv.split(((heads + kv_heads) * dim, kv_heads * dim), dim=-1)
             qk = qk.view(-1, heads + kv_heads, dim)
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+            qk = self._rope(qk, cos, sin)
             qk_p, qk_r = qk.split((prompt_tokens, rows * responses))
             v_p, v_r = v.split((prompt_tokens, rows * responses))
             q_p, k_p = qk_p.split((heads, kv_heads), dim=1)
@@ -237,10 +239,8 @@ class LeanDecoder:
         last = position_ids[:, -1].repeat_interleave(repeats) if repeats > 1 else position_ids[:, -1]
         self._rope_tables(int(position_ids.max()) + max_new_tokens + 1, device)
         steps = last[None, :] + torch.arange(1, max_new_tokens + 1, device=device)[:, None]  # [N, B·r]
-        half = self.head_dim // 2
         self._step_cos = self._cos[steps].unsqueeze(2).to(dtype)  # [N, B·r, 1, D]
-        sin = self._sin[steps].unsqueeze(2).to(dtype)
-        self._step_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half folded into sin
+        self._step_sin = self._sin[steps].unsqueeze(2).to(dtype)
         keys = torch.ones(rows, total, dtype=torch.bool, device=device)
         keys[:, :width] = attention_mask.bool()
         if repeats > 1:
@@ -262,14 +262,13 @@ class LeanDecoder:
         h = F.embedding(input_ids, self._embedding)
         cos = self._cos[positions].unsqueeze(2).to(h.dtype)  # [B, W, 1, D]
         sin = self._sin[positions].unsqueeze(2).to(h.dtype)
-        sin = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)
         shape = (rows, repeats, kv_heads, self._k[0].shape[2], dim)
         for index in range(len(self.layers)):
             (qkv_weight, qkv_bias), (o_weight, o_bias), (gate_up_weight, gate_up_bias), (down_weight, down_bias) = \
                 self._packed[index]
             qkv = F.linear(self._plain_norm(h), qkv_weight, qkv_bias)
             qk = qkv[..., : (heads + kv_heads) * dim].view(rows, width, heads + kv_heads, dim)
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin).transpose(1, 2)  # [B, H+KV, W, D]
+            qk = self._rope(qk, cos, sin).transpose(1, 2)  # [B, H+KV, W, D]
             k = qk[:, heads:]
             v = qkv[..., (heads + kv_heads) * dim :].view(rows, width, kv_heads, dim).transpose(1, 2)
             self._k[index].view(shape)[:, :, :, :width] = k.unsqueeze(1)
@@ -320,14 +319,13 @@ class LeanDecoder:
 
     def _decode_layer(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       slot: int) -> torch.Tensor:
-        """One layer for one new token per row: ``h`` [B, H], keys/values written to cache ``slot``; ``sin`` is
-        signed (``rotate_half`` folded in), so the rotation is ``x·cos + roll(x, D/2)·sin``."""
+        """One layer for one new token per row: ``h`` [B, H], keys/values written to cache ``slot``."""
         (qkv_weight, qkv_bias), (o_weight, o_bias), (gate_up_weight, gate_up_bias), (down_weight, down_bias) = \
             self._packed[index]
         rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(self._plain_norm(h), qkv_weight, qkv_bias)
         qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
-        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+        qk = self._rope(qk, cos, sin)
         self._k[index][:, :, slot] = qk[:, heads:]
         self._v[index][:, :, slot] = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
         keys, values = self._k[index][:, :, : slot + 1], self._v[index][:, :, : slot + 1]
@@ -350,10 +348,8 @@ class LeanDecoder:
         if positions is None:
             cos, sin = self._step_cos[slot - self._prompt_width], self._step_sin[slot - self._prompt_width]
         else:
-            half = self.head_dim // 2
             cos = self._cos[positions].unsqueeze(1).to(h.dtype)
             sin = self._sin[positions].unsqueeze(1).to(h.dtype)
-            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for index in range(len(self.layers)):
             h = self._decode_layer(index, h, cos, sin, slot)
         return F.linear(self._plain_norm(h), *self._head)
