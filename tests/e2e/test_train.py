@@ -123,3 +123,15 @@ def test_lookahead_overlaps_generation_and_changes_nothing(tmp_path: Path, tiny_
             == [{k: v for k, v in m.items() if k not in drop} for m in histories[False]])
     assert weights[True].keys() == weights[False].keys()
     assert all(torch.equal(weights[True][name], weights[False][name]) for name in weights[True])
+
+
+def test_resident_bytes_asked_of_workers_off_the_driver_node(tmp_path: Path, tiny_config, monkeypatch) -> None:
+    """Workers whose /proc is not readable here (another node) report their RSS through process_stats; the
+    handover bytes come from the actor's call-report counters either way."""
+    from hybridflow.controller import WorkerGroup
+
+    monkeypatch.setattr(WorkerGroup, "local_process_ids", lambda self: None)
+    run(tiny_config(tmp_path / "run", "trainer.total_steps=2", "trainer.checkpoint_every=0"))
+    ledger = read_ledger(tmp_path / "run")
+    assert all(row["resident_bytes"]["main"] > 50_000_000 for row in ledger)
+    assert all(next(e for e in row["edges"] if e["protocol"] == "reshard")["bytes"] > 0 for row in ledger)

@@ -247,10 +247,6 @@ class WorkerHost:
         return "\n".join(parts)
 
     @ray.method(concurrency_group="control")
-    def process_id(self) -> int:
-        return os.getpid()
-
-    @ray.method(concurrency_group="control")
     def process_location(self) -> tuple[int, str]:
         """(pid, Ray node id) of this worker process."""
         return os.getpid(), ray.get_runtime_context().get_node_id()

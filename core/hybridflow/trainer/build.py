@@ -156,6 +156,10 @@ class Groups:
         pool = self.role_pool.get(name)
         return None if pool is None else getattr(self.by_pool[pool], name)
 
+    def group_of(self, role: str) -> Any:
+        """The worker group hosting ``role``."""
+        return self.by_pool[self.role_pool[role]]
+
     def shutdown(self) -> None:
         for group in self.by_pool.values():
             group.shutdown()

@@ -117,7 +117,7 @@ class Trainer:
             init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"))
-        self.groups.by_pool[self.groups.role_pool["actor"]].before_block = self._submit_generation_ahead
+        self.groups.group_of("actor").before_block = self._submit_generation_ahead
         add_call_observer(self._observe)
         add_call_observer(self.supervisor.observe)
         protocols = self._protocols()
@@ -229,34 +229,31 @@ class Trainer:
     def _record_process_stats(self, record: IterationRecord) -> None:
         """Bytes resident per pool (RSS of its worker processes) and this iteration's weight-handover bytes.
 
-        RSS is read from /proc here when the pool's workers share the driver's node, else asked of the workers;
-        the handover bytes come with the actor's call reports (its ``counters()``), so no extra call is made."""
-        import psutil
-
+        RSS is read from /proc here when the pool's workers share the driver's node, else asked of the workers; the
+        handover bytes are the actor's ``counters()``, which come back with every call's report."""
         assert self.groups is not None
         for pool, group in self.groups.by_pool.items():
-            role = next(r for r, p in self.groups.role_pool.items() if p == pool)
-            is_actor_pool = "actor" in self.groups.role_pool and self.groups.role_pool["actor"] == pool
-            local = group.local_process_ids()
-            stats: list[dict[str, int]] | None = None
+            record.resident_bytes[pool] = self._pool_rss(pool, group)
+        if "actor" in self.groups.role_pool:
+            totals = [int(c.get("handover_bytes_received", 0)) for c in self._actor_counters]
+            previous = self._handover_totals or [0] * len(totals)
+            self._handover_totals = totals
+            record.add_edge("actor.training_engine", "actor.rollout_engine", protocol="reshard",
+                            bytes_per_rank=[now - before if now >= before else now  # restarted worker
+                                            for now, before in zip(totals, previous)])
+
+    def _pool_rss(self, pool: str, group: Any) -> int:
+        import psutil
+
+        local = group.local_process_ids()
+        if local:
             try:
-                rss = sum(psutil.Process(pid).memory_info().rss for pid in local.values()) if local else None
-            except psutil.Error:  # a worker exited since: ask the group (which raises a clear error if it is gone)
-                rss = None
-            if rss is None:
-                stats = list(self.groups.role(role).process_stats())
-                rss = sum(s["rss_bytes"] for s in stats)
-            record.resident_bytes[pool] = rss
-            if is_actor_pool:
-                if stats is not None:
-                    totals = [s["handover_bytes_received"] for s in stats]
-                else:
-                    totals = [int(c.get("handover_bytes_received", 0)) for c in self._actor_counters]
-                previous = self._handover_totals or [0] * len(totals)
-                self._handover_totals = totals
-                record.add_edge("actor.training_engine", "actor.rollout_engine", protocol="reshard",
-                                bytes_per_rank=[now - before if now >= before else now  # restarted worker
-                                                for now, before in zip(totals, previous)])
+                return sum(psutil.Process(pid).memory_info().rss for pid in local.values())
+            except psutil.Error:  # a worker exited since: ask the group (a clear error if it is gone)
+                pass
+        assert self.groups is not None
+        role = next(r for r, p in self.groups.role_pool.items() if p == pool)
+        return sum(stats["rss_bytes"] for stats in self.groups.role(role).process_stats())
 
     # --- lookahead ----------------------------------------------------------------------------------------
     def _lookahead_allowed(self) -> bool:
@@ -277,7 +274,7 @@ class Trainer:
             return
         assert self.groups is not None
         prompts = self.loader.peek().with_meta(iteration=self.step + 1, policy_version=self.step + 1)
-        self.groups.by_pool[self.groups.role_pool["actor"]].submit_ahead("actor", "generate", prompts)
+        self.groups.group_of("actor").submit_ahead("actor", "generate", prompts)
         self._ahead = prompts
 
     def _claim_ahead_prompts(self, prompts: Batch) -> tuple[Batch, bool]:

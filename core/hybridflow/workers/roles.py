@@ -105,12 +105,11 @@ class _TrainingRole(Worker):
 
     @register(protocol="one_to_all", idempotent=True)
     def process_stats(self) -> dict[str, int]:
-        """Resident bytes of this worker process and the weight-handover bytes it has received so far."""
+        """Resident bytes of this worker process and its :meth:`counters` (the weight-handover bytes so far)."""
         import psutil
 
-        handover = getattr(self, "handover", None) or {}
         return {"rss_bytes": int(psutil.Process().memory_info().rss),
-                "handover_bytes_received": int(handover.get("bytes_received", 0))}
+                **{name: int(value) for name, value in self.counters().items()}}
 
     def counters(self) -> dict[str, float]:
         """Cumulative counters sent back with every call's report (no extra round trip)."""
