@@ -205,12 +205,17 @@ class Batch:
         if len(self) == 0:
             raise ValueError("cannot pad an empty batch")
         missing = (-len(self)) % multiple
-        mask = torch.zeros(len(self) + missing, dtype=torch.bool)
-        mask[len(self):] = True
         padded = self if missing == 0 else Batch.concat([self, self.index([len(self) - 1] * missing)])
-        padded = padded._with(padded.tensors.clone(recurse=False), dict(padded.non_tensors))
-        padded.tensors[PADDING_KEY] = mask
-        return padded
+        return padded.mark_padding(missing)
+
+    def mark_padding(self, rows: int) -> Batch:
+        """A new batch (same tensors) whose ``is_padding`` column marks the last ``rows`` rows."""
+        mask = torch.zeros(len(self), dtype=torch.bool)
+        if rows:
+            mask[len(self) - rows:] = True
+        marked = self._with(self.tensors.clone(recurse=False), dict(self.non_tensors))
+        marked.tensors[PADDING_KEY] = mask
+        return marked
 
     def drop_padding(self) -> Batch:
         """Remove rows marked in ``is_padding`` (and the column itself)."""

@@ -76,3 +76,11 @@ def test_pickle_uses_out_of_band_buffers_not_torch_save() -> None:
 def test_non_tensor_length_checked() -> None:
     with pytest.raises(ValueError, match="different lengths"):
         Batch({"x": torch.zeros(3)}, {"y": np.array([1, 2])})
+
+
+def test_mark_padding_marks_the_last_rows_without_touching_the_source() -> None:
+    batch = Batch({"x": torch.arange(5)}, meta={"policy_version": 3})
+    marked = batch.mark_padding(2)
+    assert marked["is_padding"].tolist() == [False, False, False, True, True] and marked.meta == batch.meta
+    assert "is_padding" not in batch and batch.mark_padding(0)["is_padding"].sum() == 0
+    assert marked["x"].data_ptr() == batch["x"].data_ptr()  # same tensors, new container

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from hybridflow.batch import PADDING_KEY, Batch, check_versions
+from hybridflow.batch import Batch, check_versions
 from hybridflow.controller.host import FetchArg, RankResult
 from hybridflow.controller.records import CallRecord, notify_observers
 from hybridflow.controller.watchdog import raise_deadline_exceeded
@@ -207,15 +207,7 @@ class BatchFuture:
         if view.pad_source is not None and view.padding_rows:
             pieces[-1] = pieces[-1].index([0] * view.padding_rows)
         batch = concat_batches(pieces) if len(pieces) > 1 else pieces[0]
-        if view.mark_padding:
-            import torch
-
-            batch = Batch(batch.tensors.clone(recurse=False), dict(batch.non_tensors), dict(batch.meta))
-            mask = torch.zeros(len(batch), dtype=torch.bool)
-            if view.padding_rows:
-                mask[len(batch) - view.padding_rows:] = True
-            batch.tensors[PADDING_KEY] = mask
-        return batch
+        return batch.mark_padding(view.padding_rows) if view.mark_padding else batch
 
     # --- lazy row algebra -----------------------------------------------------------------------------------
     def _resolved_view(self) -> _View:

@@ -122,15 +122,7 @@ def _fetch(arg: FetchArg, deadline_at: float) -> tuple[Any, int]:
         return pieces[0], fetched
     pieces = [piece for piece in pieces if len(piece)]
     batch = concat_batches(pieces) if len(pieces) > 1 else pieces[0]
-    if arg.mark_padding:
-        import torch
-
-        batch = Batch(batch.tensors.clone(recurse=False), dict(batch.non_tensors), dict(batch.meta))
-        mask = torch.zeros(len(batch), dtype=torch.bool)
-        if arg.padding_rows:
-            mask[len(batch) - arg.padding_rows:] = True
-        batch.tensors[PADDING_KEY] = mask
-    return batch, fetched
+    return (batch.mark_padding(arg.padding_rows) if arg.mark_padding else batch), fetched
 
 
 def _strip_padding(output: Any, padding_rows: int, input_rows: int) -> Any:
