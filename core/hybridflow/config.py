@@ -105,6 +105,11 @@ class CriticConfig(ActorConfig):
     value_clip: float = Field(default=0.2, ge=0)
 
 
+class RoleSection(CriticConfig):
+    """A role an algorithm declares beyond the built-in sections, configured under ``roles.<key>`` (the algorithm's
+    docs name the key); its engine reads the keys its kind needs (a reward model: engine, pool, model, parallel)."""
+
+
 class ReferenceConfig(_ModelRole):
     enabled: bool | None = None
 
@@ -145,6 +150,8 @@ class AlgorithmConfig(_Section):
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
     adaptive_kl_target: float | None = Field(default=None, gt=0)
     norm_adv_by_std: bool = True
+    whiten_advantages: bool = True  # whiten GAE advantages over the batch (PPO, Safe-RLHF), as verl does
+    extra: dict[str, Any] = Field(default_factory=dict)  # options of a third-party algorithm, passed through unchanged
 
 
 class TaskConfig(_Section):
@@ -216,6 +223,8 @@ class Config(_Section):
     reference: ReferenceConfig = ReferenceConfig()
     reward: RewardConfig = RewardConfig()
     cost: CostConfig | None = None
+    cost_critic: CriticConfig | None = None  # Safe-RLHF's cost value model; keys left unset come from `critic`
+    roles: dict[str, RoleSection] = Field(default_factory=dict)  # sections of roles third-party algorithms declare
     resource_pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"main": PoolConfig(devices_per_node=[2])})
     ray: RayConfig = RayConfig()
     trainer: TrainerConfig = TrainerConfig()

@@ -11,42 +11,63 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridflow.algorithms.advantages import masked_mean
+from hybridflow.algorithms.advantages import build_token_level_rewards, masked_mean, masked_sum
+from hybridflow.algorithms.roles import RoleDeclaration, Stateful
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import compute_rule_rewards
 
-__all__ = ["Algorithm", "Runtime", "mean_over_ranks", "fill_old_log_probs", "decode_batch"]
+__all__ = ["Algorithm", "Runtime", "build_kl_state", "mean_over_ranks", "fill_old_log_probs", "decode_batch"]
 
 
 class Algorithm(Protocol):
-    """An RL algorithm as one step of dataflow. Stability: public."""
+    """An RL algorithm: the roles and state it declares, and one step of dataflow. Stability: public.
+
+    ``roles(config)`` lists the model roles to build for this config (the actor first; a role left out is not
+    built), ``build_state(config)`` the objects it keeps across steps (checkpointed by name), and ``step`` one
+    iteration over the handles. Both may raise :class:`~hybridflow.errors.ConfigError` for keys the algorithm
+    cannot honour.
+    """
 
     name: str
-    needs_critic: bool
 
-    def needs_reference(self, runtime_config: Any) -> bool: ...
+    def roles(self, config: Any) -> list[RoleDeclaration]: ...
+
+    def build_state(self, config: Any) -> dict[str, Stateful]: ...
 
     def step(self, runtime: Runtime, prompts: Batch) -> dict[str, float]: ...
 
 
 @dataclass(slots=True)
 class Runtime:
-    """Role handles (``None`` when the algorithm does not use the role) and driver-side helpers."""
+    """The handles of the roles an algorithm declared (``runtime.actor``, ``runtime.cost_critic``: attribute access
+    by role name), its state (``runtime.state["lagrange"]``) and driver-side helpers."""
 
     config: Any
     tokenizer: Any
-    actor: Any
-    critic: Any = None
-    reference: Any = None
-    reward_model: Any = None
-    cost_model: Any = None
+    roles: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
     reward_fn: Any = None
     cost_fn: Any = None
-    kl_controller: Any = None
-    lagrange: Any = None
     timeout_s: float = 900.0
-    state: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            roles = object.__getattribute__(self, "roles")
+        except AttributeError:
+            raise AttributeError(name) from None
+        if name in roles:
+            return roles[name]
+        raise AttributeError(f"no role {name!r} in this run; built roles: {sorted(roles)}. Declare it in the "
+                             "algorithm's roles(config), or use runtime.roles.get(name) for a role that is optional")
+
+    # --- algorithm state --------------------------------------------------------------------------------------
+    def kl_coef(self) -> float:
+        """β of the in-reward KL penalty: the ``kl_controller`` state's value, 0 without one."""
+        controller = self.state.get("kl_controller")
+        return float(controller.value) if controller is not None else 0.0
 
     # --- data ---------------------------------------------------------------------------------------------
     def gather(self, *parts: Any) -> Batch:
@@ -70,7 +91,7 @@ class Runtime:
     def score(self, batch: Batch, *, key: str = "scores", cost: bool = False) -> Batch:
         """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model when configured."""
         function = self.cost_fn if cost else self.reward_fn
-        model = self.cost_model if cost else self.reward_model
+        model = self.roles.get("cost_model" if cost else "reward_model")
         if function is None and model is None:
             raise ConfigError(f"no {'cost' if cost else 'reward'} configured: set {'cost' if cost else 'reward'}"
                               ".function (a registered name or module:function) or its .model")
@@ -86,6 +107,24 @@ class Runtime:
         batch[key] = total
         return batch
 
+    def token_rewards(self, batch: Batch, key: str = "scores") -> torch.Tensor:
+        """``batch[key]`` on each row's last response token minus β·KL(π_old ‖ π_ref) on every token (β from
+        :meth:`kl_coef`; no penalty without a reference): verl's ``use_kl_in_reward``."""
+        return build_token_level_rewards(batch[key], batch["response_mask"], self.kl_rewards(batch), self.kl_coef())
+
+    def outcome_scores(self, batch: Batch) -> torch.Tensor:
+        """One score per row for outcome estimators (GRPO, RLOO, ReMax): the sum of :meth:`token_rewards`, i.e.
+        the score minus β·Σ_t KL_t; the scores themselves when no KL penalty is on."""
+        if self.kl_coef() == 0 or "ref_log_probs" not in batch:
+            return batch["scores"]  # type: ignore[no-any-return]
+        return masked_sum(self.token_rewards(batch), batch["response_mask"], dim=-1)
+
+    def update_kl_controller(self, summary: dict[str, float], rows: int) -> None:
+        """Adapt β to this step's measured KL (``kl/actor_ref``), when the algorithm keeps a KL controller."""
+        controller = self.state.get("kl_controller")
+        if controller is not None and "kl/actor_ref" in summary:
+            controller.update(summary["kl/actor_ref"], rows)
+
     def kl_rewards(self, batch: Batch) -> torch.Tensor | None:
         """Per-token KL(π_old ‖ π_ref) for an in-reward penalty, or None without a reference."""
         if "ref_log_probs" not in batch:
@@ -95,14 +134,16 @@ class Runtime:
         return kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.config.algorithm.kl_kind,
                           response_mask=batch["response_mask"])
 
-    def rollout(self, prompts: Batch, *, with_values: bool = False) -> Batch:
-        """Generate, then score the rollout: π_old (actor), π_ref (reference, when configured), values (critic, when
-        asked) — concurrently, each group reading the rollout's shards directly — and the reward."""
+    def rollout(self, prompts: Batch, *, values: tuple[str, ...] = ()) -> Batch:
+        """Generate, then score the rollout: π_old (actor), π_ref (reference, when built), the values of the critic
+        roles named in ``values`` — concurrently, each group reading the rollout's shards directly — and the
+        reward."""
         generated = self.actor.generate(prompts)
         old = self.old_log_probs(generated)
-        ref = self.reference.compute_ref_log_probs(generated) if self.reference is not None else None
-        values = self.critic.compute_values(generated) if with_values else None
-        return self.score(fill_old_log_probs(self.gather(generated, old, ref, values)))
+        reference = self.roles.get("reference")
+        ref = reference.compute_ref_log_probs(generated) if reference is not None else None
+        value_futures = [self.roles[critic].compute_values(generated) for critic in values]
+        return self.score(fill_old_log_probs(self.gather(generated, old, ref, *value_futures)))
 
     def old_log_probs(self, generated: Any) -> Any:
         """The actor's log-probs of the sampled tokens (a future), or the rollout's own when recomputing is off."""
@@ -122,7 +163,31 @@ class Runtime:
         }
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
+        if "kl_controller" in self.state:
+            metrics["kl/coef"] = self.kl_coef()
+        if "advantages" in batch:
+            advantages = batch["advantages"]
+            mean = masked_mean(advantages, mask)
+            metrics["advantages/mean"] = float(mean)
+            metrics["advantages/std"] = float(masked_mean((advantages - mean) ** 2, mask).sqrt())
         return metrics
+
+
+def build_kl_state(config: Any) -> dict[str, Stateful]:
+    """``{"kl_controller": ...}`` for an algorithm with the in-reward KL penalty when ``algorithm.kl_coef > 0``
+    (adaptive with ``algorithm.adaptive_kl_target``, else fixed); ``{}`` when the penalty is off."""
+    from hybridflow.algorithms.controllers import build_kl_controller
+
+    algorithm = config.algorithm
+    if algorithm.kl_coef <= 0:
+        if algorithm.adaptive_kl_target is not None:
+            raise ConfigError(f"algorithm.adaptive_kl_target={algorithm.adaptive_kl_target} adapts the in-reward KL "
+                              "coefficient, but algorithm.kl_coef is 0 (off); set algorithm.kl_coef > 0 (its starting "
+                              "value) or remove adaptive_kl_target")
+        return {}
+    controller = build_kl_controller("adaptive" if algorithm.adaptive_kl_target else "fixed",
+                                     kl_coef=algorithm.kl_coef, target_kl=algorithm.adaptive_kl_target, horizon=10_000)
+    return {"kl_controller": controller}
 
 
 def decode_batch(tokenizer: Any, sequences: list[list[int]]) -> list[str]:

@@ -1,12 +1,14 @@
 """GRPO (Shao et al. 2024): n samples per prompt, advantages = scores normalised within each prompt's group; no
-critic. The KL to the reference enters the loss (``actor.kl_loss_coef``) rather than the reward."""
+critic. The KL to the reference enters the loss (``actor.kl_loss_coef``, as in the paper) and, with
+``algorithm.kl_coef > 0``, the reward (verl's ``use_kl_in_reward``: score − β·Σ_t KL_t)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_grpo_advantages
-from hybridflow.algorithms.base import Runtime, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, build_kl_state, mean_over_ranks
+from hybridflow.algorithms.roles import RoleDeclaration, Stateful, policy_roles
 from hybridflow.batch import Batch
 
 __all__ = ["GRPO"]
@@ -14,15 +16,19 @@ __all__ = ["GRPO"]
 
 class GRPO:
     name = "grpo"
-    needs_critic = False
 
-    def needs_reference(self, config: Any) -> bool:
-        return bool(config.actor.kl_loss_coef > 0 or config.algorithm.kl_coef > 0)
+    def roles(self, config: Any) -> list[RoleDeclaration]:
+        return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0)
+
+    def build_state(self, config: Any) -> dict[str, Stateful]:
+        return build_kl_state(config)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
         batch = rt.rollout(prompts)                    # n samples per prompt, π_old, π_ref, reward
         batch["advantages"] = compute_grpo_advantages(
-            batch["scores"], rt.config.rollout.n, batch["response_mask"],
+            rt.outcome_scores(batch), rt.config.rollout.n, batch["response_mask"],
             normalize_std=rt.config.algorithm.norm_adv_by_std)
         metrics = mean_over_ranks(rt.actor.update_policy(batch))
-        return {**rt.summarize(batch), **metrics}
+        summary = rt.summarize(batch)
+        rt.update_kl_controller(summary, len(batch))
+        return {**summary, **metrics}

@@ -1,12 +1,14 @@
-"""PPO (Ouyang et al. 2022 style RLHF): critic values, KL-penalised token rewards, GAE, clipped updates of critic
-and actor."""
+"""PPO (Ouyang et al. 2022 style RLHF): critic values, KL-penalised token rewards, GAE (whitened, as verl's
+``compute_gae_advantage_return``, unless ``algorithm.whiten_advantages: false``), clipped updates of critic and
+actor."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.algorithms.advantages import build_token_level_rewards, compute_gae
-from hybridflow.algorithms.base import Runtime, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.advantages import compute_gae, whiten
+from hybridflow.algorithms.base import Runtime, build_kl_state, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.roles import RoleDeclaration, Stateful, critic_role, policy_roles
 from hybridflow.batch import Batch
 
 __all__ = ["PPO"]
@@ -14,24 +16,25 @@ __all__ = ["PPO"]
 
 class PPO:
     name = "ppo"
-    needs_critic = True
 
-    def needs_reference(self, config: Any) -> bool:
-        return bool(config.algorithm.kl_coef > 0 or config.actor.kl_loss_coef > 0)
+    def roles(self, config: Any) -> list[RoleDeclaration]:
+        return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0, critics=[critic_role()])
+
+    def build_state(self, config: Any) -> dict[str, Stateful]:
+        return build_kl_state(config)  # the in-reward KL coefficient (fixed or adaptive)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
         generated = rt.actor.generate(prompts)                          # 1. rollout
         old = rt.old_log_probs(generated)                               # 2. score the rollout: actor,
-        ref = rt.reference.compute_ref_log_probs(generated) if rt.reference else None   # reference,
+        ref = rt.reference.compute_ref_log_probs(generated) if "reference" in rt.roles else None   # reference,
         values = rt.critic.compute_values(generated)                    # critic, in parallel on their pools
         batch = rt.score(fill_old_log_probs(rt.gather(generated, old, ref, values)))    # reward
-        kl_coef = rt.kl_controller.value if rt.kl_controller else 0.0
-        rewards = build_token_level_rewards(batch["scores"], batch["response_mask"], rt.kl_rewards(batch), kl_coef)
-        batch["advantages"], batch["returns"] = compute_gae(   # 3. advantages
-            rewards, batch["values"], batch["response_mask"], rt.config.algorithm.gamma, rt.config.algorithm.lam)
+        mask, algorithm = batch["response_mask"], rt.config.algorithm
+        advantages, batch["returns"] = compute_gae(                     # 3. advantages on r_t = score − β·KL_t
+            rt.token_rewards(batch), batch["values"], mask, algorithm.gamma, algorithm.lam)
+        batch["advantages"] = whiten(advantages, mask.bool()) if algorithm.whiten_advantages else advantages
         critic_metrics = mean_over_ranks(rt.critic.update_critic(batch))                 # 4. learn
         actor_metrics = mean_over_ranks(rt.actor.update_policy(batch))
         summary = rt.summarize(batch)
-        if rt.kl_controller is not None and "kl/actor_ref" in summary:
-            rt.kl_controller.update(summary["kl/actor_ref"], len(batch))
-        return {**summary, **critic_metrics, **actor_metrics, "kl/coef": kl_coef}
+        rt.update_kl_controller(summary, len(batch))
+        return {**summary, **critic_metrics, **actor_metrics}

@@ -1,11 +1,13 @@
-"""RLOO (Ahmadian et al. 2024): n samples per prompt, each one's baseline is the mean score of the others."""
+"""RLOO (Ahmadian et al. 2024): n samples per prompt, each one's baseline is the mean score of the others. With
+``algorithm.kl_coef > 0`` the score is KL-penalised first (score − β·Σ_t KL_t), as in the paper."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_rloo_advantages
-from hybridflow.algorithms.base import Runtime, mean_over_ranks
+from hybridflow.algorithms.base import Runtime, build_kl_state, mean_over_ranks
+from hybridflow.algorithms.roles import RoleDeclaration, Stateful, policy_roles
 from hybridflow.batch import Batch
 
 __all__ = ["RLOO"]
@@ -13,13 +15,18 @@ __all__ = ["RLOO"]
 
 class RLOO:
     name = "rloo"
-    needs_critic = False
 
-    def needs_reference(self, config: Any) -> bool:
-        return bool(config.actor.kl_loss_coef > 0 or config.algorithm.kl_coef > 0)
+    def roles(self, config: Any) -> list[RoleDeclaration]:
+        return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0)
+
+    def build_state(self, config: Any) -> dict[str, Stateful]:
+        return build_kl_state(config)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
         batch = rt.rollout(prompts)                    # n samples per prompt, π_old, π_ref, reward
-        batch["advantages"] = compute_rloo_advantages(batch["scores"], rt.config.rollout.n, batch["response_mask"])
+        batch["advantages"] = compute_rloo_advantages(rt.outcome_scores(batch), rt.config.rollout.n,
+                                                      batch["response_mask"])
         metrics = mean_over_ranks(rt.actor.update_policy(batch))
-        return {**rt.summarize(batch), **metrics}
+        summary = rt.summarize(batch)
+        rt.update_kl_controller(summary, len(batch))
+        return {**summary, **metrics}

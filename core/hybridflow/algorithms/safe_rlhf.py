@@ -1,47 +1,61 @@
-"""Safe-RLHF (Dai et al. 2024): maximise reward subject to E[cost] ≤ limit. A reward critic and GAE for both the
-reward and the cost; the actor follows (A_r − λ·A_c)/(1+λ) and λ rises while the mean cost exceeds its limit.
-
-The cost critic shares the critic role's model here (values of the reward only); the cost advantage uses the
-sequence cost minus its batch mean, which keeps this driver to one critic.
+"""Safe-RLHF (Dai et al. 2024): maximise reward subject to E[cost] ≤ limit. A reward critic and a cost critic (its
+own role, ``cost_critic``, configured by the ``cost_critic`` section, whose unset keys default to ``critic``'s),
+GAE for both the reward and the cost; the actor follows (A_r − λ·A_c)/(1+λ) and λ (the algorithm's ``lagrange``
+state, checkpointed with the run) rises while the mean episode cost exceeds ``cost.limit``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.algorithms.advantages import (
-    build_token_level_rewards,
-    combine_reward_and_cost_advantages,
-    compute_gae,
-    whiten,
-)
-from hybridflow.algorithms.base import Runtime, mean_over_ranks
+from hybridflow.algorithms.advantages import build_token_level_rewards, combine_reward_and_cost_advantages, compute_gae
+from hybridflow.algorithms.advantages import whiten as whiten_advantages
+from hybridflow.algorithms.base import Runtime, build_kl_state, mean_over_ranks
+from hybridflow.algorithms.controllers import LagrangeMultiplier
+from hybridflow.algorithms.roles import RoleDeclaration, Stateful, critic_role, policy_roles
 from hybridflow.batch import Batch
+from hybridflow.errors import ConfigError
 
 __all__ = ["SafeRLHF"]
 
 
 class SafeRLHF:
     name = "safe_rlhf"
-    needs_critic = True
 
-    def needs_reference(self, config: Any) -> bool:
-        return bool(config.algorithm.kl_coef > 0 or config.actor.kl_loss_coef > 0)
+    def roles(self, config: Any) -> list[RoleDeclaration]:
+        if config.cost is None:
+            raise ConfigError("algorithm.name=safe_rlhf needs a `cost` section (cost.function or cost.model, "
+                              "cost.limit)")
+        cost_critic = critic_role("cost_critic", section="cost_critic", defaults_from="critic", seed_offset=3,
+                                  output_key="cost_values")
+        return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0, cost=True,
+                            critics=[critic_role(), cost_critic])
+
+    def build_state(self, config: Any) -> dict[str, Stateful]:
+        cost = config.cost
+        lagrange = LagrangeMultiplier(cost_limit=cost.limit, lr=cost.lagrange_lr, init_value=cost.initial_lambda)
+        return {**build_kl_state(config), "lagrange": lagrange}
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        batch = rt.rollout(prompts, with_values=True)                                 # samples, values, reward
-        batch = rt.score(batch, key="costs", cost=True)                               # cost scores
-        mask = batch["response_mask"]
-        kl_coef = rt.kl_controller.value if rt.kl_controller else 0.0
-        rewards = build_token_level_rewards(batch["scores"], mask, rt.kl_rewards(batch), kl_coef)
-        reward_adv, batch["returns"] = compute_gae(rewards, batch["values"], mask, rt.config.algorithm.gamma,
-                                                   rt.config.algorithm.lam)
-        cost_adv = whiten(build_token_level_rewards(batch["costs"], mask).flip(-1).cumsum(-1).flip(-1), mask.bool())
-        multiplier = rt.lagrange.value
-        batch["advantages"] = combine_reward_and_cost_advantages(whiten(reward_adv, mask.bool()), cost_adv, multiplier)
+        batch = rt.rollout(prompts, values=("critic", "cost_critic"))             # samples, V_r, V_c, reward
+        batch = rt.score(batch, key="costs", cost=True)                           # cost scores
+        mask, algorithm = batch["response_mask"], rt.config.algorithm
+        reward_adv, batch["returns"] = compute_gae(rt.token_rewards(batch), batch["values"], mask, algorithm.gamma,
+                                                   algorithm.lam)
+        cost_adv, cost_returns = compute_gae(build_token_level_rewards(batch["costs"], mask), batch["cost_values"],
+                                             mask, algorithm.gamma, algorithm.lam)
+        if algorithm.whiten_advantages:
+            reward_adv, cost_adv = whiten_advantages(reward_adv, mask.bool()), whiten_advantages(cost_adv, mask.bool())
+        multiplier = rt.state["lagrange"].value
+        batch["advantages"] = combine_reward_and_cost_advantages(reward_adv, cost_adv, multiplier)
+        cost_view = batch | Batch({"values": batch["cost_values"], "returns": cost_returns}, meta=dict(batch.meta))
         critic_metrics = mean_over_ranks(rt.critic.update_critic(batch))
+        cost_critic_metrics = mean_over_ranks(rt.cost_critic.update_critic(cost_view))
         actor_metrics = mean_over_ranks(rt.actor.update_policy(batch))
         mean_cost = float(batch["costs"].mean())
-        new_multiplier = rt.lagrange.update(mean_cost)
-        return {**rt.summarize(batch), **critic_metrics, **actor_metrics, "cost/mean": mean_cost,
-                "lagrange/lambda": new_multiplier, "lagrange/lambda_used": multiplier}
+        new_multiplier = rt.state["lagrange"].update(mean_cost)
+        summary = rt.summarize(batch)
+        rt.update_kl_controller(summary, len(batch))
+        return {**summary, **critic_metrics, **{f"cost_{k}": v for k, v in cost_critic_metrics.items()},
+                **actor_metrics, "cost/mean": mean_cost, "lagrange/lambda": new_multiplier,
+                "lagrange/lambda_used": multiplier}

@@ -96,8 +96,7 @@ class Supervisor:
         """The runtime with every role handle going through the journal."""
         self.journal.begin_attempt(self.trainer.step)
         deadlines = self.policy.deadlines
-        for role in ("actor", "critic", "reference", "reward_model", "cost_model"):
-            setattr(runtime, role, self.journal.wrap(role, getattr(runtime, role), deadlines))
+        runtime.roles = {role: self.journal.wrap(role, handle, deadlines) for role, handle in runtime.roles.items()}
         return runtime
 
     def annotate(self, record: IterationRecord, prompts: Any) -> None:

@@ -7,7 +7,7 @@ different pools get their own groups (split placement). What each role computes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config, ModelConfig, ParallelSection
 from hybridflow.engines import (
@@ -19,24 +19,22 @@ from hybridflow.engines import (
     TrainingEngineConfig,
 )
 from hybridflow.errors import ConfigError
-from hybridflow.workers import ActorRolloutWorker, CriticWorker, ReferenceWorker, RewardModelWorker, RoleSpec
+from hybridflow.workers import RoleSpec
 
-__all__ = ["RolePlan", "plan_roles", "build_model_spec", "build_tokenizer", "build_groups"]
+if TYPE_CHECKING:
+    from hybridflow.algorithms.roles import RoleDeclaration
 
-WORKER_CLASSES: dict[str, type] = {
-    "actor": ActorRolloutWorker,
-    "critic": CriticWorker,
-    "reference": ReferenceWorker,
-    "reward_model": RewardModelWorker,
-    "cost_model": RewardModelWorker,
-}
+__all__ = ["RolePlan", "plan_roles", "resolve_section", "build_model_spec", "build_tokenizer", "build_groups"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolePlan:
+    """One declared role, placed: its pool, its worker class and the spec its worker builds engines from."""
+
     role: str
     pool: str
     spec: RoleSpec
+    worker: type[Any]
 
 
 def build_model_spec(model: ModelConfig, *, seed: int, head: str | None = None) -> ModelSpec:
@@ -79,69 +77,101 @@ def _optim(config: Config, section: Any) -> OptimConfig:
                        schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, grad_clip=optim.grad_clip)
 
 
-def plan_roles(config: Config, *, needs_critic: bool, needs_reference: bool, loss_configs: dict[str, Any],
-               tokenizer: Any) -> list[RolePlan]:
-    """Which roles run where, with the specs their workers build engines from."""
-    _check_pools(config, needs_critic=needs_critic, needs_reference=needs_reference)
-    from hybridflow.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn
+def resolve_section(config: Config, declaration: RoleDeclaration) -> Any:
+    """The config section configuring a role: a top-level section (``critic``, ``reward``, ...) or ``roles.<key>``,
+    with the keys it leaves unset filled from ``declaration.defaults_from`` (``cost_critic`` ← ``critic``)."""
+    path = declaration.section
+    head, _, key = path.partition(".")
+    if head == "roles" and key:
+        section = config.roles.get(key)
+    elif not key and head in type(config).model_fields:
+        section = getattr(config, head)
+    else:
+        raise ConfigError(f"role {declaration.name!r} is configured by section {path!r}, which is neither a "
+                          f"top-level section ({', '.join(type(config).model_fields)}) nor roles.<key>")
+    base = None if declaration.defaults_from is None else getattr(config, declaration.defaults_from)
+    if section is None and base is None:
+        raise ConfigError(f"algorithm {config.algorithm.name!r} needs role {declaration.name!r}, configured by the "
+                          f"section {path!r}, which is missing; add it to the config (see the algorithm's docs)")
+    if base is None:
+        return section
+    if section is None:
+        return base
+    merged = _merge(base.model_dump(), section.model_dump(exclude_unset=True))
+    return type(base).model_validate(merged)
 
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _section_model(config: Config, declaration: RoleDeclaration, section: Any) -> ModelConfig:
+    if section.model is not None:
+        return section.model  # type: ignore[no-any-return]
+    if declaration.engine_role == "reward_model":
+        raise ConfigError(f"role {declaration.name!r} (a reward model) needs {declaration.section}.model: a path, "
+                          "config or preset; the policy's model is not a reward model")
+    return config.model
+
+
+def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer: Any) -> list[RolePlan]:
+    """Which declared roles run where, with the specs their workers build engines from."""
+    from hybridflow.algorithms.losses import PolicyLossConfig, ValueLossConfig, make_actor_loss_fn, make_critic_loss_fn
+
+    names = [declaration.name for declaration in declarations]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ConfigError(f"algorithm {config.algorithm.name!r} declares role(s) {duplicates} more than once; each "
+                          "role needs its own name (it is the handle, the checkpoint folder and the ledger node)")
+    if "actor" not in names:
+        raise ConfigError(f"algorithm {config.algorithm.name!r} declares no 'actor' role; the trainer needs one "
+                          "(add hybridflow.algorithms.roles.actor_role() to its roles)")
     seed = config.trainer.seed
     device = config.resource_pools[config.actor.pool].device
     threads = config.trainer.threads_per_worker
-    actor_model = build_model_spec(config.role_model(config.actor), seed=seed)
-    rollout = config.rollout
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    plans = [RolePlan(role="actor", pool=config.actor.pool, spec=RoleSpec(
-        role="actor", engine=config.actor.engine, device=device, threads=threads,
-        engine_config=TrainingEngineConfig(model=actor_model, parallel=_parallel(config.actor.parallel),
-                                           optim=_optim(config, config.actor),
-                                           micro_batch_size=config.actor.micro_batch_size,
-                                           mixed_precision=config.actor.mixed_precision,
-                                           extra=dict(config.actor.extra)),
-        loss=make_actor_loss_fn(loss_configs["actor"]), mini_batch_size=config.actor.mini_batch_size,
-        epochs=config.actor.ppo_epochs, rollout_engine=rollout.engine,
-        rollout_config=RolloutEngineConfig(model=actor_model, tensor_parallel_size=rollout.tensor_parallel_size,
-                                           max_prompt_length=config.data.max_prompt_length,
-                                           max_new_tokens=rollout.max_new_tokens, pad_token_id=pad_id,
-                                           eos_token_id=tokenizer.eos_token_id, seed=seed, extra=dict(rollout.extra)),
-        sampling=SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
-                                top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed),
-    ))]
-    if needs_critic:
-        critic = config.critic
-        plans.append(RolePlan(role="critic", pool=critic.pool, spec=RoleSpec(
-            role="critic", engine=critic.engine, device=device, threads=threads,
-            engine_config=TrainingEngineConfig(model=build_model_spec(config.role_model(critic), seed=seed + 1),
-                                               parallel=_parallel(critic.parallel), optim=_optim(config, critic),
-                                               micro_batch_size=critic.micro_batch_size, extra=dict(critic.extra)),
-            loss=make_critic_loss_fn(loss_configs["critic"]), mini_batch_size=critic.mini_batch_size,
-            epochs=critic.ppo_epochs)))
-    if needs_reference:
-        reference = config.reference
-        plans.append(RolePlan(role="reference", pool=reference.pool, spec=RoleSpec(
-            role="reference", engine=reference.engine, device=device, threads=threads,
-            engine_config=TrainingEngineConfig(model=build_model_spec(config.role_model(reference), seed=seed),
-                                               parallel=_parallel(reference.parallel),
-                                               micro_batch_size=reference.micro_batch_size,
-                                               extra=dict(reference.extra)))))
-    for role, section, key in (("reward_model", config.reward, "scores"), ("cost_model", config.cost, "costs")):
-        if section is not None and section.model is not None:
-            plans.append(RolePlan(role=role, pool=section.pool, spec=RoleSpec(
-                role="reward_model", engine=section.engine, device=device, threads=threads, output_key=key,
-                engine_config=TrainingEngineConfig(model=build_model_spec(section.model, seed=seed + 2),
-                                                   parallel=_parallel(section.parallel),
-                                                   micro_batch_size=section.micro_batch_size))))
+    plans = []
+    for declaration in declarations:
+        section = resolve_section(config, declaration)
+        if section.pool not in config.resource_pools:
+            raise ConfigError(f"{declaration.section}.pool is {section.pool!r}, not one of resource_pools "
+                              f"({', '.join(config.resource_pools)}); add the pool or change "
+                              f"{declaration.section}.pool")
+        kind = declaration.engine_role
+        model = build_model_spec(_section_model(config, declaration, section), seed=seed + declaration.seed_offset)
+        trainable = kind in ("actor", "critic")
+        engine_config = TrainingEngineConfig(
+            model=model, parallel=_parallel(section.parallel),
+            optim=_optim(config, section) if trainable else OptimConfig(),
+            micro_batch_size=section.micro_batch_size, mixed_precision=getattr(section, "mixed_precision", "none"),
+            extra=dict(getattr(section, "extra", {})))
+        options: dict[str, Any] = {}
+        if kind == "actor":
+            rollout = config.rollout
+            options = {
+                "loss": make_actor_loss_fn(PolicyLossConfig(
+                    clip_ratio_low=section.clip_ratio_low, clip_ratio_high=section.clip_ratio_high,
+                    entropy_coef=section.entropy_coef, kl_loss_coef=section.kl_loss_coef,
+                    kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg)),
+                "rollout_engine": rollout.engine,
+                "rollout_config": RolloutEngineConfig(
+                    model=model, tensor_parallel_size=rollout.tensor_parallel_size,
+                    max_prompt_length=config.data.max_prompt_length, max_new_tokens=rollout.max_new_tokens,
+                    pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, seed=seed, extra=dict(rollout.extra)),
+                "sampling": SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                                           top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed)}
+        elif kind == "critic":
+            options = {"loss": make_critic_loss_fn(ValueLossConfig(clip_range=section.value_clip or None,
+                                                                   loss_agg=section.loss_agg))}
+        if trainable:
+            options.update(mini_batch_size=section.mini_batch_size, epochs=section.ppo_epochs)
+        plans.append(RolePlan(role=declaration.name, pool=section.pool, worker=declaration.worker, spec=RoleSpec(
+            role=kind, name=declaration.name, engine=section.engine, device=device, threads=threads,
+            engine_config=engine_config, output_key=declaration.output_key, **options)))
     return plans
-
-
-def _check_pools(config: Config, *, needs_critic: bool, needs_reference: bool) -> None:
-    used = [("critic", config.critic, needs_critic), ("reference", config.reference, needs_reference),
-            ("reward", config.reward, config.reward.model is not None),
-            ("cost", config.cost, config.cost is not None and config.cost.model is not None)]
-    for key, section, in_use in used:
-        if in_use and section is not None and section.pool not in config.resource_pools:
-            raise ConfigError(f"{key}.pool is {section.pool!r}, not one of resource_pools "
-                              f"({', '.join(config.resource_pools)}); add the pool or change {key}.pool")
 
 
 @dataclass(slots=True)
@@ -185,7 +215,7 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
             pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cpu",
                                 cpus_per_worker=pool_config.cpus_per_worker)
         groups.pools[pool_name] = pool
-        classes = {plan.role: WORKER_CLASSES[plan.role] for plan in pool_plans}
+        classes = {plan.role: plan.worker for plan in pool_plans}
         init_kwargs = {plan.role: {"spec": plan.spec} for plan in pool_plans}
         groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
                                                 deadline_s=deadline_s, stack_dump_dir=stack_dump_dir)

@@ -14,12 +14,11 @@ from typing import Any
 
 from hybridflow import registries
 from hybridflow.algorithms.base import Runtime
-from hybridflow.algorithms.controllers import LagrangeMultiplier, build_kl_controller
-from hybridflow.algorithms.losses import PolicyLossConfig, ValueLossConfig
+from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows
-from hybridflow.errors import CheckpointError, ConfigError
+from hybridflow.errors import CheckpointError
 from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
@@ -30,16 +29,6 @@ from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.progress import MetricsWriter, Progress
 
 __all__ = ["Trainer"]
-
-
-def _loss_configs(config: Config) -> dict[str, Any]:
-    actor = config.actor
-    return {
-        "actor": PolicyLossConfig(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                                  entropy_coef=actor.entropy_coef, kl_loss_coef=actor.kl_loss_coef,
-                                  kl_loss_kind=actor.kl_loss_kind, loss_agg=actor.loss_agg),
-        "critic": ValueLossConfig(clip_range=config.critic.value_clip or None, loss_agg=config.critic.loss_agg),
-    }
 
 
 def _load_dataset(config: Config, tokenizer: Any) -> PromptDataset:
@@ -76,22 +65,11 @@ class Trainer:
         self.cost_fn = None
         if config.cost is not None and config.cost.function:
             self.cost_fn = resolve_reward_function(config.cost.function, key="cost.function")
-        self.needs_reference = self.algorithm.needs_reference(config)
-        self.plans = plan_roles(config, needs_critic=self.algorithm.needs_critic,
-                                needs_reference=self.needs_reference, loss_configs=_loss_configs(config),
-                                tokenizer=self.tokenizer)
+        # the algorithm owns its roles and state: the trainer builds, checkpoints and resumes exactly these
+        self.plans = plan_roles(config, self.algorithm.roles(config), tokenizer=self.tokenizer)
+        self.algorithm_state = check_algorithm_state(self.algorithm.name, self.algorithm.build_state(config))
         self.faults = FaultPlan.from_sources(config.reliability.faults, self.run_dir)
         self.plans = attach_fault_plan(self.plans, self.faults)
-        self.kl_controller = build_kl_controller(
-            "adaptive" if config.algorithm.adaptive_kl_target else "fixed", kl_coef=config.algorithm.kl_coef,
-            target_kl=config.algorithm.adaptive_kl_target, horizon=10_000)
-        self.lagrange = None
-        if self.algorithm.name == "safe_rlhf":
-            if config.cost is None:
-                raise ConfigError("algorithm.name=safe_rlhf needs a `cost` section (cost.function or cost.model, "
-                                  "cost.limit)")
-            self.lagrange = LagrangeMultiplier(cost_limit=config.cost.limit, lr=config.cost.lagrange_lr,
-                                               init_value=config.cost.initial_lambda)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.trainer.keep_checkpoints)
         self.ledger = Ledger(self.run_dir)
         self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard)
@@ -144,12 +122,12 @@ class Trainer:
             shutil.copyfile(source, target)
 
     def _protocols(self) -> dict[str, str]:
+        """``role.method`` → protocol, for the roles built (their worker classes' registered methods)."""
         from hybridflow.controller import dispatch_of
-        from hybridflow.trainer.build import WORKER_CLASSES
 
         out = {}
         for plan in self.plans:
-            cls = WORKER_CLASSES[plan.role]
+            cls = plan.worker
             for name in dir(cls):
                 dispatch = dispatch_of(getattr(cls, name, None))
                 if dispatch is not None:
@@ -158,11 +136,10 @@ class Trainer:
 
     def runtime(self) -> Runtime:
         assert self.groups is not None
-        return Runtime(config=self.config, tokenizer=self.tokenizer, actor=self.groups.role("actor"),
-                       critic=self.groups.role("critic"), reference=self.groups.role("reference"),
-                       reward_model=self.groups.role("reward_model"), cost_model=self.groups.role("cost_model"),
-                       reward_fn=self.reward_fn, cost_fn=self.cost_fn, kl_controller=self.kl_controller,
-                       lagrange=self.lagrange, timeout_s=self.config.trainer.deadline_s)
+        return Runtime(config=self.config, tokenizer=self.tokenizer,
+                       roles={plan.role: self.groups.role(plan.role) for plan in self.plans},
+                       state=self.algorithm_state, reward_fn=self.reward_fn, cost_fn=self.cost_fn,
+                       timeout_s=self.config.trainer.deadline_s)
 
     def close(self) -> None:
         from hybridflow.controller import remove_call_observer
@@ -176,8 +153,8 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                "lagrange": self.lagrange.state_dict() if self.lagrange else None}
+        return {"loader": self.loader.state_dict(),
+                "algorithm": {name: item.state_dict() for name, item in self.algorithm_state.items()}}
 
     def save_checkpoint(self) -> Path:
         assert self.groups is not None
@@ -192,9 +169,7 @@ class Trainer:
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        if self.lagrange is not None and state.get("lagrange"):
-            self.lagrange.load_state_dict(state["lagrange"])
+        load_algorithm_state(self.algorithm.name, self.algorithm_state, state)
 
     def _maybe_resume(self) -> None:
         mode = self.config.trainer.resume

@@ -1,4 +1,4 @@
-"""Worker classes for the four model roles; each method declares its transfer protocol with ``@register``.
+"""Worker classes for the four kinds of model role (an algorithm may declare several roles of one kind); each method declares its transfer protocol with ``@register``.
 
 A worker owns engines built from the registries inside its process; it knows nothing about which plugin supplied
 them. Training-engine methods use protocol ``mesh`` (data to data-parallel groups, replicated inside tensor and
@@ -36,9 +36,15 @@ __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RoleSpec:
-    """How to build one role's engines inside a worker process."""
+    """How to build one role's engines inside a worker process.
+
+    ``role`` is the engine kind (``actor``, ``critic``, ``reference``, ``reward_model``: the model head and methods
+    its engine serves); ``name`` the role's name in the run (``cost_critic``), its checkpoint folder, ``role`` when
+    unset. ``output_key`` renames the column a critic (``values``) or reward model (``scores``) returns.
+    """
 
     role: str
+    name: str | None = None
     engine: str
     engine_config: TrainingEngineConfig
     device: str = "cpu"
@@ -49,7 +55,7 @@ class RoleSpec:
     rollout_engine: str | None = None
     rollout_config: RolloutEngineConfig | None = None
     sampling: SamplingParams | None = None
-    output_key: str = "scores"
+    output_key: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,7 +95,7 @@ class _TrainingRole(Worker):
 
     @register(protocol="one_to_all", idempotent=True)
     def save_checkpoint(self, path: str) -> None:
-        target = Path(path) / self.spec.role
+        target = Path(path) / (self.spec.name or self.spec.role)
         self.engine.save_checkpoint(str(target))
         maybe_fail("checkpoint.worker_write", iteration=iteration_of_checkpoint(path), rank=self.rank)
         if self.rank == 0:
@@ -97,7 +103,7 @@ class _TrainingRole(Worker):
 
     @register(protocol="one_to_all", idempotent=True)
     def load_checkpoint(self, path: str) -> None:
-        target = Path(path) / self.spec.role
+        target = Path(path) / (self.spec.name or self.spec.role)
         self.engine.load_checkpoint(str(target))
         state_file = target / "worker_state.json"
         if state_file.exists():
@@ -120,7 +126,7 @@ class _TrainingRole(Worker):
         version = batch.meta.get("policy_version")
         if version is not None and version != self.policy_version:
             raise VersionMismatchError(
-                f"{self.spec.role}.{what} got a batch of policy_version {version} but its weights are version "
+                f"{self.spec.name or self.spec.role}.{what} got a batch of policy_version {version} but its weights are version "
                 f"{self.policy_version}; the iteration is aborted so versions never mix"
             )
 
@@ -215,7 +221,7 @@ class ActorRolloutWorker(_TrainingRole):
 class CriticWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_values(self, batch: Batch) -> Batch:
-        output = _only(self.engine.compute_values(batch), batch, values="values")
+        output = _only(self.engine.compute_values(batch), batch, **{self.spec.output_key or "values": "values"})
         maybe_fail("critic.values", iteration=_iteration(batch), rank=self.rank)
         return output
 
@@ -239,7 +245,7 @@ class ReferenceWorker(_TrainingRole):
 class RewardModelWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_scores(self, batch: Batch) -> Batch:
-        output = _only(self.engine.compute_scores(batch), batch, **{self.spec.output_key: "scores"})
+        output = _only(self.engine.compute_scores(batch), batch, **{self.spec.output_key or "scores": "scores"})
         maybe_fail("reward_model.scores", iteration=_iteration(batch), rank=self.rank)
         return output
 

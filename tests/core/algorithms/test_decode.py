@@ -37,5 +37,5 @@ def test_runtime_decodes_only_masked_response_tokens() -> None:
     tokenizer = build_char_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(list("12")) + [EOS_ID, PAD_ID]
     batch = Batch({"responses": torch.tensor([ids, ids]), "response_mask": torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])})
-    runtime = Runtime(config=None, tokenizer=tokenizer, actor=None)
+    runtime = Runtime(config=None, tokenizer=tokenizer)
     assert runtime.decode_responses(batch) == ["12", "1"]
