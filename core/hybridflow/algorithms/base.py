@@ -114,10 +114,11 @@ class Runtime:
 
     def outcome_scores(self, batch: Batch) -> torch.Tensor:
         """One score per row for outcome estimators (GRPO, RLOO, ReMax): the sum of :meth:`token_rewards`, i.e.
-        the score minus β·Σ_t KL_t; the scores themselves when no KL penalty is on."""
+        the score minus β·Σ_t KL_t (kept as ``penalized_scores``); the scores themselves when no KL penalty is on."""
         if self.kl_coef() == 0 or "ref_log_probs" not in batch:
             return batch["scores"]  # type: ignore[no-any-return]
-        return masked_sum(self.token_rewards(batch), batch["response_mask"], dim=-1)
+        batch["penalized_scores"] = masked_sum(self.token_rewards(batch), batch["response_mask"], dim=-1)
+        return batch["penalized_scores"]  # type: ignore[no-any-return]
 
     def update_kl_controller(self, summary: dict[str, float], rows: int) -> None:
         """Adapt β to this step's measured KL (``kl/actor_ref``), when the algorithm keeps a KL controller."""
@@ -165,6 +166,8 @@ class Runtime:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
         if "kl_controller" in self.state:
             metrics["kl/coef"] = self.kl_coef()
+        if "penalized_scores" in batch:
+            metrics["reward/penalized_mean"] = float(batch["penalized_scores"].mean())
         if "advantages" in batch:
             advantages = batch["advantages"]
             mean = masked_mean(advantages, mask)

@@ -119,7 +119,7 @@ def policy_roles(config: Any, *, kl_in_reward: bool, cost: bool = False,
     if config.reward.model is not None:
         roles.append(reward_model_role())
     if cost and config.cost is not None and config.cost.model is not None:
-        roles.append(reward_model_role("cost_model", section="cost", output_key="costs"))
+        roles.append(reward_model_role("cost_model", section="cost", output_key="costs", seed_offset=4))
     return roles
 
 

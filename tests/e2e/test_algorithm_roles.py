@@ -1,0 +1,79 @@
+"""End-to-end: the roles an algorithm declares are the ones built, checkpointed and resumed; the KL penalty reaches
+the outcome algorithms' scores; PPO whitens its advantages; Safe-RLHF's cost critic keeps the cost under its limit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hybridflow.trainer import Trainer
+from hybridflow.trainer.progress import read_metrics
+
+DROP = ("time/step_s", "throughput/prompt_response_tokens_per_s")
+
+
+def run(config) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    trainer = Trainer(config, progress=False)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def built_roles(run_dir: Path) -> set[str]:
+    return set(json.loads((run_dir / "manifest.json").read_text())["mapping"]) - {"rollout"}
+
+
+def without_timing(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if k not in DROP} for m in history]
+
+
+@pytest.mark.slow
+def test_reward_and_cost_models_checkpoint_and_resume_separately(tmp_path: Path, tiny_config) -> None:
+    models = ["algorithm.name=safe_rlhf", "cost.limit=0.3", "reward.model.preset=tiny-qwen2",
+              "cost.model.preset=tiny-qwen2", "data.batch_size=8", "rollout.max_new_tokens=6",
+              "trainer.checkpoint_every=1", "trainer.total_steps=2"]
+    straight = tmp_path / "straight"
+    history = run(tiny_config(straight, *models))
+    assert built_roles(straight) == {"actor", "critic", "cost_critic", "reward_model", "cost_model"}
+    step = straight / "checkpoints" / "step-1"
+    # two folders holding two different models (same architecture): neither overwrote the other
+    reward, cost = ((step / role / "__0_0.distcp").read_bytes() for role in ("reward_model", "cost_model"))
+    assert len(reward) > 10_000 and reward != cost
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert set(state["algorithm"]) == {"lagrange"} and state["algorithm"]["lagrange"]["steps"] == 1
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step-2"))
+    again = run(tiny_config(resumed, *models, "trainer.resume=must"))
+    assert len(again) == 1
+    assert without_timing(read_metrics(resumed)) == without_timing(history)  # both models' scores, λ, the update
+    final = {p: json.loads((p / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+             for p in (straight, resumed)}
+    assert final[straight] == final[resumed]
+
+
+@pytest.mark.slow
+def test_kl_penalty_enters_grpo_scores_and_builds_the_reference(tmp_path: Path, tiny_config) -> None:
+    history = run(tiny_config(tmp_path / "kl", "algorithm.kl_coef=0.5", "trainer.total_steps=2",
+                              "trainer.checkpoint_every=0", "rollout.max_new_tokens=6"))
+    assert built_roles(tmp_path / "kl") == {"actor", "reference"}
+    last = history[-1]
+    assert last["kl/coef"] == 0.5 and last["kl/actor_ref"] != 0
+    # the advantages were computed from score − β·Σ_t KL_t, not from the bare scores
+    assert last["reward/penalized_mean"] != pytest.approx(last["reward/mean"], abs=1e-6)
+    plain = run(tiny_config(tmp_path / "plain", "trainer.total_steps=1", "trainer.checkpoint_every=0"))
+    assert built_roles(tmp_path / "plain") == {"actor"}  # nothing consumes a reference: none is built
+    assert "reward/penalized_mean" not in plain[-1] and "kl/coef" not in plain[-1]
+
+
+@pytest.mark.slow
+def test_ppo_whitens_gae_advantages_unless_turned_off(tmp_path: Path, tiny_config) -> None:
+    base = ["algorithm.name=ppo", "trainer.total_steps=1", "trainer.checkpoint_every=0", "rollout.max_new_tokens=6"]
+    whitened = run(tiny_config(tmp_path / "on", *base))[-1]
+    assert abs(whitened["advantages/mean"]) < 1e-5 and whitened["advantages/std"] == pytest.approx(1.0, abs=0.01)
+    raw = run(tiny_config(tmp_path / "off", *base, "algorithm.whiten_advantages=false"))[-1]
+    assert abs(raw["advantages/mean"]) > 1e-3 and raw["advantages/std"] != pytest.approx(1.0, abs=0.05)
