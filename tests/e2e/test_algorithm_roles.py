@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 
@@ -51,7 +50,8 @@ def test_reward_and_cost_models_checkpoint_and_resume_separately(tmp_path: Path,
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step-2"))
     again = run(tiny_config(resumed, *models, "trainer.resume=must"))
     assert len(again) == 1
-    assert without_timing(read_metrics(resumed)) == without_timing(read_metrics(straight))  # both models' scores, λ, the update
+    # the same scores of both models, λ and updates as the straight run
+    assert without_timing(read_metrics(resumed)) == without_timing(read_metrics(straight))
     final = {p: json.loads((p / "checkpoints" / "step-2" / "trainer_state.json").read_text())
              for p in (straight, resumed)}
     assert final[straight] == final[resumed]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hybridflow.algorithms.advantages import build_token_level_rewards
 from hybridflow.algorithms.base import Runtime
 from hybridflow.algorithms.controllers import FixedKLController, LagrangeMultiplier
