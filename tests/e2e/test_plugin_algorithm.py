@@ -56,6 +56,7 @@ def test_third_party_algorithm_with_two_reward_models_trains_and_resumes(plugin_
     assert manifest["algorithm"] == "two_reward_grpo"
     assert set(manifest["mapping"]) == {"actor", "reward_model", "safety_rm", "rollout"}  # what was built
     assert manifest["protocols"]["safety_rm.compute_scores"] == "mesh"
+    assert manifest["mapping"]["safety_rm"]["worker"] == "hybridflow.workers.roles.RewardModelWorker"
     files, state = checkpoint(straight, 2)
     assert {name.split("/")[0] for name in files} >= {"actor", "reward_model", "safety_rm"}
     assert state["algorithm"]["safety_moments"]["count"] == 2 * 8 * 4  # two steps of 8 prompts × 4 samples

@@ -100,8 +100,9 @@ class Trainer:
         add_call_observer(self.supervisor.observe)
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
-                            "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel)}
-                   for p in self.plans}
+                            "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
+                            "worker": f"{p.worker.__module__}.{p.worker.__qualname__}", "model": p.spec.role}
+                   for p in self.plans}  # the roles the algorithm declared for this config, as built
         mapping["rollout"] = {"engine": self.config.rollout.engine, "pool": self.config.actor.pool,
                               "tensor_parallel_size": self.config.rollout.tensor_parallel_size}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping))
