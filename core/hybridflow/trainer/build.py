@@ -97,6 +97,7 @@ def plan_roles(config: Config, *, needs_critic: bool, needs_reference: bool, los
                                            optim=_optim(config, config.actor),
                                            micro_batch_size=config.actor.micro_batch_size,
                                            mixed_precision=config.actor.mixed_precision,
+                                           gradient_checkpointing=config.actor.gradient_checkpointing,
                                            extra=dict(config.actor.extra)),
         loss=make_actor_loss_fn(loss_configs["actor"]), mini_batch_size=config.actor.mini_batch_size,
         epochs=config.actor.ppo_epochs, rollout_engine=rollout.engine,
@@ -113,7 +114,9 @@ def plan_roles(config: Config, *, needs_critic: bool, needs_reference: bool, los
             role="critic", engine=critic.engine, device=device, threads=threads,
             engine_config=TrainingEngineConfig(model=build_model_spec(config.role_model(critic), seed=seed + 1),
                                                parallel=_parallel(critic.parallel), optim=_optim(config, critic),
-                                               micro_batch_size=critic.micro_batch_size, extra=dict(critic.extra)),
+                                               micro_batch_size=critic.micro_batch_size, extra=dict(critic.extra),
+                                               mixed_precision=critic.mixed_precision,
+                                               gradient_checkpointing=critic.gradient_checkpointing),
             loss=make_critic_loss_fn(loss_configs["critic"]), mini_batch_size=critic.mini_batch_size,
             epochs=critic.ppo_epochs)))
     if needs_reference:
@@ -123,6 +126,7 @@ def plan_roles(config: Config, *, needs_critic: bool, needs_reference: bool, los
             engine_config=TrainingEngineConfig(model=build_model_spec(config.role_model(reference), seed=seed),
                                                parallel=_parallel(reference.parallel),
                                                micro_batch_size=reference.micro_batch_size,
+                                               mixed_precision=reference.mixed_precision,
                                                extra=dict(reference.extra)))))
     for role, section, key in (("reward_model", config.reward, "scores"), ("cost_model", config.cost, "costs")):
         if section is not None and section.model is not None:
