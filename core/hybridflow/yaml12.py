@@ -39,11 +39,7 @@ Yaml12Loader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = str(loader.construct_scalar(node))
-    if text.startswith("0o"):
-        return int(text[2:], 8)
-    if text.startswith("0x"):
-        return int(text[2:], 16)
-    return int(text)
+    return int(text, 0) if text.startswith(("0o", "0x")) else int(text)  # decimal "010" is 10, not octal
 
 
 Yaml12Loader.add_constructor(_INT_TAG, _construct_int)
