@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from hybridflow.config import apply_overrides, config_hash, load_config
 from hybridflow.errors import ConfigError
 
@@ -141,9 +140,8 @@ def free_form_keys() -> list[str]:
     import types
     import typing
 
-    from pydantic import BaseModel
-
     from hybridflow.config import Config
+    from pydantic import BaseModel
 
     def walk(model: type[BaseModel], prefix: str) -> list[str]:
         found = []
