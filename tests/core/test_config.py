@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from hybridflow.config import apply_overrides, config_hash, load_config
 from hybridflow.errors import ConfigError
 
@@ -140,8 +141,9 @@ def free_form_keys() -> list[str]:
     import types
     import typing
 
-    from hybridflow.config import Config
     from pydantic import BaseModel
+
+    from hybridflow.config import Config
 
     def walk(model: type[BaseModel], prefix: str) -> list[str]:
         found = []

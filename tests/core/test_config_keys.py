@@ -23,15 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import hybridflow.controller
 import pytest
 import torch
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+import hybridflow.controller
 from hybridflow.batch import Batch
 from hybridflow.config import Config, load_config
 from hybridflow.errors import ConfigError, HybridflowError
 from hybridflow.testing.fixtures import save_tiny_model, tiny_model_config
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
 BASE = [
     "algorithm.name=safe_rlhf", "actor.kl_loss_coef=0.1", "data.task.num_prompts=16", "data.batch_size=4",
