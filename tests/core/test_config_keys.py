@@ -318,8 +318,9 @@ def test_step_reads_are_read_by_the_drivers() -> None:
 
 def test_the_walk_reports_a_key_that_does_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A key added to the schema that no consumer reads is found by the walk (and a real one is not)."""
-    import hybridflow.config
     from pydantic import create_model
+
+    import hybridflow.config
 
     trainer_section = create_model("ProbeTrainerConfig", __base__=hybridflow.config.TrainerConfig,
                                    unused_knob=(int, 3))
