@@ -140,7 +140,8 @@ def _import_file(location: str, *, spec: str, key: str, base_dir: str | Path | N
         path = Path(base_dir or ".") / path
     path = path.resolve()
     if not path.is_file() or path.suffix != ".py":
-        raise ConfigError(f'{key}: "{spec}" names the file {path}, which {"is not a .py file" if path.is_file() else "does not exist"}'
+        problem = "is not a .py file" if path.is_file() else "does not exist"
+        raise ConfigError(f'{key}: "{spec}" names the file {path}, which {problem}'
                           "; expected path/to/file.py:function (a relative path is read from the config file's "
                           "folder)")
     # a file inside a package is imported by its dotted name (relative imports work); a lone file under a unique

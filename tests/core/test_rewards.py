@@ -89,7 +89,7 @@ def test_batched_functions_get_extra_info_too() -> None:
 
 
 def test_extra_info_reaches_the_reward_through_the_runtime(tmp_path: Path) -> None:
-    """Dataset rows → PromptDataset batch → (rollout keeps non-tensor columns) → Runtime.score → the function."""
+    """Dataset rows → PromptDataset batch → (a rollout keeps non-tensor columns) → Runtime.score → function."""
     path = _write(tmp_path, "verl_runtime_reward.py", VERL_REWARD)
     tokenizer = build_char_tokenizer()
     rows = [{"prompt": "1+2=", "data_source": "toy", "reward_model": {"ground_truth": "3"},
