@@ -73,7 +73,7 @@ def resolve_reward_function(spec: str, *, key: str = "reward.function",
             raise ConfigError(f'{key}: "{location}" has no callable "{attribute}" (functions it defines: '
                               f'{", ".join(found) or "none"}); check the name after ":".')
         _check_signature(function, key=key, spec=spec)
-        return function
+        return function  # type: ignore[no-any-return]
     from hybridflow.plugins import get_plugin_manager
 
     get_plugin_manager()  # the core's own rewards are registered with the manager (no entry points loaded)
