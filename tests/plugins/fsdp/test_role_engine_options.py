@@ -1,5 +1,5 @@
-"""``gradient_checkpointing`` in the fsdp engine (1 gloo rank): decoder layers recompute their forward in the backward
-pass, and the update is the same as without it."""
+"""Per-role engine options in the fsdp engine (1 gloo rank): ``gradient_checkpointing`` recomputes decoder layers in
+the backward pass without changing the update; ``mixed_precision`` computes the critic and reference in bf16."""
 
 from __future__ import annotations
 
@@ -49,3 +49,18 @@ def test_a_frozen_role_never_checkpoints(model_path: Path) -> None:
         model=ModelSpec(path=str(model_path)), gradient_checkpointing=True))
     assert not engine.model.is_activation_checkpointing
     assert engine.lean is not None  # the lean forward stays available to a frozen role
+
+
+@pytest.mark.parametrize("role, method, column", [("critic", "compute_values", "values"),
+                                                  ("reference", "compute_log_probs", "log_probs")])
+def test_critic_and_reference_compute_in_bf16(model_path: Path, role: str, method: str, column: str) -> None:
+    """``mixed_precision`` reaches the critic and the reference: bf16 compute (close to, not equal to, fp32)."""
+    batch = build_training_batch(rows=4)
+    outputs = {}
+    for precision in ("none", "bf16"):
+        engine = FSDPTrainingEngine(role=role, config=TrainingEngineConfig(
+            model=ModelSpec(path=str(model_path)), mixed_precision=precision))
+        assert engine.sharded == (precision == "bf16")
+        outputs[precision] = getattr(engine, method)(batch)[column]
+    gap = (outputs["none"] - outputs["bf16"]).abs().max().item()
+    assert 0 < gap < 0.1, f"bf16 {column} differ from fp32 by {gap}"
