@@ -184,7 +184,8 @@ class RolloutConfig(_Section):
             raise PydanticCustomError("rejected_key", "{reason}", {"key": "pipeline_parallel_size", "reason": (
                 f"got {self.pipeline_parallel_size}, but no rollout engine here generates pipeline-parallel "
                 "(hf, vllm and sglang engines take tensor_parallel_size only). Fix: set "
-                "rollout.pipeline_parallel_size=1 (or remove it) and use rollout.tensor_parallel_size")})
+                "rollout.pipeline_parallel_size=1 (or remove it; in a `hybridflow plan` fragment too) and use "
+                "rollout.tensor_parallel_size")})
         return self
 
 
