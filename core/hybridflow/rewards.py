@@ -124,8 +124,8 @@ def _import_module(name: str, *, spec: str, key: str, base_dir: str | Path | Non
                 f"importable from the driver (on PYTHONPATH{f' or next to the config file in {local}' if local else ''}"
                 f'), "path/to/file.py:function", or a registered name: {", ".join(registries.rewards.names())}.'
             ) from exc
-    except ImportError as exc:
-        raise ConfigError(f'{key}: importing "{name}" of "{spec}" failed: {exc}') from exc
+    except Exception as exc:  # noqa: BLE001 - user code failing at import becomes a typed error naming it
+        raise ConfigError(f'{key}: importing "{name}" of "{spec}" failed: {type(exc).__name__}: {exc}') from exc
     # a module next to the config file, as verl's custom_reward_function.path lets one keep it there
     sys.path.insert(0, str(local.resolve()))
     try:
