@@ -2,7 +2,8 @@
 
 Columns: ``prompt`` (text, or chat messages ``[{"role": ..., "content": ...}]``), ``data_source``,
 ``reward_model.ground_truth`` (a dict column or a flattened ``reward_model.ground_truth`` column), optional
-``extra_info`` (a dict per row, handed to reward functions). This module tokenises and batches prompts; generation and scoring are other nodes' business.
+``extra_info`` (a dict per row, handed to reward functions). This module tokenises and batches prompts; generation
+and scoring are other nodes' business.
 """
 
 from __future__ import annotations
