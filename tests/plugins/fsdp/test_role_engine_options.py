@@ -34,7 +34,7 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_update(model_pat
             gradient_checkpointing=checkpointing, extra={"lean_forward": False}))
         # HF checkpoints a layer's forward (the layer's own hooks stay outside): count its first module's calls
         calls = []
-        transformer_blocks(engine.model)[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        transformer_blocks(engine.model)[0].self_attn.register_forward_hook(lambda *_, sink=calls: sink.append(1))
         engine.train_step(build_training_batch(rows=8), loss_fn=loss_fn)
         results[checkpointing] = ({n: p.detach().clone() for n, p in engine.model.named_parameters()}, len(calls))
     (plain, plain_calls), (checkpointed, checkpointed_calls) = results[False], results[True]
