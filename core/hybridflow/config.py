@@ -10,18 +10,31 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from hybridflow.errors import ConfigError
+from hybridflow.yaml12 import load_yaml
 
 __all__ = ["Config", "load_config", "apply_overrides", "config_hash", "check_registered_names"]
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    #: keys this section refuses with the reason and the fix (keys other sections have, or that were removed)
+    rejected_keys: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, reason in cls.rejected_keys.items():
+                if key in data:
+                    raise PydanticCustomError("rejected_key", "{reason}", {"key": key, "reason": reason})
+        return data
 
 
 class RayConfig(_Section):
@@ -78,6 +91,8 @@ class OptimSection(_Section):
 
 
 class _ModelRole(_Section):
+    """What every model-holding role has: engine, pool, model, parallel sizes, micro-batches, precision, extra."""
+
     engine: str = "fsdp"
     pool: str = "main"
     model: ModelConfig | None = None
@@ -87,21 +102,52 @@ class _ModelRole(_Section):
     extra: dict[str, Any] = Field(default_factory=dict)  # engine-specific options, passed through unchanged
 
 
-class ActorConfig(_ModelRole):
+class _TrainedRole(_ModelRole):
+    """A role with an optimizer (actor, critic): mini-batches, epochs, loss aggregation, activation checkpointing."""
+
     optim: OptimSection = OptimSection()
     mini_batch_size: int | None = Field(default=None, gt=0)
     ppo_epochs: int = Field(default=1, gt=0)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    gradient_checkpointing: bool = False  # recompute activations in backward (HF gradient_checkpointing_enable)
+
+
+_DECIDED_BY_ALGORITHM = {
+    "critic": ("does nothing: whether a critic runs follows from algorithm.name (ppo and safe_rlhf "
+               "train one; grpo, rloo, remax, reinforce_pp do not). Fix: remove critic.enabled, or choose the "
+               "algorithm"),
+    "reference": ("does nothing: a reference runs when the algorithm uses a KL term "
+                  "(actor.kl_loss_coef > 0, or algorithm.kl_coef > 0 for the algorithms that put KL in the "
+                  "reward). Fix: remove reference.enabled and set those coefficients instead"),
+}
+
+
+def _actor_only(key: str, instead: str = "") -> str:
+    return (f"{key} is an actor (policy-loss) key; the critic trains on a value loss and never reads it. Fix: set "
+            f"actor.{key}{instead}, and remove critic.{key}")
+
+
+class ActorConfig(_TrainedRole):
     clip_ratio_low: float = Field(default=0.2, ge=0)
     clip_ratio_high: float = Field(default=0.2, ge=0)
     entropy_coef: float = 0.0
     kl_loss_coef: float = Field(default=0.0, ge=0)
     kl_loss_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     recompute_log_probs: bool = True
 
 
-class CriticConfig(ActorConfig):
-    enabled: bool | None = None
+class CriticConfig(_TrainedRole):
+    """The critic's own keys: no policy-loss keys (those are the actor's)."""
+
+    rejected_keys: ClassVar[dict[str, str]] = {
+        "enabled": _DECIDED_BY_ALGORITHM["critic"],
+        "clip_ratio_low": _actor_only("clip_ratio_low", " (critic.value_clip clips the value loss)"),
+        "clip_ratio_high": _actor_only("clip_ratio_high", " (critic.value_clip clips the value loss)"),
+        "entropy_coef": _actor_only("entropy_coef"),
+        "kl_loss_coef": _actor_only("kl_loss_coef"),
+        "kl_loss_kind": _actor_only("kl_loss_kind"),
+        "recompute_log_probs": _actor_only("recompute_log_probs"),
+    }
     value_clip: float = Field(default=0.2, ge=0)
 
 
@@ -110,8 +156,19 @@ class RoleSection(CriticConfig):
     docs name the key); its engine reads the keys its kind needs (a reward model: engine, pool, model, parallel)."""
 
 
+_NOT_TRAINED = ("the reference is frozen (forward passes only, no optimizer or backward pass), so {key} has nothing "
+                "to act on. Fix: remove reference.{key} (set it on actor or critic)")
+
+
 class ReferenceConfig(_ModelRole):
-    enabled: bool | None = None
+    """The frozen reference policy: a model, where it runs, and how it computes (no training keys)."""
+
+    rejected_keys: ClassVar[dict[str, str]] = {
+        "enabled": _DECIDED_BY_ALGORITHM["reference"],
+        **{key: _NOT_TRAINED.format(key=key) for key in (
+            "optim", "mini_batch_size", "ppo_epochs", "loss_agg", "gradient_checkpointing", "clip_ratio_low",
+            "clip_ratio_high", "entropy_coef", "kl_loss_coef", "kl_loss_kind", "recompute_log_probs")},
+    }
 
 
 class RolloutConfig(_Section):
@@ -122,8 +179,19 @@ class RolloutConfig(_Section):
     top_k: int = Field(default=0, ge=0)
     max_new_tokens: int = Field(default=16, gt=0)
     tensor_parallel_size: int = Field(default=1, gt=0)
+    # kept (= 1) so placement fragments validate; no rollout engine here generates pipeline-parallel
     pipeline_parallel_size: int = Field(default=1, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _no_pipeline_generation(self) -> RolloutConfig:
+        if self.pipeline_parallel_size != 1:
+            raise PydanticCustomError("rejected_key", "{reason}", {"key": "pipeline_parallel_size", "reason": (
+                f"got {self.pipeline_parallel_size}, but no rollout engine here generates pipeline-parallel "
+                "(hf, vllm and sglang engines take tensor_parallel_size only). Fix: set "
+                "rollout.pipeline_parallel_size=1 (or remove it; in a `hybridflow plan` fragment too) and use "
+                "rollout.tensor_parallel_size")})
+        return self
 
 
 class RewardConfig(_Section):
@@ -265,7 +333,11 @@ def _explain(errors: list[Any]) -> str:
         key = _format_location(tuple(error["loc"]))
         given = error.get("input")
         kind = error["type"]
-        if kind == "extra_forbidden":
+        if kind == "rejected_key":
+            context = error.get("ctx") or {}
+            where = f"{key}.{context.get('key')}" if key != "(top level)" else str(context.get("key"))
+            lines.append(f"{where}: {error['msg']}.")
+        elif kind == "extra_forbidden":
             lines.append(f"{key}: unknown key (given {given!r}). Fix: remove it or check its spelling.")
         elif kind == "missing":
             lines.append(f"{key}: required but missing. Fix: set {key} in the YAML or as {key}=VALUE.")
@@ -279,13 +351,13 @@ def _explain(errors: list[Any]) -> str:
 
 def _parse_scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return text
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict copy."""
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML, numbers by YAML 1.2 rules) to a nested dict copy."""
     result = copy.deepcopy(data)
     for override in overrides:
         if "=" not in override:
@@ -307,24 +379,41 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply overrides, validate; :class:`ConfigError` on any problem."""
+    """Read YAML (numbers by YAML 1.2 rules; or start from defaults), apply overrides, validate.
+
+    Raises:
+        ConfigError: naming the key path, what was wrong and the fix.
+    """
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = load_yaml(path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
         data = loaded or {}
-    data = apply_overrides(data, overrides or [])
+    data = _anchor_reward_functions(apply_overrides(data, overrides or []),
+                                    Path(path).parent if path is not None else Path.cwd())
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_explain(exc.errors())) from None
+
+
+def _anchor_reward_functions(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """``reward.function``/``cost.function`` as the config file means them: relative ``file.py:function`` paths and
+    modules sitting next to the file become absolute file paths (as verl's ``custom_reward_function.path``)."""
+    from hybridflow.rewards import resolve_function_path
+
+    for section in ("reward", "cost"):
+        part = data.get(section)
+        if isinstance(part, dict) and isinstance(part.get("function"), str):
+            data[section] = {**part, "function": resolve_function_path(part["function"], base_dir)}
+    return data
 
 
 def config_hash(config: Config) -> str:

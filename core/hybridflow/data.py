@@ -2,7 +2,8 @@
 
 Columns: ``prompt`` (text, or chat messages ``[{"role": ..., "content": ...}]``), ``data_source``,
 ``reward_model.ground_truth`` (a dict column or a flattened ``reward_model.ground_truth`` column), optional
-``extra_info``. This module tokenises and batches prompts; generation and scoring are other nodes' business.
+``extra_info`` (a dict per row, handed to reward functions). This module tokenises and batches prompts; generation
+and scoring are other nodes' business.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def _ground_truth(row: dict[str, Any]) -> Any:
     return row.get("reward_model.ground_truth")
 
 
+def _extra_info(row: dict[str, Any], where: str) -> dict[str, Any]:
+    extra = row.get("extra_info")
+    if extra is None:
+        return {}
+    if isinstance(extra, str):  # verl datasets written through pandas sometimes hold it as JSON text
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(extra, dict):
+        raise DatasetError(f"{where}: `extra_info` must be a mapping (verl layout, e.g. {{\"index\": 0}}), got "
+                           f"{type(extra).__name__}")
+    return dict(extra)
+
+
 @dataclass(frozen=True, slots=True)
 class PromptDataset:
     """Tokenised prompts (left-padded to ``max_prompt_length``) with their reward metadata."""
@@ -91,6 +107,7 @@ class PromptDataset:
     prompt_texts: list[str]
     ground_truths: list[Any]
     data_sources: list[str]
+    extra_infos: list[dict[str, Any]]  # each row's ``extra_info`` ({} when absent), passed to reward functions
 
     @classmethod
     def from_rows(cls, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
@@ -101,7 +118,7 @@ class PromptDataset:
         if missing:
             raise DatasetError(f"{source} lacks column(s) {missing}; found {sorted(rows[0])}. verl layout expected: "
                                "prompt, data_source, reward_model.ground_truth")
-        texts, truths, sources, ids = [], [], [], []
+        texts, truths, sources, extras, ids = [], [], [], [], []
         for index, row in enumerate(rows):
             where = f"{source} row {index}"
             if "prompt" not in row:
@@ -118,6 +135,7 @@ class PromptDataset:
             texts.append(text)
             truths.append(_ground_truth(row))
             sources.append(str(row.get("data_source", "unknown")))
+            extras.append(_extra_info(row, where))
             ids.append(token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((len(ids), max_prompt_length), pad_id, dtype=torch.long)
@@ -125,7 +143,7 @@ class PromptDataset:
         for row_index, token_ids in enumerate(ids):
             input_ids[row_index, max_prompt_length - len(token_ids):] = torch.tensor(token_ids)
             attention_mask[row_index, max_prompt_length - len(token_ids):] = 1
-        return cls(input_ids, attention_mask, texts, truths, sources)
+        return cls(input_ids, attention_mask, texts, truths, sources, extras)
 
     def __len__(self) -> int:
         return len(self.prompt_texts)
@@ -139,6 +157,7 @@ class PromptDataset:
                 "prompt_text": [self.prompt_texts[i] for i in indices],
                 "ground_truth": [self.ground_truths[i] for i in indices],
                 "data_source": [self.data_sources[i] for i in indices],
+                "extra_info": [self.extra_infos[i] for i in indices],
             },
         )
 

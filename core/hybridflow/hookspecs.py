@@ -95,7 +95,8 @@ def hybridflow_register_rewards(registry: Registry[Any]) -> None:
     """Register rule-based reward functions by name.
 
     Runs once at plugin load. Each entry is a callable ``fn(*, responses, ground_truths, data_sources,
-    extra) -> list[float]``; see :mod:`hybridflow.rewards`.
+    extra) -> list[float]``, or verl's per-sample ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)``; see :mod:`hybridflow.rewards`.
     """
 
 

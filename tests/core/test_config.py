@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +79,129 @@ def test_cli_unknown_engine_suggests_nearest(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert 'rollout.engine: Unknown rollout engine "vlm"' in result.stderr and 'Did you mean "vllm"?' in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- keys that did nothing are refused with the reason and the fix (issue 15, item 7) ---------------------------------
+@pytest.mark.parametrize("override, reason, fix", [
+    ("critic.enabled=true", "follows from algorithm.name", "remove critic.enabled"),
+    ("critic.clip_ratio_low=0.1", "critic trains on a value loss", "set actor.clip_ratio_low"),
+    ("critic.clip_ratio_high=0.3", "critic trains on a value loss", "critic.value_clip"),
+    ("critic.entropy_coef=0.01", "actor (policy-loss) key", "set actor.entropy_coef"),
+    ("critic.kl_loss_coef=0.1", "actor (policy-loss) key", "set actor.kl_loss_coef"),
+    ("critic.kl_loss_kind=k1", "actor (policy-loss) key", "set actor.kl_loss_kind"),
+    ("critic.recompute_log_probs=false", "actor (policy-loss) key", "set actor.recompute_log_probs"),
+    ("reference.enabled=true", "uses a KL term", "remove reference.enabled"),
+    ("reference.optim.lr=0.1", "reference is frozen", "remove reference.optim"),
+    ("reference.gradient_checkpointing=true", "reference is frozen", "remove reference.gradient_checkpointing"),
+    ("reference.ppo_epochs=2", "reference is frozen", "remove reference.ppo_epochs"),
+    ("rollout.pipeline_parallel_size=2", "no rollout engine here generates pipeline-parallel",
+     "rollout.pipeline_parallel_size=1"),
+])
+def test_keys_that_did_nothing_are_refused_with_the_reason(override: str, reason: str, fix: str) -> None:
+    key = override.partition("=")[0].split(".")
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, [override])
+    message = str(info.value)
+    assert f"{key[0]}.{key[1]}:" in message and reason in message and "Fix: " in message and fix in message
+
+
+def test_trained_roles_take_gradient_checkpointing_and_mixed_precision() -> None:
+    config = load_config(EXAMPLE, ["actor.gradient_checkpointing=true", "critic.gradient_checkpointing=true",
+                                   "critic.mixed_precision=bf16", "reference.mixed_precision=bf16"])
+    assert config.actor.gradient_checkpointing and config.critic.gradient_checkpointing
+    assert (config.critic.mixed_precision, config.reference.mixed_precision) == ("bf16", "bf16")
+    assert load_config(EXAMPLE, ["rollout.pipeline_parallel_size=1"]).rollout.pipeline_parallel_size == 1
+
+
+def test_the_plan_reaches_engine_configs_for_every_role() -> None:
+    """gradient_checkpointing and mixed_precision reach the engine configs the trainer plans for each role."""
+    from hybridflow.testing.fixtures import build_char_tokenizer
+    from hybridflow.trainer.build import plan_roles
+    from hybridflow.trainer.loop import _loss_configs
+
+    config = load_config(EXAMPLE, ["algorithm.name=ppo", "actor.kl_loss_coef=0.1",
+                                   "actor.gradient_checkpointing=true", "critic.gradient_checkpointing=true",
+                                   "critic.mixed_precision=bf16", "reference.mixed_precision=bf16"])
+    plans = {plan.role: plan.spec.engine_config for plan in plan_roles(
+        config, needs_critic=True, needs_reference=True, loss_configs=_loss_configs(config),
+        tokenizer=build_char_tokenizer())}
+    assert plans["actor"].gradient_checkpointing and plans["critic"].gradient_checkpointing
+    assert not plans["reference"].gradient_checkpointing
+    assert (plans["actor"].mixed_precision, plans["critic"].mixed_precision,
+            plans["reference"].mixed_precision) == ("none", "bf16", "bf16")
+
+
+# --- numbers in free-form sections read by YAML 1.2 rules (issue 15, item 9) ---------------------------------------
+NUMBERS = {"eps": ("1e-6", 1e-6), "big": ("1E5", 1e5), "half": (".5", 0.5), "neg": ("-3e-4", -3e-4),
+           "signed": ("+1.0e+3", 1e3), "count": ("010", 10), "word": ("1e", "1e")}
+
+
+def free_form_keys() -> list[str]:
+    """Every section of the schema that passes values through unchanged (a ``dict[str, Any]``)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    from hybridflow.config import Config
+
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        found = []
+        for name, info in model.model_fields.items():
+            union = isinstance(info.annotation, types.UnionType) or typing.get_origin(info.annotation) is typing.Union
+            args = typing.get_args(info.annotation) if union else (info.annotation,)
+            sections = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if sections:
+                found += walk(sections[0], f"{prefix}{name}.")
+            elif any(typing.get_origin(a) is dict and typing.get_args(a)[1] is Any for a in args):
+                found.append(f"{prefix}{name}")
+        return found
+
+    return walk(Config, "")
+
+
+def _with_model_source(key: str) -> list[str]:
+    """Overrides that make the model section around ``key`` valid (model.config replaces the preset)."""
+    if key.endswith("model.config"):
+        return [f"{key.removesuffix('.config')}.preset=null"]
+    return []
+
+
+def test_free_form_sections_are_all_walked() -> None:
+    keys = free_form_keys()
+    assert {"model.config", "actor.extra", "critic.extra", "reference.extra", "rollout.extra",
+            "actor.model.config", "reward.model.config"} <= set(keys)
+
+
+@pytest.mark.parametrize("key", free_form_keys())
+def test_numbers_in_free_form_sections_from_files(tmp_path: Path, key: str) -> None:
+    *parents, leaf = key.split(".")
+    text = "".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(parents))
+    text += f"{'  ' * len(parents)}{leaf}:\n"
+    text += "".join(f"{'  ' * (len(parents) + 1)}{name}: {raw}\n" for name, (raw, _) in NUMBERS.items())
+    path = tmp_path / "numbers.yaml"
+    path.write_text(text)
+    config = load_config(path, _with_model_source(key))
+    section = _lookup(config, key)
+    assert section == {name: value for name, (_, value) in NUMBERS.items()}
+    assert all(type(section[name]) is type(value) for name, (_, value) in NUMBERS.items())
+
+
+@pytest.mark.parametrize("key", free_form_keys())
+def test_numbers_in_free_form_sections_from_overrides(key: str) -> None:
+    overrides = _with_model_source(key) + [f"{key}.{name}={raw}" for name, (raw, _) in NUMBERS.items()]
+    section = _lookup(load_config(None, overrides), key)
+    assert section == {name: value for name, (_, value) in NUMBERS.items()}
+    assert all(type(section[name]) is type(value) for name, (_, value) in NUMBERS.items())
+
+
+def _lookup(config: Any, key: str) -> Any:
+    node = config
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def test_scalar_overrides_follow_yaml_1_2_too() -> None:
+    config = load_config(None, ["actor.optim.lr=1E-4", "trainer.deadline_s=.5e3", "actor.optim.warmup_steps=010"])
+    assert (config.actor.optim.lr, config.trainer.deadline_s, config.actor.optim.warmup_steps) == (1e-4, 500.0, 10)

@@ -15,7 +15,7 @@ from hybridflow.algorithms.advantages import build_token_level_rewards, masked_m
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
-from hybridflow.rewards import compute_rule_rewards
+from hybridflow.rewards import score_responses
 
 __all__ = ["Algorithm", "Runtime", "build_kl_state", "mean_over_ranks", "fill_old_log_probs", "decode_batch"]
 
@@ -97,10 +97,12 @@ class Runtime:
                               ".function (a registered name or module:function) or its .model")
         total = torch.zeros(len(batch))
         if function is not None:
-            values = compute_rule_rewards(
+            rule = score_responses(
                 function, responses=self.decode_responses(batch), ground_truths=list(batch["ground_truth"]),
-                data_sources=list(batch["data_source"]), name="cost" if cost else "reward")
-            total += torch.tensor(values, dtype=torch.float32)
+                data_sources=list(batch["data_source"]), name="cost" if cost else "reward",
+                extra=list(batch["extra_info"]) if "extra_info" in batch else None)
+            total += torch.tensor(rule.scores, dtype=torch.float32)
+            batch.meta["reward_metrics"] = {**batch.meta.get("reward_metrics", {}), **rule.metrics}
         if model is not None:
             scored = model.compute_scores(batch).get(timeout=self.timeout_s)
             total += scored["costs" if cost else "scores"].float()
@@ -162,6 +164,7 @@ class Runtime:
             "tokens/prompt_and_response": float(batch["attention_mask"].sum()),
             "policy_version": float(batch.meta.get("policy_version") or 0),
         }
+        metrics.update(batch.meta.get("reward_metrics", {}))  # a per-sample reward's extra keys
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
         if "kl_controller" in self.state:

@@ -147,6 +147,7 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             model=model, parallel=_parallel(section.parallel),
             optim=_optim(config, section) if trainable else OptimConfig(),
             micro_batch_size=section.micro_batch_size, mixed_precision=getattr(section, "mixed_precision", "none"),
+            gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
             extra=dict(getattr(section, "extra", {})))
         options: dict[str, Any] = {}
         if kind == "actor":

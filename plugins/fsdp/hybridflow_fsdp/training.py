@@ -65,7 +65,9 @@ class FSDPTrainingEngine:
         self.mesh = build_data_parallel_mesh(device, self.world_size)
         model = build_model(config.model, role=role, attn_implementation=str(config.extra.get("attn_implementation", "sdpa")))
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
-            model.gradient_checkpointing_enable()
+            # decoder layers recompute their forward in backward (transformers >= 5 names it activation checkpointing)
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         self.trainable = role in TRAINABLE_ROLES
         if not self.trainable:
             model.requires_grad_(False)
@@ -76,7 +78,8 @@ class FSDPTrainingEngine:
                       else model)
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
         self.lean = None
-        if (not self.sharded and role in ("actor", "reference") and not config.gradient_checkpointing
+        checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
+        if (not self.sharded and role in ("actor", "reference") and not checkpointing
                 and config.extra.get("lean_forward", True)):
             self.lean = build_lean_decoder(self.model)
         self.optimizer = (build_optimizer(self.model.parameters(), config.optim, fused=not self.sharded)

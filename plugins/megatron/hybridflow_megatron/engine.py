@@ -59,6 +59,18 @@ def _attention_inputs(micro: Batch, device: torch.device) -> tuple[torch.Tensor,
     return micro["input_ids"].to(device), positions.to(device), mask
 
 
+
+def _check_unsupported_keys(role: str, config: TrainingEngineConfig) -> None:
+    """Refuse the generic engine keys this engine does not implement, rather than ignore them."""
+    if config.mixed_precision != "none":
+        raise ConfigError(f"{role}.mixed_precision={config.mixed_precision!r}: the megatron engine computes in the "
+                          f"model's dtype. Fix: set {role}.model.dtype=bfloat16 and {role}.mixed_precision=none")
+    if config.gradient_checkpointing:
+        raise ConfigError(f"{role}.gradient_checkpointing=true: the megatron engine takes activation recomputation "
+                          f"from Megatron's TransformerConfig. Fix: set {role}.gradient_checkpointing=false and "
+                          f"{role}.extra.transformer_overrides: {{recompute_granularity: full, recompute_method: "
+                          "uniform, recompute_num_layers: 1}")
+
 class MegatronTrainingEngine:
     """One rank of a megatron-core model for role actor, critic or reference (stability: public).
 
@@ -71,6 +83,7 @@ class MegatronTrainingEngine:
     def __init__(self, *, role: str, config: TrainingEngineConfig, device: str = "cpu") -> None:
         if role not in _SUPPORTED_ROLES:
             raise ConfigError(f"unknown role {role!r}; the megatron engine serves {list(_SUPPORTED_ROLES)}")
+        _check_unsupported_keys(role, config)
         self.role = role
         self.config = config
         self.device = torch.device(device if device == "cpu" else "cuda")
