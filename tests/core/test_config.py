@@ -116,15 +116,17 @@ def test_trained_roles_take_gradient_checkpointing_and_mixed_precision() -> None
 def test_the_plan_reaches_engine_configs_for_every_role() -> None:
     """gradient_checkpointing and mixed_precision reach the engine configs the trainer plans for each role."""
     from hybridflow.testing.fixtures import build_char_tokenizer
+    from hybridflow import registries
+    from hybridflow.plugins import load_plugins
     from hybridflow.trainer.build import plan_roles
-    from hybridflow.trainer.loop import _loss_configs
 
     config = load_config(EXAMPLE, ["algorithm.name=ppo", "actor.kl_loss_coef=0.1",
                                    "actor.gradient_checkpointing=true", "critic.gradient_checkpointing=true",
                                    "critic.mixed_precision=bf16", "reference.mixed_precision=bf16"])
+    load_plugins()
+    algorithm = registries.algorithms.get("ppo")
     plans = {plan.role: plan.spec.engine_config for plan in plan_roles(
-        config, needs_critic=True, needs_reference=True, loss_configs=_loss_configs(config),
-        tokenizer=build_char_tokenizer())}
+        config, algorithm.roles(config), tokenizer=build_char_tokenizer(), algorithm=algorithm)}
     assert plans["actor"].gradient_checkpointing and plans["critic"].gradient_checkpointing
     assert not plans["reference"].gradient_checkpointing
     assert (plans["actor"].mixed_precision, plans["critic"].mixed_precision,

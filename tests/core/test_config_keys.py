@@ -42,12 +42,14 @@ BASE = [
 ]
 #: keys read only inside an algorithm's ``step`` (no driver runs here): the source that must read each
 STEP_READS = {
-    "algorithm.gamma": "rt.config.algorithm.gamma",
-    "algorithm.lam": "rt.config.algorithm.lam",
-    "algorithm.norm_adv_by_std": "rt.config.algorithm.norm_adv_by_std",
+    "algorithm.gamma": "algorithm.gamma",
+    "algorithm.lam": "algorithm.lam)",
+    "algorithm.norm_adv_by_std": "algorithm.norm_adv_by_std",
+    "algorithm.whiten_advantages": "if algorithm.whiten_advantages",
 }
 #: a role section's model keys: one of path / config / preset replaces the others
-MODEL_PARENTS = ("model", "actor.model", "critic.model", "reference.model", "reward.model", "cost.model")
+MODEL_PARENTS = ("model", "actor.model", "critic.model", "reference.model", "reward.model", "cost.model",
+                 "cost_critic.model", "roles.main.model")
 
 
 # --- the schema --------------------------------------------------------------------------------------------------
@@ -235,13 +237,13 @@ def observe(config: Config, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> d
     try:
         dataset = trainer.loader.dataset
         seen = {
-            "algorithm": _describe((trainer.algorithm.name, trainer.algorithm.needs_critic, trainer.needs_reference)),
-            "plans": _describe([(plan.role, plan.pool, plan.spec) for plan in trainer.plans]),
+            "algorithm": _describe((trainer.algorithm.name, [plan.role for plan in trainer.plans])),
+            "plans": _describe([(plan.role, plan.pool, plan.worker, plan.spec) for plan in trainer.plans]),
             "loader": _describe((dataset.input_ids, dataset.prompt_texts, dataset.ground_truths, dataset.data_sources,
                                  dataset.extra_infos, trainer.loader.batch_size, trainer.loader.seed,
                                  trainer.loader._order(0))),
             "rewards": _describe((trainer.reward_fn, trainer.cost_fn)),
-            "controllers": _describe((trainer.kl_controller, trainer.lagrange)),
+            "controllers": _describe({name: item.state_dict() for name, item in trainer.algorithm_state.items()}),
             "reliability": _describe((trainer.supervisor.policy, trainer.faults)),
             "outputs": _describe((str(trainer.run_dir), trainer.checkpoints.keep, trainer.checkpoints.root,
                                   trainer.writer._tensorboard is not None, trainer.show_progress)),

@@ -104,7 +104,7 @@ def test_extra_info_reaches_the_reward_through_the_runtime(tmp_path: Path) -> No
     generated["response_mask"] = torch.ones(2, 1)
     generated["attention_mask"] = torch.ones(2, 7, dtype=torch.long)
     config = load_config(None, [f"reward.function={path}:compute_score"])
-    runtime = Runtime(config=config, tokenizer=tokenizer, actor=None,
+    runtime = Runtime(config=config, tokenizer=tokenizer,
                       reward_fn=resolve_reward_function(config.reward.function))
     scored = runtime.score(generated)
     assert scored["scores"].tolist() == [3.0, 1.0]  # the weight of row 0 came from its extra_info

@@ -26,10 +26,11 @@ class Algorithm(Protocol):
     ``roles(config)`` lists the model roles to build for this config (the actor first; a role left out is not
     built), ``build_state(config)`` the objects it keeps across steps (checkpointed by name), and ``step`` one
     iteration over the handles. Both may raise :class:`~hybridflow.errors.ConfigError` for keys the algorithm
-    cannot honour.
+    cannot honour. ``extra_keys`` names the ``algorithm.extra`` options it reads (any other is refused).
     """
 
     name: str
+    extra_keys: tuple[str, ...]
 
     def roles(self, config: Any) -> list[RoleDeclaration]: ...
 

@@ -15,6 +15,7 @@ __all__ = ["ReinforcePlusPlus"]
 
 class ReinforcePlusPlus:
     name = "reinforce_plus_plus"
+    extra_keys: tuple[str, ...] = ()
 
     def roles(self, config: Any) -> list[RoleDeclaration]:
         return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0)

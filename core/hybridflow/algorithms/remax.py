@@ -16,6 +16,7 @@ __all__ = ["ReMax"]
 
 class ReMax:
     name = "remax"
+    extra_keys: tuple[str, ...] = ()
 
     def roles(self, config: Any) -> list[RoleDeclaration]:
         return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0)

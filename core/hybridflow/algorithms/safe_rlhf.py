@@ -21,6 +21,7 @@ __all__ = ["SafeRLHF"]
 
 class SafeRLHF:
     name = "safe_rlhf"
+    extra_keys: tuple[str, ...] = ()
 
     def roles(self, config: Any) -> list[RoleDeclaration]:
         if config.cost is None:

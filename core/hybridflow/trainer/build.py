@@ -117,7 +117,8 @@ def _section_model(config: Config, declaration: RoleDeclaration, section: Any) -
     return config.model
 
 
-def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer: Any) -> list[RolePlan]:
+def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer: Any,
+               algorithm: Any = None) -> list[RolePlan]:
     """Which declared roles run where, with the specs their workers build engines from."""
     from hybridflow.algorithms.losses import PolicyLossConfig, ValueLossConfig, make_actor_loss_fn, make_critic_loss_fn
 
@@ -129,6 +130,18 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
     if "actor" not in names:
         raise ConfigError(f"algorithm {config.algorithm.name!r} declares no 'actor' role; the trainer needs one "
                           "(add hybridflow.algorithms.roles.actor_role() to its roles)")
+    extra_keys = tuple(getattr(algorithm, "extra_keys", ()))
+    unknown = sorted(set(config.algorithm.extra) - set(extra_keys))
+    if unknown:
+        raise ConfigError(f"algorithm.extra.{unknown[0]} is not an option of algorithm {config.algorithm.name!r} "
+                          f"(it reads: {', '.join(extra_keys) or 'none'}); the key would do nothing. Fix: remove it "
+                          "or check its spelling in the algorithm's docs")
+    read = {declaration.section for declaration in declarations}
+    unread = sorted(key for key in config.roles if f"roles.{key}" not in read)
+    if unread:
+        raise ConfigError(f"roles.{unread[0]} configures a role that algorithm {config.algorithm.name!r} does not "
+                          f"declare (its roles read: {', '.join(sorted(read))}); the section would do nothing. Fix: "
+                          f"remove roles.{unread[0]}, or choose the algorithm that declares it")
     seed = config.trainer.seed
     device = config.resource_pools[config.actor.pool].device
     threads = config.trainer.threads_per_worker

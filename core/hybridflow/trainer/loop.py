@@ -66,7 +66,8 @@ class Trainer:
         if config.cost is not None and config.cost.function:
             self.cost_fn = resolve_reward_function(config.cost.function, key="cost.function")
         # the algorithm owns its roles and state: the trainer builds, checkpoints and resumes exactly these
-        self.plans = plan_roles(config, self.algorithm.roles(config), tokenizer=self.tokenizer)
+        self.plans = plan_roles(config, self.algorithm.roles(config), tokenizer=self.tokenizer,
+                                algorithm=self.algorithm)
         self.algorithm_state = check_algorithm_state(self.algorithm.name, self.algorithm.build_state(config))
         self.faults = FaultPlan.from_sources(config.reliability.faults, self.run_dir)
         self.plans = attach_fault_plan(self.plans, self.faults)
