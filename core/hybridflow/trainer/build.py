@@ -169,6 +169,11 @@ class Groups:
         self.pools.clear()
 
 
+#: config section of each built-in role (``<section>.protocols`` overrides its worker methods' protocols)
+ROLE_SECTIONS = {"actor": "actor", "critic": "critic", "reference": "reference", "reward_model": "reward",
+                 "cost_model": "cost"}
+
+
 def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None) -> Groups:
     """Create one resource pool per configured pool in use and one worker group per pool."""
     from hybridflow.controller import ResourcePool, WorkerGroup
@@ -187,8 +192,11 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
         groups.pools[pool_name] = pool
         classes = {plan.role: WORKER_CLASSES[plan.role] for plan in pool_plans}
         init_kwargs = {plan.role: {"spec": plan.spec} for plan in pool_plans}
+        protocols = {plan.role: dict(getattr(getattr(config, ROLE_SECTIONS[plan.role]), "protocols", {}))
+                     for plan in pool_plans}
         groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
-                                                deadline_s=deadline_s, stack_dump_dir=stack_dump_dir)
+                                                deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
+                                                protocols=protocols)
         for plan in pool_plans:
             groups.role_pool[plan.role] = pool_name
     return groups

@@ -144,16 +144,11 @@ class Trainer:
             shutil.copyfile(source, target)
 
     def _protocols(self) -> dict[str, str]:
-        from hybridflow.controller import dispatch_of
-        from hybridflow.trainer.build import WORKER_CLASSES
-
-        out = {}
-        for plan in self.plans:
-            cls = WORKER_CLASSES[plan.role]
-            for name in dir(cls):
-                dispatch = dispatch_of(getattr(cls, name, None))
-                if dispatch is not None:
-                    out[f"{plan.role}.{name}"] = dispatch.protocol
+        """``role.method`` → the protocol it runs with (``<role>.protocols`` overrides applied by the groups)."""
+        assert self.groups is not None
+        out: dict[str, str] = {}
+        for group in self.groups.by_pool.values():
+            out.update(group.protocols())
         return out
 
     def runtime(self) -> Runtime:
