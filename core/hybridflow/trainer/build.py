@@ -169,9 +169,15 @@ class Groups:
         self.pools.clear()
 
 
-#: config section of each built-in role (``<section>.protocols`` overrides its worker methods' protocols)
-ROLE_SECTIONS = {"actor": "actor", "critic": "critic", "reference": "reference", "reward_model": "reward",
-                 "cost_model": "cost"}
+#: config section of each built-in role whose name differs from it (``<section>.protocols`` overrides the
+#: protocols of its worker methods)
+ROLE_SECTIONS = {"reward_model": "reward", "cost_model": "cost"}
+
+
+def role_protocols(config: Config, role: str) -> dict[str, str]:
+    """``<section>.protocols`` of ``role``'s config section (empty when the section has none)."""
+    section = getattr(config, ROLE_SECTIONS.get(role, role), None)
+    return dict(getattr(section, "protocols", None) or {})
 
 
 def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None) -> Groups:
@@ -192,8 +198,7 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
         groups.pools[pool_name] = pool
         classes = {plan.role: WORKER_CLASSES[plan.role] for plan in pool_plans}
         init_kwargs = {plan.role: {"spec": plan.spec} for plan in pool_plans}
-        protocols = {plan.role: dict(getattr(getattr(config, ROLE_SECTIONS[plan.role]), "protocols", {}))
-                     for plan in pool_plans}
+        protocols = {plan.role: role_protocols(config, plan.role) for plan in pool_plans}
         groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
                                                 deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
                                                 protocols=protocols)
