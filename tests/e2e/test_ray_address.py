@@ -46,7 +46,7 @@ class RayHead:
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM the head's process group (ray start --block stops its raylet and GCS), SIGKILL what lingers."""
-    for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
