@@ -43,6 +43,13 @@ class RayConfig(_Section):
     object_store_memory: int = Field(default=400_000_000, ge=78_643_200)
     allow_remote_without_auth: bool = False
 
+    @model_validator(mode="after")
+    def _sizes_only_for_a_local_ray(self) -> RayConfig:
+        if self.address is not None and self.num_cpus is not None:
+            raise ValueError(f"ray.num_cpus={self.num_cpus} sizes a local Ray, but ray.address={self.address!r} joins "
+                             "a cluster whose resources are fixed; drop ray.num_cpus (or ray.address)")
+        return self
+
 
 class PoolConfig(_Section):
     devices_per_node: list[int] = Field(min_length=1)
@@ -100,6 +107,8 @@ class _ModelRole(_Section):
     micro_batch_size: int = Field(default=64, gt=0)
     mixed_precision: Literal["none", "bf16"] = "none"
     extra: dict[str, Any] = Field(default_factory=dict)  # engine-specific options, passed through unchanged
+    # worker method → transfer protocol replacing the one it declares (e.g. generate: my_protocol); docs/controller.md
+    protocols: dict[str, str] = Field(default_factory=dict)
 
 
 class _TrainedRole(_ModelRole):
@@ -201,6 +210,7 @@ class RewardConfig(_Section):
     pool: str = "main"
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
+    protocols: dict[str, str] = Field(default_factory=dict)  # of the reward-model worker's methods, as for actor
 
 
 class CostConfig(RewardConfig):
@@ -423,7 +433,7 @@ def config_hash(config: Config) -> str:
 
 
 def check_registered_names(config: Config) -> None:
-    """Engine, reward and algorithm names must exist in the registries (call after loading plugins)."""
+    """Engine, algorithm and ``<role>.protocols`` names must exist in the registries (call after loading plugins)."""
     from hybridflow import registries
 
     checks = [
@@ -431,6 +441,11 @@ def check_registered_names(config: Config) -> None:
         ("rollout.engine", registries.rollout_engines, config.rollout.engine),
         ("algorithm.name", registries.algorithms, config.algorithm.name),
     ]
+    sections = {"actor": config.actor, "critic": config.critic, "reference": config.reference, "reward": config.reward,
+                "cost": config.cost}
+    checks += [(f"{key}.protocols.{method}", registries.transfer_protocols, protocol)
+               for key, section in sections.items() if section is not None
+               for method, protocol in section.protocols.items()]
     for key, registry, name in checks:
         if name not in registry:
             try:

@@ -27,6 +27,15 @@ def _package_version(name: str) -> str | None:
         return None
 
 
+def _ray_cluster(config: Config) -> dict[str, Any] | None:
+    """Which Ray cluster the run used (its GCS address), or None when this process has no Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return {"address": config.ray.address, "gcs_address": context.gcs_address, "driver_node_id": context.get_node_id()}
+
+
 def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any]) -> dict[str, Any]:
     """Manifest dict; ``protocols`` maps ``role.method`` → protocol name, ``mapping`` role → pool and sizes."""
     return {
@@ -36,6 +45,7 @@ def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[s
         "seeds": {"trainer": config.trainer.seed, "task": config.data.task.seed if config.data.task else None},
         "protocols": protocols,
         "mapping": mapping,
+        "ray": _ray_cluster(config),
         "engines": {"actor": config.actor.engine, "rollout": config.rollout.engine},
         "plugins": [
             {"name": info.name, "distribution": info.distribution, "version": info.version,

@@ -92,5 +92,8 @@ def test_joining_a_remote_cluster_without_auth_is_refused(monkeypatch: pytest.Mo
     check_remote_address("127.0.0.1:6379", allow_without_auth=False)  # loopback is fine
     with pytest.warns(UserWarning, match="WITHOUT authentication"):
         check_remote_address("203.0.113.7:6379", allow_without_auth=True)
-    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.delenv("RAY_AUTH_MODE")  # unset: Ray sends no token to an explicit address, so still refused
+    with pytest.raises(ConfigError, match="RAY_AUTH_MODE=token"):
+        check_remote_address("203.0.113.7:6379", allow_without_auth=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     check_remote_address("203.0.113.7:6379", allow_without_auth=False)  # token auth on: allowed

@@ -9,8 +9,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -25,7 +25,7 @@ from hybridflow.controller.records import CallRecord
 from hybridflow.controller.runtime import is_local_ray
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.engines import MeshInfo
-from hybridflow.errors import ConfigError, WorkerError
+from hybridflow.errors import ConfigError, UnknownNameError, WorkerError
 from hybridflow.transfer import get_protocol
 from hybridflow.transfer.protocol import TransferContext
 
@@ -61,8 +61,7 @@ class RoleHandle:
     def __getattr__(self, name: str) -> BoundMethod:
         if name.startswith("_"):
             raise AttributeError(name)
-        function = getattr(self._cls, name, None)
-        dispatch = dispatch_of(function)
+        dispatch = self._group.dispatch_for(self._role, name)
         if dispatch is None:
             declared = ", ".join(_registered_methods(self._cls)) or "(none)"
             raise AttributeError(
@@ -76,6 +75,31 @@ def _registered_methods(cls: type) -> list[str]:
     return sorted(name for name, value in inspect.getmembers(cls) if dispatch_of(value) is not None)
 
 
+def _protocol_overrides(roles: Mapping[str, type],
+                        protocols: Mapping[str, Mapping[str, str]]) -> dict[tuple[str, str], Dispatch]:
+    """Check ``{role: {method: protocol}}`` against the roles' registered methods and the protocol registry."""
+    overrides: dict[tuple[str, str], Dispatch] = {}
+    for role, methods in protocols.items():
+        if role not in roles:
+            raise ConfigError(f"protocols name role {role!r}, which is not in this group; expected one of "
+                              f"{sorted(roles)}")
+        declared = _registered_methods(roles[role])
+        for method, name in methods.items():
+            if method not in declared:
+                raise ConfigError(
+                    f'protocols.{method} of role "{role}": {roles[role].__name__} has no method "{method}" declared '
+                    f"with @register; expected one of {', '.join(declared) or '(none)'}"
+                )
+            try:
+                get_protocol(name)
+            except UnknownNameError as exc:
+                raise ConfigError(f'protocols.{method} of role "{role}": {exc}') from exc
+            dispatch = dispatch_of(getattr(roles[role], method))
+            assert dispatch is not None  # declared above
+            overrides[(role, method)] = replace(dispatch, protocol=name)
+    return overrides
+
+
 class WorkerGroup:
     """SPMD ranks of one or more colocated roles on a :class:`ResourcePool`. Stability: public.
 
@@ -87,6 +111,8 @@ class WorkerGroup:
         deadline_s: default deadline of every call (``@register(deadline_s=...)`` and ``with_deadline`` override).
         observer: called with a :class:`CallRecord` when each call's result is collected.
         stack_dump_dir: where the watchdog writes stuck workers' stacks (also in the error message).
+        protocols: ``{role: {method: protocol name}}`` replacing the protocol a method declares with ``@register``
+            (its other dispatch settings stay); the trainer fills it from ``<role section>.protocols`` in the config.
     """
 
     def __init__(
@@ -100,6 +126,7 @@ class WorkerGroup:
         setup_deadline_s: float | None = None,
         observer: Callable[[CallRecord], None] | None = None,
         stack_dump_dir: str | None = None,
+        protocols: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         if isinstance(workers, type):
             roles: dict[str, type] = {"worker": workers}
@@ -119,6 +146,7 @@ class WorkerGroup:
                 get_protocol(dispatch_of(getattr(cls, method)).protocol)  # unknown protocol fails here, listing known
         if deadline_s <= 0:
             raise ConfigError(f"deadline_s must be positive seconds, got {deadline_s}")
+        self._overrides = _protocol_overrides(roles, protocols or {})
         self.pool = pool
         self.name = name or f"group{next(_group_ids)}"
         self.roles = roles
@@ -234,6 +262,23 @@ class WorkerGroup:
             return getattr(RoleHandle(self, role, roles[role]), name)
         raise AttributeError(f'WorkerGroup "{self.name}" has no role "{name}"; roles: {sorted(roles)}')
 
+    def dispatch_for(self, role: str, method: str) -> Dispatch | None:
+        """The dispatch ``role.method`` runs with: its ``@register`` declaration with any protocol override applied."""
+        override = self._overrides.get((role, method))
+        if override is not None:
+            return override
+        return dispatch_of(getattr(self.roles[role], method, None))
+
+    def protocols(self) -> dict[str, str]:
+        """``"role.method"`` → the protocol each registered method of this group runs with (overrides applied)."""
+        out = {}
+        for role, cls in self.roles.items():
+            for method in _registered_methods(cls):
+                dispatch = self.dispatch_for(role, method)
+                assert dispatch is not None  # registered methods have one
+                out[f"{role}.{method}"] = dispatch.protocol
+        return out
+
     def role(self, name: str) -> RoleHandle:
         if name not in self.roles:
             raise ConfigError(f'WorkerGroup "{self.name}" has no role "{name}"; expected one of {sorted(self.roles)}')
@@ -256,6 +301,7 @@ class WorkerGroup:
             role = matches[0]
         elif role not in self.roles:
             raise ConfigError(f'WorkerGroup "{self.name}" has no role "{role}"; expected one of {sorted(self.roles)}')
+        dispatch = self._overrides.get((role, name), dispatch)
         return self._invoke(role, name, dispatch, args, kwargs, deadline_s=deadline_s)
 
     def mesh(self, role: str) -> list[MeshInfo]:
@@ -271,7 +317,7 @@ class WorkerGroup:
         method with the very same argument objects (and no keyword arguments), which then gets it instead of
         dispatching again. The ranks run calls in the order they were dispatched, so a call submitted while
         another is running starts the moment that one ends, with no driver round trip in between."""
-        dispatch = dispatch_of(getattr(self.roles[role], method))
+        dispatch = self.dispatch_for(role, method)
         if dispatch is None:
             raise ConfigError(f'"{role}.{method}" is not a registered method of group "{self.name}"')
         future = self._invoke(role, method, replace(dispatch, blocking=False), args, {}, deadline_s=None)

@@ -33,12 +33,15 @@ def init_ray(
     *,
     num_gpus: int | None = None,
     namespace: str | None = None,
+    allow_remote_without_auth: bool = False,
 ) -> dict[str, Any]:
     """Start a local Ray on 127.0.0.1 (or join ``address``) once per process; return the cluster's resources.
 
     Idempotent: a second call with Ray already up does nothing. Workers get ``OMP_NUM_THREADS=1`` unless the
     environment sets it. ``address="auto"`` or ``"ray://..."``/``"host:port"`` joins an existing cluster, which is
-    how a run outgrows one machine (``ray.address`` in the config).
+    how a run outgrows one machine (``ray.address`` in the config). Joining a cluster that is not on this machine
+    while Ray's token authentication is off (``RAY_AUTH_MODE=disabled``) raises :class:`ConfigError` unless
+    ``allow_remote_without_auth`` (``ray.allow_remote_without_auth`` in the config) is set.
     """
     if ray.is_initialized():
         return dict(ray.cluster_resources())
@@ -69,7 +72,18 @@ def init_ray(
         kwargs["address"] = address
     global _local
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(**kwargs)
+    try:
+        ray.init(**kwargs)
+    except ConnectionError as exc:
+        if address is None:
+            raise
+        raise ConfigError(
+            f"could not join the Ray cluster at ray.address={address!r}: {exc} ({exc.__cause__ or 'no cause given'})."
+            " Expected a running cluster there (`ray start --head --port PORT` on that machine). If it uses token "
+            "authentication (`ray start` turns it on when ~/.ray/auth_token exists), set RAY_AUTH_MODE=token and "
+            "provide its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token); Ray sends no token to "
+            "an explicit address otherwise."
+        ) from exc
     _local = address is None
     return dict(ray.cluster_resources())
 

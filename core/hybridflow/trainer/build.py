@@ -35,6 +35,7 @@ class RolePlan:
     pool: str
     spec: RoleSpec
     worker: type[Any]
+    protocols: dict[str, str] = field(default_factory=dict)  # method → protocol: the section's overrides
 
 
 def build_model_spec(model: ModelConfig, *, seed: int, head: str | None = None) -> ModelSpec:
@@ -182,7 +183,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                                                                    loss_agg=section.loss_agg))}
         if trainable:
             options.update(mini_batch_size=section.mini_batch_size, epochs=section.ppo_epochs)
-        plans.append(RolePlan(role=declaration.name, pool=section.pool, worker=declaration.worker, spec=RoleSpec(
+        plans.append(RolePlan(role=declaration.name, pool=section.pool, worker=declaration.worker,
+                              protocols=dict(getattr(section, "protocols", None) or {}), spec=RoleSpec(
             role=kind, name=declaration.name, engine=section.engine, device=device, threads=threads,
             engine_config=engine_config, output_key=declaration.output_key, **options)))
     return plans
@@ -213,6 +215,8 @@ class Groups:
         self.pools.clear()
 
 
+#: config section of each built-in role whose name differs from it (``<section>.protocols`` overrides the
+#: protocols of its worker methods)
 def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None) -> Groups:
     """Create one resource pool per configured pool in use and one worker group per pool."""
     from hybridflow.controller import ResourcePool, WorkerGroup
@@ -231,8 +235,10 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
         groups.pools[pool_name] = pool
         classes = {plan.role: plan.worker for plan in pool_plans}
         init_kwargs = {plan.role: {"spec": plan.spec} for plan in pool_plans}
+        protocols = {plan.role: plan.protocols for plan in pool_plans}
         groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
-                                                deadline_s=deadline_s, stack_dump_dir=stack_dump_dir)
+                                                deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
+                                                protocols=protocols)
         for plan in pool_plans:
             groups.role_pool[plan.role] = pool_name
     return groups

@@ -124,16 +124,11 @@ class Trainer:
             shutil.copyfile(source, target)
 
     def _protocols(self) -> dict[str, str]:
-        """``role.method`` → protocol, for the roles built (their worker classes' registered methods)."""
-        from hybridflow.controller import dispatch_of
-
-        out = {}
-        for plan in self.plans:
-            cls = plan.worker
-            for name in dir(cls):
-                dispatch = dispatch_of(getattr(cls, name, None))
-                if dispatch is not None:
-                    out[f"{plan.role}.{name}"] = dispatch.protocol
+        """``role.method`` → the protocol it runs with (``<role>.protocols`` overrides applied by the groups)."""
+        assert self.groups is not None
+        out: dict[str, str] = {}
+        for group in self.groups.by_pool.values():
+            out.update(group.protocols())
         return out
 
     def runtime(self) -> Runtime:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,13 +145,20 @@ class ActorRolloutWorker(_TrainingRole):
         self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
+        # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
+        self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
+        if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
+            warnings.warn(f'rollout engine "{spec.rollout_engine}" cannot seed its sampling (no "seed" capability), so '
+                          "generation does not follow trainer.seed; see the engine's docs for how to turn it on",
+                          stacklevel=1)
 
     def _sync_weights(self, iteration: int | None = None) -> None:
         """Reshard the training weights into the rollout engine if it holds an older version."""
         if self.rollout.weights_version == self.policy_version and self.handover["count"] and not self._asleep:
             return
         start = time.perf_counter()
-        self.rollout.wake()
+        if self._asleep:  # only what this worker put to sleep is woken (engines may refuse waking an awake engine)
+            self.rollout.wake()
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank)
         self.rollout.update_weights(self.engine.generation_weights(target=getattr(self.rollout, "weights_target", "hf")),
                                     version=self.policy_version)
@@ -165,6 +173,8 @@ class ActorRolloutWorker(_TrainingRole):
         self._sync_weights(_iteration(prompts))
         sampling = self.spec.sampling
         assert sampling is not None
+        if not self._seeded:
+            sampling = replace(sampling, seed=None)
         if greedy:
             sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed)

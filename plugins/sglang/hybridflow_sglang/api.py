@@ -48,6 +48,7 @@ SERVER_ARG_NAMES: tuple[str, ...] = (
     "enable_deterministic_inference",
     "context_length",
     "base_gpu_id",
+    "device",
     "log_level",
 )
 #: keys of the ``sampling_params`` dict the adapter sends

@@ -16,13 +16,16 @@ from hybridflow.errors import ConfigError
 
 from hybridflow_sglang.api import MEMORY_TAG_KV_CACHE, MEMORY_TAG_WEIGHTS
 
-__all__ = ["SGLangOptions", "parse_options", "build_server_args", "build_sampling_params", "derive_sample_seed",
-           "device_index"]
+__all__ = ["SUPPORTED_DEVICES", "SGLangOptions", "build_sampling_params", "build_server_args", "derive_sample_seed",
+           "device_index", "device_server_args", "parse_options"]
 
 _KNOWN_TAGS = (MEMORY_TAG_KV_CACHE, MEMORY_TAG_WEIGHTS, "cuda_graph")
 #: server args derived from typed config fields; ``server_args`` in ``extra`` may not override them
 _DERIVED = {"model_path": "model.path", "tp_size": "tensor_parallel_size", "random_seed": "seed", "dtype": "model.dtype",
-            "context_length": "max_prompt_length + max_new_tokens", "base_gpu_id": "the worker's device"}
+            "context_length": "max_prompt_length + max_new_tokens", "base_gpu_id": "the worker's device",
+            "device": "the worker's device"}
+#: torch device kinds the adapter passes to sglang's ``device`` server arg
+SUPPORTED_DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,24 +84,41 @@ def device_index(device: str) -> int:
     """GPU index of a torch device string (``"cuda"`` → 0, ``"cuda:3"`` → 3); other devices raise ConfigError."""
     kind, _, index = device.partition(":")
     if kind != "cuda":
-        raise ConfigError(
-            f'rollout engine "sglang" runs on a CUDA GPU: expected device "cuda" or "cuda:<index>", got {device!r}. '
-            "Place the rollout on a GPU resource pool, or pick rollout.engine=vllm / hf on CPU."
-        )
+        raise ConfigError(f'expected a CUDA device ("cuda" or "cuda:<index>"), got {device!r}')
     if index and not index.isdigit():
         raise ConfigError(f"cannot read a GPU index from device {device!r}; expected e.g. 'cuda:0'")
     return int(index or 0)
 
 
-def build_server_args(config: RolloutEngineConfig, options: SGLangOptions, *, device: str) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine(**server_args)`` for ``config`` on ``device``."""
-    if config.model.path is None:
+def device_server_args(device: str) -> dict[str, Any]:
+    """sglang's ``device`` (and ``base_gpu_id`` on a GPU) for the worker's torch device string."""
+    kind = device.partition(":")[0]
+    if kind not in SUPPORTED_DEVICES:
         raise ConfigError(
-            'rollout engine "sglang" loads an HF model directory: expected model.path, got only model.config. Save '
-            "the model first (e.g. hybridflow.testing.save_tiny_model or model.save_pretrained) and pass its path."
+            f'rollout engine "sglang" runs on {" or ".join(SUPPORTED_DEVICES)}: expected device "cuda", "cuda:<index>" '
+            f'or "cpu", got {device!r}. Place the rollout on a cuda (or cpu) resource pool.'
+        )
+    if kind == "cpu":
+        return {"device": "cpu"}
+    return {"device": "cuda", "base_gpu_id": device_index(device)}
+
+
+def build_server_args(config: RolloutEngineConfig, options: SGLangOptions, *, device: str,
+                      model_path: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine(**server_args)`` for ``config`` on ``device``.
+
+    ``model_path`` is the HF directory to load when ``config.model`` has only a ``config`` (random init); the engine
+    writes it (:func:`hybridflow_sglang.model_dir.prepare_model_dir`).
+    """
+    path = config.model.path or model_path
+    if path is None:
+        raise ConfigError(
+            'rollout engine "sglang" loads an HF model directory: expected model.path, got only model.config and no '
+            "materialised directory. Save the model first (e.g. hybridflow.testing.save_tiny_model or "
+            "model.save_pretrained) and pass its path."
         )
     args: dict[str, Any] = {
-        "model_path": config.model.path,
+        "model_path": str(path),
         "tp_size": config.tensor_parallel_size,
         "dtype": config.model.dtype,
         "random_seed": config.seed,
@@ -108,7 +128,7 @@ def build_server_args(config: RolloutEngineConfig, options: SGLangOptions, *, de
         "enable_weights_cpu_backup": options.enable_weights_cpu_backup,
         "enable_deterministic_inference": options.enable_deterministic_inference,
         "context_length": config.max_prompt_length + config.max_new_tokens,
-        "base_gpu_id": device_index(device),
+        **device_server_args(device),
         "log_level": "error",
     }
     args.update(options.server_args)

@@ -25,7 +25,14 @@ from hybridflow_sglang.api import (
     check_update_result,
     load_sglang_backend,
 )
-from hybridflow_sglang.config import SGLangOptions, build_sampling_params, build_server_args, parse_options
+from hybridflow_sglang.config import (
+    SGLangOptions,
+    build_sampling_params,
+    build_server_args,
+    device_server_args,
+    parse_options,
+)
+from hybridflow_sglang.model_dir import prepare_model_dir
 from hybridflow_sglang.outputs import build_rollout_batch, extract_prompt_ids
 
 if TYPE_CHECKING:
@@ -74,17 +81,25 @@ def _require_original_logprobs() -> None:
 class SGLangRolloutEngine:
     """One SGLang engine behind hybridflow's rollout protocol (stability: public).
 
-    ``backend`` defaults to the real sglang (:func:`load_sglang_backend`); tests pass a declared test double.
+    ``backend`` defaults to the real sglang (:func:`load_sglang_backend`); tests pass a declared test double. A
+    ``model.config`` without ``model.path`` (the trainer's presets) is written to a temporary HF directory first,
+    which :meth:`shutdown` removes.
     """
 
     def __init__(self, config: RolloutEngineConfig, *, device: str = "cuda",
                  backend: SGLangBackend | None = None) -> None:
         self.config = config
         self.options: SGLangOptions = parse_options(config.extra)
-        self.server_args = build_server_args(config, self.options, device=device)
+        device_server_args(device)  # a device sglang cannot use fails before anything is imported or written
         self._backend = backend if backend is not None else load_sglang_backend()
         _require_original_logprobs()
-        self._engine: SGLangEngineLike = self._backend.engine_class(**self.server_args)
+        model_dir, self._model_holder = prepare_model_dir(config.model)
+        self.server_args = build_server_args(config, self.options, device=device, model_path=str(model_dir))
+        try:
+            self._engine: SGLangEngineLike = self._backend.engine_class(**self.server_args)
+        except BaseException:
+            self._remove_model_dir()
+            raise
         self._version = 0
         self._released: tuple[str, ...] = ()
         self._weights_stale = False
@@ -273,8 +288,16 @@ class SGLangRolloutEngine:
         self._released = ()
 
     def shutdown(self) -> None:
-        """Stop sglang's scheduler and detokenizer processes."""
-        self._engine.shutdown()
+        """Stop sglang's scheduler and detokenizer processes (and remove a materialised model directory)."""
+        try:
+            self._engine.shutdown()
+        finally:
+            self._remove_model_dir()
+
+    def _remove_model_dir(self) -> None:
+        if self._model_holder is not None:
+            self._model_holder.cleanup()
+            self._model_holder = None
 
 
 def build_sglang_rollout_engine(*, config: RolloutEngineConfig, device: str) -> SGLangRolloutEngine:

@@ -5,12 +5,20 @@ against the released wheel) and mimics the behaviour the adapter relies on: prom
 ``meta_info.output_token_logprobs`` as ``(logprob, token_id, None)``, stop on ``stop_token_ids`` (EOS included),
 ``sampling_seed`` reproducibility, weights that change outputs, memory tags, and a real broadcast receive over a
 torch.distributed group. Its "model" is a hash of prompt, weights and seed, not a network.
+
+For worker processes that a trainer starts, :func:`write_sglang_test_double_package` writes a package named
+``sglang`` (TEST DOUBLE, on ``PYTHONPATH`` only for that run) whose modules re-export these doubles under the real
+import paths, so the plugin's own ``load_sglang_backend`` binds them; with ``$HYBRIDFLOW_SGLANG_TEST_DOUBLE_LOG`` set
+to a directory, every engine appends its calls there as JSON lines (one file per process).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +26,8 @@ import torch
 from hybridflow_sglang.api import SGLangBackend
 
 VOCAB = 45
+#: directory where engines log their calls (one ``engine-<pid>.jsonl`` per process) when set
+LOG_ENV = "HYBRIDFLOW_SGLANG_TEST_DOUBLE_LOG"
 
 
 @dataclass
@@ -42,12 +52,30 @@ def stand_in_init_process_group(*, backend: str, init_method: str, world_size: i
     return torch.distributed.group.WORLD
 
 
+class _LoggedCalls(list[tuple[str, dict[str, Any]]]):
+    """The engine's call list; each call is also appended to ``$HYBRIDFLOW_SGLANG_TEST_DOUBLE_LOG`` when set."""
+
+    def append(self, call: tuple[str, dict[str, Any]]) -> None:
+        super().append(call)
+        self.log(*call)
+
+    @staticmethod
+    def log(name: str, info: dict[str, Any]) -> None:
+        directory = os.environ.get(LOG_ENV)
+        if directory:
+            with open(Path(directory) / f"engine-{os.getpid()}.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"call": name, **info}, default=str) + "\n")
+
+
 class FakeSGLangEngine:
     """TEST DOUBLE of ``sglang.Engine`` (signatures are a subset of the real ones; see the drift test)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.server_args = kwargs
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls = _LoggedCalls()
+        model_path = Path(str(kwargs.get("model_path")))
+        self.calls.log("__init__", {"server_args": kwargs, "model_files": sorted(p.name for p in model_path.iterdir())
+                                    if model_path.is_dir() else None})
         self.weights: dict[str, torch.Tensor] = {}
         self.direct_updates: list[list[tuple[str, Any]]] = []
         self.released: set[str] = set()
@@ -179,3 +207,32 @@ def build_fake_backend(created: list[FakeSGLangEngine] | None = None) -> SGLangB
                          local_serialized_tensor=lambda values: FakeLocalSerializedTensor(values=values),
                          init_custom_process_group=stand_in_init_process_group)
 
+
+
+#: modules of the ``sglang`` TEST DOUBLE package → their source (re-exports of the doubles above)
+_PACKAGE = {
+    "sglang/__init__.py": '"""TEST DOUBLE of the sglang package (tests/plugins/sglang/sglang_test_double.py)."""\n',
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/entrypoints/__init__.py": "",
+    "sglang/srt/entrypoints/engine.py": "from sglang_test_double import FakeSGLangEngine as Engine  # TEST DOUBLE\n",
+    "sglang/srt/model_executor/__init__.py": "",
+    "sglang/srt/model_executor/model_runner_components/__init__.py": "",
+    "sglang/srt/model_executor/model_runner_components/weight_updater.py":
+        "from sglang_test_double import FakeLocalSerializedTensor as LocalSerializedTensor  # TEST DOUBLE\n",
+    "sglang/srt/utils/__init__.py": "",
+    "sglang/srt/utils/common.py": (
+        "from sglang_test_double import fake_serialize, stand_in_init_process_group  # TEST DOUBLE\n\n\n"
+        "class MultiprocessingSerializer:\n"
+        "    serialize = staticmethod(fake_serialize)\n\n\n"
+        "init_custom_process_group = stand_in_init_process_group\n"
+    ),
+}
+
+
+def write_sglang_test_double_package(site: Path) -> Path:
+    """Write the ``sglang`` TEST DOUBLE package into ``site`` (put ``site`` and this file's folder on PYTHONPATH)."""
+    for relative, source in _PACKAGE.items():
+        path = site / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return site

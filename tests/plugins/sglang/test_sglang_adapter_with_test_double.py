@@ -8,9 +8,11 @@ sglang_test_double.py; test_sglang_api_drift.py keeps its signatures equal to th
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from sglang_test_double import FakeLocalSerializedTensor, build_fake_backend
 
 from hybridflow.batch import Batch
@@ -50,7 +52,7 @@ def test_test_double_engine_gets_the_mapped_server_args():
         "model_path": "/models/tiny", "tp_size": 2, "dtype": "bfloat16", "random_seed": 7,
         "skip_tokenizer_init": True, "mem_fraction_static": 0.3, "enable_memory_saver": True,
         "enable_weights_cpu_backup": False, "enable_deterministic_inference": False, "context_length": 24,
-        "base_gpu_id": 1, "log_level": "error", "disable_cuda_graph": True,
+        "device": "cuda", "base_gpu_id": 1, "log_level": "error", "disable_cuda_graph": True,
     }
     assert set(fake.server_args) - {"disable_cuda_graph"} <= set(SERVER_ARG_NAMES)  # declared for the drift check
     assert isinstance(engine, RolloutEngine)
@@ -58,8 +60,9 @@ def test_test_double_engine_gets_the_mapped_server_args():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"device": "cpu"}, "CUDA GPU"),
-    ({"model": ModelSpec(config={"model_type": "qwen2"})}, "model.path"),
+    ({"device": "mps"}, 'runs on cuda or cpu: expected device "cuda", "cuda:<index>" or "cpu", got \'mps\''),
+    ({"device": "cuda:x"}, "cannot read a GPU index"),
+    ({"model": ModelSpec(config={"hidden_size": 8})}, "model_type"),
     ({"extra": {"mem_fraction": 0.5}}, "known:.*mem_fraction_static"),
     ({"extra": {"server_args": {"tp_size": 4}}}, "tensor_parallel_size"),
     ({"extra": {"memory_tags": ["gpu"]}}, "memory_tags"),
@@ -67,6 +70,27 @@ def test_test_double_engine_gets_the_mapped_server_args():
 def test_bad_configuration_raises_config_error_with_a_fix(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         make_engine(**kwargs)
+
+
+def test_a_cpu_worker_selects_sglangs_cpu_backend():
+    _, fake = make_engine(device="cpu")
+    assert fake.server_args["device"] == "cpu" and "base_gpu_id" not in fake.server_args
+
+
+def test_a_config_only_model_is_written_to_an_hf_directory_for_sglang_and_removed_at_shutdown():
+    from hybridflow.testing.fixtures import tiny_model_config
+
+    engine, fake = make_engine(model=ModelSpec(config=tiny_model_config(), seed=3))
+    directory = Path(fake.server_args["model_path"])
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    weights = load_file(directory / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (45, 64)
+    again, fake_again = make_engine(model=ModelSpec(config=tiny_model_config(), seed=3))
+    assert torch.equal(load_file(Path(fake_again.server_args["model_path"]) / "model.safetensors")
+                       ["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])  # the seed decides
+    engine.shutdown()
+    again.shutdown()
+    assert not directory.exists() and fake.calls[-1][0] == "shutdown"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
