@@ -441,8 +441,9 @@ def check_registered_names(config: Config) -> None:
         ("rollout.engine", registries.rollout_engines, config.rollout.engine),
         ("algorithm.name", registries.algorithms, config.algorithm.name),
     ]
-    sections = {"actor": config.actor, "critic": config.critic, "reference": config.reference, "reward": config.reward,
-                "cost": config.cost}
+    sections: dict[str, Any] = {"actor": config.actor, "critic": config.critic, "reference": config.reference,
+                                "reward": config.reward, "cost": config.cost, "cost_critic": config.cost_critic,
+                                **{f"roles.{key}": section for key, section in config.roles.items()}}
     checks += [(f"{key}.protocols.{method}", registries.transfer_protocols, protocol)
                for key, section in sections.items() if section is not None
                for method, protocol in section.protocols.items()]

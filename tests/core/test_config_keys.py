@@ -178,6 +178,11 @@ class RecordingGroup:
 
     def __init__(self, pool: Any, classes: dict[str, type], **kwargs: Any) -> None:
         CALLS.append(("group", pool.name, sorted(classes), _describe(kwargs)))
+        self._overrides: dict[str, dict[str, str]] = kwargs.get("protocols") or {}
+
+    def protocols(self) -> dict[str, str]:
+        return {f"{role}.{method}": name for role, methods in self._overrides.items() for method, name in
+                methods.items()}
 
     def __getattr__(self, name: str) -> Any:
         return RecordingRole(name)
