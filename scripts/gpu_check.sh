@@ -13,18 +13,19 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-# hybridflow's runtime dependencies besides torch (pinned to the versions its CI runs), megatron-core for its part
-WHEELS=(transformers==5.24.0 tokenizers==0.23.3 huggingface-hub safetensors==0.8.0 pydantic==2.14.4
-        pydantic-core==2.50.5 annotated-types typing-extensions typing-inspection pluggy==1.7.0 PyYAML==6.0.4
-        regex==2026.11.19 numpy packaging filelock fsspec tqdm requests urllib3 idna certifi charset-normalizer
-        hf-xet psutil megatron-core==0.16.1)
+# hybridflow's runtime dependencies besides torch (pinned to the versions its CI runs; pip adds theirs), and
+# megatron-core, whose only other requirements (numpy, packaging) are among them: it is fetched without its torch pin
+NEEDS=(transformers==5.24.0 safetensors==0.8.0 pydantic==2.14.4 pluggy==1.7.0 PyYAML==6.0.4 psutil numpy packaging)
+MEGATRON=megatron-core==0.16.1
 
 if [[ "${1:-}" == "--make-wheelhouse" ]]; then
   dir="${2:?usage: $0 --make-wheelhouse DIR [PYTHON_VERSION]}"
   version="${3:-$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
   mkdir -p "$dir"
-  "$PYTHON" -m pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --python-version "$version" -d "$dir" "${WHEELS[@]}"
+  platforms=(--only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
+             --platform manylinux_2_28_x86_64 --python-version "$version" -d "$dir")
+  "$PYTHON" -m pip download "${platforms[@]}" "${NEEDS[@]}"
+  "$PYTHON" -m pip download "${platforms[@]}" --no-deps "$MEGATRON"
   du -sh "$dir"
   exit 0
 fi
@@ -45,11 +46,14 @@ if ! "$PYTHON" -c 'import transformers, safetensors, pydantic, pluggy, yaml' 2>/
   if [[ -n "$wheelhouse" ]]; then
     venv="$(mktemp -d)/venv"
     "$PYTHON" -m venv --system-site-packages "$venv"
-    # only wheels that are in the wheelhouse; a missing one is reported by pip and the checks needing it skip
-    for wheel in "${WHEELS[@]}"; do
-      "$venv/bin/python" -m pip install --quiet --no-index --no-deps --find-links "$wheelhouse" "$wheel" \
-        || echo "gpu_check: $wheel is not in $wheelhouse (its checks will skip)" >&2
+    # each top-level need with its dependencies from the wheelhouse (what the system already has, torch and numpy
+    # included, satisfies pip as is); one that cannot be installed is reported and the checks needing it skip
+    for need in "${NEEDS[@]}"; do
+      "$venv/bin/python" -m pip install --quiet --no-index --find-links "$wheelhouse" "$need" \
+        || echo "gpu_check: could not install $need from $wheelhouse (the checks needing it will skip)" >&2
     done
+    "$venv/bin/python" -m pip install --quiet --no-index --no-deps --find-links "$wheelhouse" "$MEGATRON" \
+      || echo "gpu_check: could not install $MEGATRON from $wheelhouse (the megatron check will skip)" >&2
     PYTHON="$venv/bin/python"
   else
     echo "gpu_check: transformers/safetensors/pydantic/pluggy/pyyaml are not importable and no --wheelhouse was" \
