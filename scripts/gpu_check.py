@@ -185,7 +185,7 @@ def check_lean_forward_vs_hf(device: str) -> dict[str, Any]:
         sampling = SamplingParams(temperature=0.0, max_new_tokens=32)
         timings, outputs = {}, {}
         for name, lean_decoder in (("hf", None), ("lean", LeanDecoder(model))):
-            for repeat in range(2):  # the first pass warms up the kernels
+            for _ in range(2):  # the first pass warms up the kernels
                 if device == "cuda":
                     torch.cuda.synchronize()
                 started = time.perf_counter()
@@ -210,6 +210,8 @@ def check_lean_forward_vs_hf(device: str) -> dict[str, Any]:
 def _megatron_rank(rank: int, world_size: int, device: str, workdir: str, out_file: str) -> None:
     """One spawned rank: megatron on ``device`` (NCCL on CUDA) against HF, then the contract suite."""
     _no_tf32()
+    import torch.distributed as dist
+
     from hybridflow.engines import ModelSpec, TrainingEngineConfig
     from hybridflow.testing.contracts import TRAINING_CHECKS
     from hybridflow.testing.contracts.training import build_training_batch
@@ -217,8 +219,6 @@ def _megatron_rank(rank: int, world_size: int, device: str, workdir: str, out_fi
     from hybridflow_megatron import cpu_shim
     from hybridflow_megatron.engine import build_megatron_training_engine
     from hybridflow_megatron.model import build_hf_model
-
-    import torch.distributed as dist
 
     spec = ModelSpec(config=tiny_model_config(num_heads=4, num_kv_heads=2), seed=3)
     engine = build_megatron_training_engine(role="actor", device=device,
@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         except Skip as exc:
             entry = {"status": "skip", "message": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a crashed check is a failed check; the traceback goes in the report
-            entry = {"status": "fail", "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            entry = {"status": "fail", "message": f"{type(exc).__name__}: {first_line}",
                      "traceback": traceback.format_exc()}
         entry["seconds"] = time.perf_counter() - started
         report["checks"][name] = entry

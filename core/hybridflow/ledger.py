@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NodeRecord", "EdgeRecord", "IterationRecord", "Ledger", "read_ledger"]
+__all__ = ["EdgeRecord", "IterationRecord", "Ledger", "NodeRecord", "read_ledger"]
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(tmp_pat
                               "model.preset=tiny-qwen2-h16", "trainer.total_steps=2", "trainer.checkpoint_every=0"))
     assert [m["actor/policy_version"] for m in history] == [1.0, 2.0]
     # the mesh protocol sends each tensor-parallel pair the same rows and collects one copy: 16 prompts × 4 samples
-    assert all(m["grad_norm"] == m["grad_norm"] and m["response/length_mean"] > 0 for m in history)
+    assert all(math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 and m["response/length_mean"] > 0 for m in history)
 
 
 def test_ppo_with_megatron_actor_critic_reference_checkpoints_and_resumes(tmp_path: Path, tiny_config) -> None:

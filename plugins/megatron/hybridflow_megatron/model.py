@@ -26,8 +26,8 @@ from hybridflow_megatron.convert import (
     tensor_parallel_dim,
 )
 
-__all__ = ["StagePlacement", "ValueHead", "VALUE_HEAD_ROLES", "ensure_parallel_state", "destroy_parallel_state", "build_hf_model",
-           "build_transformer_config", "build_stage"]
+__all__ = ["StagePlacement", "ValueHead", "VALUE_HEAD_ROLES", "ensure_parallel_state", "destroy_parallel_state",
+           "build_hf_model", "build_transformer_config", "build_stage"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _parallel_sizes: tuple[int, int] | None = None
