@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 #: model of the FSDP and lean-forward checks: big enough that bf16 rounding shows, small enough to take seconds
-WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+WIDE: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 
 
 class Skip(Exception):
@@ -293,7 +293,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
                     total_bytes=torch.cuda.get_device_properties(0).total_memory,
-                    nccl=str(torch.cuda.nccl.version()))
+                    nccl=str(torch.cuda.nccl.version()))  # type: ignore[no-untyped-call]
     for module in ("transformers", "megatron.core", "hybridflow_fsdp", "hybridflow_megatron", "ray", "vllm"):
         info[f"has_{module}"] = importlib.util.find_spec(module) is not None
     return info
