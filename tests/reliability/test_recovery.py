@@ -114,3 +114,20 @@ def test_faults_recover_with_lookahead_on(tmp_path: Path, clean_run: Path) -> No
     assert audit.mixed_versions == [] and audit.samples_lost == 0 and audit.samples_duplicated == 0
     assert [row["metrics"]["actor/policy_version"] for row in rows] == [1.0, 2.0, 3.0, 4.0]
     assert ([row["metrics"]["reward/mean"] for row in rows] == [row["metrics"]["reward/mean"] for row in clean_rows])
+
+
+@pytest.mark.slow
+def test_a_recovery_replay_submits_no_generation_ahead(tmp_path: Path) -> None:
+    """The updates a recovery replays belong to earlier iterations: none of them may submit the next generation
+    ahead. Here the replay of update 3 (restoring the worker killed in update 4) would submit a generation for
+    iteration 5 from the wrong weights, and it would consume the fault armed for iteration 5's generation; with the
+    gate that fault fires in iteration 5's own generation and is recovered there."""
+    faults = ["actor.update@4:kill", "actor.generate@5:raise:rank=1"]
+    trainer = run_and_export(short_config(tmp_path / "run", faults=faults, steps=6, every=3), tmp_path / "w")
+    events = trainer.supervisor.events
+    assert [e["what"] for e in events] == ["iteration 4", "iteration 5"], events
+    assert events[0]["updates_replayed"] == ["actor.update_policy@3"]
+    assert "actor.generate@5" in events[1]["message"]
+    ahead = [row["nodes"]["actor.generate"]["dispatched_at"] < row["start"] for row in read_ledger(tmp_path / "run")]
+    # lookahead ran wherever allowed (never into a checkpoint step); iteration 5's row holds its failed ahead attempt
+    assert ahead == [False, True, True, False, True, True], ahead
