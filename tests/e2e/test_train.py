@@ -151,6 +151,7 @@ def test_lookahead_overlaps_generation_and_changes_nothing(tmp_path: Path, tiny_
 WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 
 
+@pytest.mark.slow
 def test_resident_bytes_grow_with_the_model(tmp_path: Path, tiny_config, monkeypatch) -> None:
     """The pool's resident bytes (RSS of its worker processes) grow with the model by at least the sharded training
     state (fp32 weights, grads, two Adam moments: 16 bytes per parameter, half on each of the 2 ranks). The wide
