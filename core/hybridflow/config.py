@@ -267,7 +267,7 @@ class TrainerConfig(_Section):
     threads_per_worker: int = Field(default=1, gt=0)
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
     # dispatch the next iteration's generation while the actor update runs (same calls, same order on the workers;
-    # off before a checkpoint, on the last step and while faults are injected); see docs/controller.md
+    # off before a checkpoint and on the last step); see docs/controller.md
     lookahead: bool = True
 
 

@@ -7,12 +7,13 @@ It records what it is told; the trainer feeds it from the controller's call reco
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NodeRecord", "EdgeRecord", "IterationRecord", "Ledger", "read_ledger"]
+__all__ = ["EdgeRecord", "IterationRecord", "Ledger", "NodeRecord", "read_ledger"]
 
 
 @dataclass(slots=True)
@@ -69,19 +70,18 @@ class IterationRecord:
         self.edges.append(EdgeRecord(source, target, protocol, list(bytes_per_rank)))
 
     def idle_gaps(self) -> dict[str, float]:
-        """Per pool: seconds of this iteration during which no node ran on it."""
+        """Per pool: seconds of this iteration during which no node ran on it (the gaps between the union of its
+        nodes' spans, clipped to the iteration; overlapping nodes count once)."""
         end = self.end if self.end is not None else time.time()
-        total = end - self.start
         gaps: dict[str, float] = {}
         for pool in sorted({n.pool for n in self.nodes}):
             intervals = sorted((max(n.start, self.start), min(n.end, end)) for n in self.nodes if n.pool == pool)
-            busy, cursor = 0.0, self.start
+            idle, cursor = 0.0, self.start
             for start, stop in intervals:
-                start = max(start, cursor)
-                if stop > start:
-                    busy += stop - start
-                    cursor = stop
-            gaps[pool] = max(0.0, total - busy)
+                if start > cursor:
+                    idle += start - cursor
+                cursor = max(cursor, stop)
+            gaps[pool] = idle + (end - cursor)
         return gaps
 
     def to_json(self) -> dict[str, Any]:
@@ -127,6 +127,7 @@ class Ledger:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
             handle.flush()
+            os.fsync(handle.fileno())
         return row
 
     def truncate_after(self, iteration: int) -> None:

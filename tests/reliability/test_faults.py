@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError
 from hybridflow.reliability.faults import (
     ENV_VAR,
-    FAULT_POINTS,
     FaultPlan,
     InjectedFault,
     iteration_of_checkpoint,
@@ -20,12 +21,35 @@ from hybridflow.reliability.faults import (
     parse_fault_specs,
 )
 
+from .conftest import run_and_export, short_config
 
-def test_at_least_ten_points_cover_the_named_places() -> None:
-    assert len(FAULT_POINTS) >= 10
-    assert {"actor.generate", "generate.before_consume", "reference.log_probs", "critic.values",
-            "reward_model.scores", "critic.update", "actor.update", "actor.handover", "checkpoint.worker_write",
-            "checkpoint.publish", "controller.between_nodes"} <= set(FAULT_POINTS)
+
+@pytest.mark.slow
+def test_points_fire_in_their_nodes_and_the_run_recovers(tmp_path: Path) -> None:
+    """Every point a PPO run passes (all but reward_model.scores and the two killing the driver or its checkpoint,
+    which tests/reliability/test_recovery.py and test_checkpoint_atomic.py cover) fires once, inside the node it is
+    named after, and the run recovers each to the weights of a run without faults."""
+    ppo = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "actor.recompute_log_probs=true")
+    run_and_export(short_config(tmp_path / "clean", *ppo), tmp_path / "w_clean")
+    faults = {  # fault → the node whose failure it must cause
+        "actor.handover@0:raise": "actor.generate",
+        "reference.log_probs@1:raise": "reference.compute_ref_log_probs",
+        "critic.values@1:raise": "critic.compute_values",
+        "checkpoint.worker_write@2:raise": "save_checkpoint",
+        "actor.log_probs@2:raise": "actor.compute_log_probs",
+        "actor.generate@3:raise:rank=1": "actor.generate",
+        "critic.update@3:raise": "critic.update_critic",
+    }  # in the order the run reaches them
+    trainer = run_and_export(short_config(tmp_path / "faulty", *ppo, faults=list(faults)), tmp_path / "w_faulty")
+    labels = [parse_fault_specs(f)[0].label for f in faults]
+    assert sorted(trainer.faults.fired()) == sorted(labels)
+    events = trainer.supervisor.events
+    assert [e["what"] for e in events] == ["iteration 0", "iteration 1", "iteration 1", "checkpoint of step 2",
+                                           "iteration 2", "iteration 3", "iteration 3"], events
+    for event, (fault, node) in zip(events, faults.items()):
+        assert fault.split(":")[0] in event["message"] and node in event["message"], (fault, event["message"])
+    clean, faulty = (load_file(tmp_path / w / "model.safetensors") for w in ("w_clean", "w_faulty"))
+    assert clean.keys() == faulty.keys() and all(torch.equal(clean[k], faulty[k]) for k in clean)
 
 
 def test_parse_specs() -> None:
@@ -78,7 +102,8 @@ def test_kill_is_a_hard_exit_that_leaves_the_marker(tmp_path: Path) -> None:
     plan = FaultPlan.from_sources(["actor.update@0"], tmp_path, environ={})
     code = ("import sys; from hybridflow.reliability.faults import FaultPlan, arm, maybe_fail; "
             "arm(sys.argv[1]); maybe_fail('actor.update', iteration=0, rank=0); print('survived')")
-    done = subprocess.run([sys.executable, "-c", code, plan.to_json()], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, plan.to_json()], capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 17 and "survived" not in done.stdout and "Traceback" not in done.stderr
     assert plan.fired() == ["actor.update@0:kill:rank=0"]
 

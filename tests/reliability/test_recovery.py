@@ -25,13 +25,20 @@ def weights(export: Path) -> dict[str, torch.Tensor]:
     return load_file(export / "model.safetensors")
 
 
-def test_faults_recover_to_the_uninjected_result(tmp_path: Path) -> None:
-    run_and_export(short_config(tmp_path / "clean"), tmp_path / "w_clean")
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninjected run of the faulty runs' config (lookahead on, the default): its run dir, export in ``w``."""
+    root = tmp_path_factory.mktemp("clean")
+    run_and_export(short_config(root / "run"), root / "w")
+    return root
+
+
+def test_faults_recover_to_the_uninjected_result(tmp_path: Path, clean_run: Path) -> None:
     faults = ["actor.update@1:kill:rank=1", "actor.generate@2:hang", "controller.between_nodes@3"]
     trainer = run_and_export(short_config(tmp_path / "faulty", faults=faults,
                                           deadlines={"actor.generate": HANG_DEADLINE_S}), tmp_path / "w_faulty")
 
-    clean, faulty = weights(tmp_path / "w_clean"), weights(tmp_path / "w_faulty")
+    clean, faulty = weights(clean_run / "w"), weights(tmp_path / "w_faulty")
     assert clean.keys() == faulty.keys() and all(torch.equal(clean[k], faulty[k]) for k in clean)
 
     events = trainer.supervisor.events
@@ -70,3 +77,57 @@ def test_hang_stops_the_run_within_its_deadline_when_policy_says_stop(tmp_path: 
     assert str(tmp_path / "stop" / "stacks") in str(info.value)
     assert list((tmp_path / "stop" / "stacks").glob("main.actor.update_policy.rank*.txt"))
     assert read_ledger(tmp_path / "stop") == [] and trainer.supervisor.events == []
+
+
+@pytest.mark.slow
+def test_faults_recover_with_lookahead_on(tmp_path: Path, clean_run: Path) -> None:
+    """trainer.lookahead (the default) stays on under faults: a worker killed inside update 0 while generation 1 is
+    queued behind it, a hang in a generation submitted ahead (caught by its own deadline, not the group's) and a
+    worker killed between nodes while generation 3 runs ahead all recover to the weights of an uninjected run."""
+    faults = ["actor.update@0:kill:rank=1", "actor.generate@1:hang", "controller.between_nodes@2"]
+    config = short_config(tmp_path / "faulty", faults=faults, deadlines={"actor.generate": HANG_DEADLINE_S})
+    assert config.trainer.lookahead and config.trainer.deadline_s > HANG_DEADLINE_S + 60
+    trainer = run_and_export(config, tmp_path / "w_faulty")
+
+    reference, recovered = weights(clean_run / "w"), weights(tmp_path / "w_faulty")
+    assert reference.keys() == recovered.keys() and all(torch.equal(reference[k], recovered[k]) for k in reference)
+
+    events = trainer.supervisor.events
+    assert [e["what"] for e in events] == ["iteration 0", "iteration 1", "iteration 3"], events
+    kill, hang, between = events
+    assert kill["error"] == "WorkerError" and kill["updates_replayed"] == []
+    # the deadline counts from the dispatch during update 0, before iteration 1's attempt began; the group's own
+    # deadline (trainer.deadline_s) is far longer, so catching it this early means the node's deadline applied
+    assert hang["error"] == "DeadlineExceededError"
+    assert HANG_DEADLINE_S / 2 <= hang["seconds_failed_attempt"] <= HANG_DEADLINE_S + 20
+    assert list((tmp_path / "faulty" / "stacks").glob("main.actor.generate.rank0.*.txt"))
+    assert between["updates_replayed"] == ["actor.update_policy@2"]
+
+    clean_rows, rows = read_ledger(clean_run / "run"), read_ledger(tmp_path / "faulty")
+    # the generations of iterations 1 and 3 were submitted ahead (dispatched before their iteration began) in both
+    # runs: the faults hit real lookahead calls, and the retries redid them
+    for ledger in (clean_rows, rows):
+        ahead = [row["nodes"]["actor.generate"]["dispatched_at"] < row["start"] for row in ledger]
+        assert ahead == [False, True, False, True], ahead
+    audit = audit_ledger(rows, samples_per_prompt=4)
+    assert audit.iterations == [0, 1, 2, 3]
+    assert audit.mixed_versions == [] and audit.samples_lost == 0 and audit.samples_duplicated == 0
+    assert [row["metrics"]["actor/policy_version"] for row in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert ([row["metrics"]["reward/mean"] for row in rows] == [row["metrics"]["reward/mean"] for row in clean_rows])
+
+
+@pytest.mark.slow
+def test_a_recovery_replay_submits_no_generation_ahead(tmp_path: Path) -> None:
+    """The updates a recovery replays belong to earlier iterations: none of them may submit the next generation
+    ahead. Here the replay of update 3 (restoring the worker killed in update 4) would submit a generation for
+    iteration 5 from the wrong weights, and it would consume the fault armed for iteration 5's generation; with the
+    gate that fault fires in iteration 5's own generation and is recovered there."""
+    faults = ["actor.update@4:kill", "actor.generate@5:raise:rank=1"]
+    trainer = run_and_export(short_config(tmp_path / "run", faults=faults, steps=6, every=3), tmp_path / "w")
+    events = trainer.supervisor.events
+    assert [e["what"] for e in events] == ["iteration 4", "iteration 5"], events
+    assert events[0]["updates_replayed"] == ["actor.update_policy@3"]
+    assert "actor.generate@5" in events[1]["message"]
+    ahead = [row["nodes"]["actor.generate"]["dispatched_at"] < row["start"] for row in read_ledger(tmp_path / "run")]
+    # lookahead ran wherever allowed (never into a checkpoint step); iteration 5's row holds its failed ahead attempt
+    assert ahead == [False, True, True, False, True, True], ahead

@@ -312,15 +312,16 @@ class WorkerGroup:
         return self._mesh[role]
 
     # --- calls submitted ahead -------------------------------------------------------------------------------
-    def submit_ahead(self, role: str, method: str, *args: Any) -> None:
+    def submit_ahead(self, role: str, method: str, *args: Any, deadline_s: float | None = None) -> None:
         """Dispatch ``role.method(*args)`` now, non-blocking, and keep its future for the first later call of that
         method with the very same argument objects (and no keyword arguments), which then gets it instead of
         dispatching again. The ranks run calls in the order they were dispatched, so a call submitted while
-        another is running starts the moment that one ends, with no driver round trip in between."""
+        another is running starts the moment that one ends, with no driver round trip in between. ``deadline_s``
+        (else the method's or the group's) counts from now: the time queued behind the running call included."""
         dispatch = self.dispatch_for(role, method)
         if dispatch is None:
             raise ConfigError(f'"{role}.{method}" is not a registered method of group "{self.name}"')
-        future = self._invoke(role, method, replace(dispatch, blocking=False), args, {}, deadline_s=None)
+        future = self._invoke(role, method, replace(dispatch, blocking=False), args, {}, deadline_s=deadline_s)
         self._ahead[(role, method)] = (args, future)
 
     def drop_ahead(self) -> int:

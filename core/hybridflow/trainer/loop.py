@@ -81,6 +81,7 @@ class Trainer:
         self._handover_totals: list[int] | None = None
         self._actor_counters: tuple[dict[str, float], ...] = ()
         self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
+        self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
         self._last_step_end: float | None = None
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
 
@@ -229,12 +230,15 @@ class Trainer:
 
     # --- lookahead ----------------------------------------------------------------------------------------
     def _lookahead_allowed(self) -> bool:
-        """Submitting the next generation ahead changes nothing a run can observe only when no checkpoint is taken
-        after this step (it would capture the rollout engine after that generation), this is not the last step,
-        and no faults are injected (their tests count calls per iteration)."""
+        """Submitting the next generation ahead changes nothing a run can observe when the update it queues behind
+        is this step's own (not a recovery replaying an earlier iteration's update), no checkpoint is taken after
+        this step (it would capture the rollout engine after that generation) and this is not the last step.
+
+        Faults need no gate: the generation is a function of its prompts, the weights version and the iteration's
+        seed, so one lost with a failed worker (or failed itself) is redone by the retried iteration."""
         trainer = self.config.trainer
         following = self.step + 1
-        if not trainer.lookahead or following >= trainer.total_steps or self.faults.active:
+        if not trainer.lookahead or not self._in_step or following >= trainer.total_steps:
             return False
         return not (trainer.checkpoint_every and following % trainer.checkpoint_every == 0)
 
@@ -246,7 +250,8 @@ class Trainer:
             return
         assert self.groups is not None
         prompts = self.loader.peek().with_meta(iteration=self.step + 1, policy_version=self.step + 1)
-        self.groups.group_of("actor").submit_ahead("actor", "generate", prompts)
+        self.groups.group_of("actor").submit_ahead("actor", "generate", prompts,
+                                                   deadline_s=self.supervisor.policy.deadlines.get("actor.generate"))
         self._ahead = prompts
 
     def _claim_ahead_prompts(self, prompts: Batch) -> tuple[Batch, bool]:
@@ -272,11 +277,14 @@ class Trainer:
         if self._record is None or self._record.iteration != self.step:
             self._record = self.ledger.begin(self.step, policy_version=self.step)
         start = time.perf_counter()
+        self._in_step = True
         try:
             metrics = self.algorithm.step(runtime, prompts)
         except BaseException:
             self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
             raise
+        finally:
+            self._in_step = False
         record, self._record = self._record, None
         self.supervisor.annotate(record, prompts)
         now = time.perf_counter()

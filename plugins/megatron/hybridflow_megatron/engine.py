@@ -20,13 +20,13 @@ from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, lo
 from hybridflow.errors import ConfigError, EngineError
 
 from hybridflow_megatron import cpu_shim, handover, persist
-from hybridflow_megatron.model import build_stage, ensure_parallel_state
+from hybridflow_megatron.model import VALUE_HEAD_ROLES, build_stage, ensure_parallel_state
 from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
 
 __all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABLE_ROLES"]
 
 TRAINABLE_ROLES = ("actor", "critic")
-_SUPPORTED_ROLES = ("actor", "critic", "reference")
+_SUPPORTED_ROLES = ("actor", "critic", "reference", "reward_model")
 
 
 def _require_columns(batch: Batch, *columns: str, method: str) -> None:
@@ -150,6 +150,10 @@ class MegatronTrainingEngine:
 
     def _outputs(self, micro: Batch, output: torch.Tensor, *, with_entropy: bool) -> dict[str, torch.Tensor]:
         length = int(micro["responses"].shape[1])
+        if self.role == "reward_model":  # the head's value at each row's last real token
+            attention = micro["attention_mask"].to(output.device)
+            last = attention.shape[1] - 1 - attention.flip(-1).long().argmax(-1)
+            return {"scores": output[torch.arange(len(last), device=output.device), last, 0].float()}
         window = output[:, -length - 1 : -1]
         if self.role == "critic":
             return {"values": window[..., 0].float()}
@@ -230,7 +234,10 @@ class MegatronTrainingEngine:
         return self._infer(batch, columns=("values",), with_entropy=False)
 
     def compute_scores(self, batch: Batch) -> Batch:
-        raise EngineError("the megatron engine has no reward-model role yet; serve reward models with the fsdp engine")
+        """``scores`` [B]: the reward head at the last non-pad token of each row; only the new column is returned."""
+        self._check_role("compute_scores", ("reward_model",))
+        _require_columns(batch, "input_ids", "attention_mask", method="compute_scores")
+        return self._infer(batch, columns=("scores",), with_entropy=False)
 
     # --- training -------------------------------------------------------------------------------------------
     def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
@@ -343,7 +350,7 @@ class MegatronTrainingEngine:
     def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-        factory = AutoModelForTokenClassification if self.role == "critic" else AutoModelForCausalLM
+        factory = AutoModelForTokenClassification if self.role in VALUE_HEAD_ROLES else AutoModelForCausalLM
         with torch.device("meta"):
             hf = factory.from_config(self.hf_config)
         shapes = {name: tuple(t.shape) for name, t in hf.state_dict().items()}

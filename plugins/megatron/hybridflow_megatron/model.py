@@ -26,8 +26,8 @@ from hybridflow_megatron.convert import (
     tensor_parallel_dim,
 )
 
-__all__ = ["StagePlacement", "ValueHead", "ensure_parallel_state", "destroy_parallel_state", "build_hf_model",
-           "build_transformer_config", "build_stage"]
+__all__ = ["StagePlacement", "ValueHead", "VALUE_HEAD_ROLES", "ensure_parallel_state", "destroy_parallel_state",
+           "build_hf_model", "build_transformer_config", "build_stage"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _parallel_sizes: tuple[int, int] | None = None
@@ -113,6 +113,11 @@ def destroy_parallel_state() -> None:
     _parallel_sizes = None
 
 
+#: roles whose model ends in a [hidden → 1] value head instead of the LM head (the critic's values, a reward model's
+#: scores); their HF form is a 1-label token classifier
+VALUE_HEAD_ROLES = ("critic", "reward_model")
+
+
 def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     """The HF model whose weights seed the megatron model: a causal LM, or a 1-label token classifier for a critic.
 
@@ -128,7 +133,7 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
         values = dict(spec.config)
         config = AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(spec.seed)
-    if role == "critic":
+    if role in VALUE_HEAD_ROLES:
         config.num_labels = 1
         if spec.path is not None:
             return AutoModelForTokenClassification.from_pretrained(spec.path, config=config, dtype=torch.float32)
@@ -212,7 +217,7 @@ def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device
     hf_model = build_hf_model(spec, role=role)
     hf_config = hf_model.config
     arch = read_arch_info(hf_config, tp_size=placement.tp_size, vocab_multiple=vocab_multiple,
-                          value_head=role == "critic")
+                          value_head=role in VALUE_HEAD_ROLES)
     config = build_transformer_config(hf_config, arch=arch, placement=placement, dtype=spec.dtype, device=device,
                                       overrides=overrides)
     with cpu_shim.cpu_tensor_methods():

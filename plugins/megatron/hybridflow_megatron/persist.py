@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hybridflow.errors import CheckpointError
 
 from hybridflow_megatron import gather
+from hybridflow_megatron.model import VALUE_HEAD_ROLES
 
 __all__ = ["save", "load", "export_hf"]
 
@@ -113,7 +114,7 @@ def export_hf(engine: Any, path: str) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         config = engine.hf_config
-        factory = AutoModelForTokenClassification if engine.role == "critic" else AutoModelForCausalLM
+        factory = AutoModelForTokenClassification if engine.role in VALUE_HEAD_ROLES else AutoModelForCausalLM
         model = factory.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied_ok = set(missing) <= {"lm_head.weight"} and engine.arch.tied_embeddings

@@ -43,7 +43,7 @@ def hybridflow_report_capabilities() -> dict[str, str]:
     return {
         "megatron-core": "installed" if installed else "absent: run scripts/install_megatron.sh",
         "training": "GPTModel (local spec) with tensor, pipeline and data parallelism, distributed optimizer; "
-                    "roles actor, critic, reference",
+                    "roles actor, critic, reference, reward_model",
         "cpu": "runs on gloo through hybridflow_megatron.cpu_shim (fusions off, fp32)",
         "handover": "generation_weights (tg = 1) and reshard_weights (any generation layout) through the core "
                     "reshard planner, exactly the lower-bound bytes; TP all-gather + PP broadcast only for a padded "
