@@ -11,4 +11,4 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import hybridflow.controller  # noqa: E402,F401
+import hybridflow.controller  # noqa: F401

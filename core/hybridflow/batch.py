@@ -8,8 +8,8 @@ batch is split across ranks is the transfer protocols' business, not this module
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -158,7 +158,9 @@ class Batch:
         return f"Batch(len={len(self)}, columns=[{', '.join(cols)}], meta={self.meta})"
 
     # --- building -------------------------------------------------------------------------------------------
-    def _with(self, tensors: TensorDict, non_tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> Batch:
+    def _with(
+        self, tensors: TensorDict, non_tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None
+    ) -> Batch:
         return Batch(tensors, non_tensors, dict(self.meta) if meta is None else meta)
 
     def select(self, *keys: str) -> Batch:
@@ -166,7 +168,8 @@ class Batch:
         if missing:
             raise KeyError(f"Batch has no column(s) {missing}. Columns: {', '.join(self.keys())}.")
         tensor_keys = [k for k in keys if k in self.tensors.keys()]
-        return self._with(self.tensors.select(*tensor_keys), {k: self.non_tensors[k] for k in keys if k in self.non_tensors})
+        non_tensors = {k: self.non_tensors[k] for k in keys if k in self.non_tensors}
+        return self._with(self.tensors.select(*tensor_keys), non_tensors)
 
     def slice(self, start: int, stop: int) -> Batch:
         return self._with(self.tensors[start:stop], {k: v[start:stop] for k, v in self.non_tensors.items()})

@@ -53,10 +53,12 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
         else:
             raise DatasetError(f"dataset file {path} has suffix {suffix or '(none)'}; expected .parquet or .jsonl")
     except UnicodeDecodeError as exc:
-        raise DatasetError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); re-encode it as UTF-8") from exc
+        raise DatasetError(
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); re-encode it as UTF-8"
+        ) from exc
     except DatasetError:
         raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a broken file
+    except Exception as exc:  # pyarrow raises many types for a broken file
         raise DatasetError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
     if not rows:
         raise DatasetError(f"dataset file {path} is empty; it needs at least one row with a `prompt` column")

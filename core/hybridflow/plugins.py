@@ -91,7 +91,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
         return _manager
 
 
-def _register_module(manager: pluggy.PluginManager, module: ModuleType, *, name: str, owner: str) -> dict[str, list[str]]:
+def _register_module(
+    manager: pluggy.PluginManager, module: ModuleType, *, name: str, owner: str
+) -> dict[str, list[str]]:
     """Register a hook module with pluggy (validating it) and let it fill the registries as ``owner``.
 
     Registration hooks are historic, so each plugin's implementation is called once, when that plugin is

@@ -59,7 +59,7 @@ def compute_rule_rewards(function: RewardFunction, *, responses: Sequence[str], 
     try:
         scores = function(responses=list(responses), ground_truths=list(ground_truths),
                           data_sources=list(data_sources), extra=list(extra) if extra is not None else None)
-    except Exception as exc:  # noqa: BLE001 - a user function's failure becomes a typed error naming it
+    except Exception as exc:  # a user function's failure becomes a typed error naming it
         raise RewardError(f'{name} function {_describe(function)} raised {type(exc).__name__}: {exc}') from exc
     try:
         values = [float(s) for s in scores]

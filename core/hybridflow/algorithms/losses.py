@@ -30,9 +30,9 @@ Padding rows (``is_padding``, from ``Batch.chunk(pad=True)``) and masked tokens 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-import math
 from typing import Any, Literal
 
 import torch

@@ -6,11 +6,12 @@ collected value or a ``BatchFuture``; what the roles compute, and when to restar
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import time
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -190,10 +191,8 @@ class WorkerGroup:
         """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""
         self._ahead.clear()
         for host in self._hosts:
-            try:
+            with contextlib.suppress(RayError):
                 ray.kill(host, no_restart=True)
-            except RayError:
-                pass
         self._hosts = []
 
     def restart(self) -> None:
@@ -342,7 +341,8 @@ class WorkerGroup:
         return future.get() if dispatch.blocking else future
 
     def __repr__(self) -> str:
-        return f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, alive={bool(self._hosts)})"
+        return (f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, "
+                f"alive={bool(self._hosts)})")
 
 
 def _settle(value: Any) -> Any:

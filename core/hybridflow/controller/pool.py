@@ -60,7 +60,9 @@ class ResourcePool:
         if device not in ("cpu", "cuda"):
             raise ConfigError(f'device must be "cpu" or "cuda", got {device!r}')
         if cpus_per_worker <= 0 or max_colocated <= 0:
-            raise ConfigError(f"cpus_per_worker and max_colocated must be positive, got {cpus_per_worker}, {max_colocated}")
+            raise ConfigError(
+                f"cpus_per_worker and max_colocated must be positive, got {cpus_per_worker}, {max_colocated}"
+            )
         self.name = name
         self.devices_per_node = tuple(counts)
         self.device = device

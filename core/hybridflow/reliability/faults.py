@@ -166,8 +166,10 @@ def arm(plan: FaultPlan | str | None) -> FaultPlan:
     global _armed
     if plan is None:
         _armed = FaultPlan()
+    elif isinstance(plan, str):
+        _armed = FaultPlan.from_json(plan)
     else:
-        _armed = FaultPlan.from_json(plan) if isinstance(plan, str) else plan
+        _armed = plan
     return _armed
 
 

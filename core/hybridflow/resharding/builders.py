@@ -152,7 +152,9 @@ def build_tensor_parallel_layout(
     if mesh is None:
         mesh = ParallelLayout(pipeline=pipeline, tensor=tensor, data=data)
     elif (tensor, pipeline, data) != (1, 1, 1):
-        raise LayoutError("pass either mesh=... or tensor/pipeline/data sizes to build_tensor_parallel_layout, not both.")
+        raise LayoutError(
+            "pass either mesh=... or tensor/pipeline/data sizes to build_tensor_parallel_layout, not both."
+        )
     shapes = {name: tuple(shape) for name, shape in named_shapes.items()}
     layers = [int(m.group(1)) for name in shapes if (m := _LAYER.search(name)) is not None]
     num_layers = max(layers) + 1 if layers else 1

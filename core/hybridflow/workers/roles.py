@@ -3,8 +3,8 @@
 A worker owns engines built from the registries inside its process; it knows nothing about which plugin supplied
 them. Training-engine methods use protocol ``mesh`` (data to data-parallel groups, replicated inside tensor and
 pipeline groups, collected from the ranks the engine marks); ``generate`` uses ``dp_compute`` because every rank is
-its own generation replica (tg = 1). The actor worker is the hybrid engine: it trains and generates on the same ranks and hands its weights from
-the training layout to the rollout engine in place before each generation.
+its own generation replica (tg = 1). The actor worker is the hybrid engine: it trains and generates on the same
+ranks and hands its weights from the training layout to the rollout engine in place before each generation.
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ class ActorRolloutWorker(_TrainingRole):
         start = time.perf_counter()
         self.rollout.wake()
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank)
-        self.rollout.update_weights(self.engine.generation_weights(target=getattr(self.rollout, "weights_target", "hf")),
-                                    version=self.policy_version)
+        target = getattr(self.rollout, "weights_target", "hf")
+        self.rollout.update_weights(self.engine.generation_weights(target=target), version=self.policy_version)
         stats = getattr(self.engine, "last_handover_stats", None)
         self.handover["seconds"] += time.perf_counter() - start
         self.handover["bytes_received"] += int(getattr(stats, "bytes_received", 0) or 0)

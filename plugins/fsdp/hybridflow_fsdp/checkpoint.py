@@ -99,7 +99,7 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
     try:
         # weights_only: a checkpoint file is data, never code (a tampered pickle must not execute on load)
         extra = torch.load(extra_file, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not ours or is corrupted
+    except Exception as exc:  # any unpickling failure means the file is not ours or is corrupted
         raise CheckpointError(f"checkpoint file {extra_file} could not be loaded safely ({type(exc).__name__}: "
                               f"{exc}); it is corrupted or was not written by hybridflow-fsdp") from exc
     if extra["world_size"] != engine.world_size or extra["role"] != engine.role:

@@ -11,7 +11,6 @@ from torch import nn
 
 from hybridflow.batch import Batch
 from hybridflow.errors import EngineError
-
 from hybridflow_fsdp.models import compute_position_ids
 
 __all__ = [

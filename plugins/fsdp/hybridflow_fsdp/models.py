@@ -51,7 +51,8 @@ def build_hf_config(spec: ModelSpec, *, role: str, attn_implementation: str = "s
 
 
 def build_model(spec: ModelSpec, *, role: str, attn_implementation: str = "sdpa") -> nn.Module:
-    """The model of ``role`` on CPU in ``spec.dtype``: loaded from ``spec.path`` or randomly initialised with ``spec.seed``.
+    """The model of ``role`` on CPU in ``spec.dtype``: loaded from ``spec.path`` or randomly initialised from
+    ``spec.seed``.
 
     A critic or reward model loaded from a causal-LM directory keeps the backbone and gets a fresh 1-output
     ``score`` head (initialised from ``spec.seed``), which is how a critic starts from the actor's weights.
@@ -80,8 +81,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     layers = getattr(backbone, "layers", None) if backbone is not None else None
     if layers is None:
         raise ConfigError(
-            f"cannot find decoder layers on {type(model).__name__}: expected `.{getattr(model, 'base_model_prefix', 'model')}"
-            ".layers` as in Llama/Qwen2/Mistral HF models; other architectures need their own wrap policy"
+            f"cannot find decoder layers on {type(model).__name__}: expected "
+            f"`.{getattr(model, 'base_model_prefix', 'model')}.layers` as in Llama/Qwen2/Mistral HF models; "
+            "other architectures need their own wrap policy"
         )
     return list(layers)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +15,6 @@ import torch.distributed as dist
 from hybridflow.batch import Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_fsdp import checkpoint, forward, handover
 from hybridflow_fsdp.distributed import (
     apply_fsdp,
@@ -59,11 +57,13 @@ class FSDPTrainingEngine:
         if config.parallel.tensor_parallel_size != 1 or config.parallel.pipeline_parallel_size != 1:
             raise ConfigError(
                 f"the fsdp engine shards over data-parallel ranks only; got tensor_parallel_size="
-                f"{config.parallel.tensor_parallel_size}, pipeline_parallel_size={config.parallel.pipeline_parallel_size}."
+                f"{config.parallel.tensor_parallel_size}, "
+                f"pipeline_parallel_size={config.parallel.pipeline_parallel_size}."
                 " Use the megatron engine for tensor/pipeline parallelism."
             )
         self.mesh = build_data_parallel_mesh(device, self.world_size)
-        model = build_model(config.model, role=role, attn_implementation=str(config.extra.get("attn_implementation", "sdpa")))
+        attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
+        model = build_model(config.model, role=role, attn_implementation=attn_implementation)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
             model.gradient_checkpointing_enable()
         self.trainable = role in TRAINABLE_ROLES
@@ -132,7 +132,10 @@ class FSDPTrainingEngine:
         return Batch({c: t.clone() for c, t in merged.items()}, meta=batch.meta, batch_size=len(batch))
 
     def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
-        """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""
+        """``log_probs`` [B, R] (and ``entropy``) of ``responses``.
+
+        Returns only the new columns, with ``batch.meta``.
+        """
         self._check_role("compute_log_probs", ("actor", "reference"))
         forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
         columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_megatron import cpu_shim, handover, persist
 from hybridflow_megatron.model import build_stage, ensure_parallel_state
 from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
@@ -204,7 +203,10 @@ class MegatronTrainingEngine:
         return Batch(result, meta=batch.meta, batch_size=len(batch))
 
     def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
-        """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""
+        """``log_probs`` [B, R] (and ``entropy``) of ``responses``.
+
+        Returns only the new columns, with ``batch.meta``.
+        """
         self._check_role("compute_log_probs", ("actor", "reference"))
         _require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
         columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)

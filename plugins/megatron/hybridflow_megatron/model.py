@@ -15,9 +15,7 @@ import torch.distributed as dist
 
 from hybridflow.engines import ModelSpec, ParallelConfig
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_megatron import cpu_shim
-from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 from hybridflow_megatron.convert import (
     ArchInfo,
     ShardPosition,
@@ -25,6 +23,7 @@ from hybridflow_megatron.convert import (
     read_arch_info,
     tensor_parallel_dim,
 )
+from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 
 __all__ = ["StagePlacement", "ValueHead", "ensure_parallel_state", "destroy_parallel_state", "build_hf_model",
            "build_transformer_config", "build_stage"]

@@ -13,7 +13,6 @@ from typing import Any
 
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError
-
 from hybridflow_sglang.api import MEMORY_TAG_KV_CACHE, MEMORY_TAG_WEIGHTS
 
 __all__ = ["SGLangOptions", "parse_options", "build_server_args", "build_sampling_params", "derive_sample_seed",
@@ -21,8 +20,9 @@ __all__ = ["SGLangOptions", "parse_options", "build_server_args", "build_samplin
 
 _KNOWN_TAGS = (MEMORY_TAG_KV_CACHE, MEMORY_TAG_WEIGHTS, "cuda_graph")
 #: server args derived from typed config fields; ``server_args`` in ``extra`` may not override them
-_DERIVED = {"model_path": "model.path", "tp_size": "tensor_parallel_size", "random_seed": "seed", "dtype": "model.dtype",
-            "context_length": "max_prompt_length + max_new_tokens", "base_gpu_id": "the worker's device"}
+_DERIVED = {"model_path": "model.path", "tp_size": "tensor_parallel_size", "random_seed": "seed",
+            "dtype": "model.dtype", "context_length": "max_prompt_length + max_new_tokens",
+            "base_gpu_id": "the worker's device"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,7 +121,9 @@ def derive_sample_seed(seed: int, row: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def build_sampling_params(sampling: SamplingParams, *, rows: int, eos_token_id: int) -> dict[str, Any] | list[dict[str, Any]]:
+def build_sampling_params(
+    sampling: SamplingParams, *, rows: int, eos_token_id: int
+) -> dict[str, Any] | list[dict[str, Any]]:
     """SGLang ``sampling_params`` for ``rows`` prompts.
 
     Unseeded: one dict with ``n`` (sglang expands each prompt into n samples, prompt-major). Seeded: the caller has

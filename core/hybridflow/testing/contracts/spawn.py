@@ -52,7 +52,9 @@ def _start(function: Callable[..., Any], world_size: int, args: tuple, workdir: 
     return processes, error_files
 
 
-def run_rank_groups(jobs: list[tuple[Callable[..., Any], int, tuple]], *, workdir: Path, timeout_s: float = 180) -> None:
+def run_rank_groups(
+    jobs: list[tuple[Callable[..., Any], int, tuple]], *, workdir: Path, timeout_s: float = 180
+) -> None:
     """Start every ``(function, world_size, args)`` job at once (each its own process group), then wait for all.
 
     Each rank calls ``function(rank, world_size, *args)`` with RANK/WORLD_SIZE/MASTER_* set; ``function`` must be
