@@ -4,7 +4,10 @@ of ``module:function`` reward functions."""
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,3 +96,19 @@ def test_joining_a_remote_cluster_without_auth_is_refused(monkeypatch: pytest.Mo
         check_remote_address("203.0.113.7:6379", allow_without_auth=True)
     monkeypatch.delenv("RAY_AUTH_MODE")
     check_remote_address("203.0.113.7:6379", allow_without_auth=False)  # token auth on: allowed
+
+
+def test_init_ray_refuses_a_remote_cluster_without_auth() -> None:
+    """The call ``Trainer.start`` makes for ``ray.address`` checks authentication before joining (fresh process)."""
+    code = (
+        "from hybridflow.controller import init_ray\n"
+        "from hybridflow.errors import ConfigError\n"
+        "try:\n"
+        "    init_ray('203.0.113.7:6379', allow_remote_without_auth=False)\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert "refused:" in result.stdout and "allow_remote_without_auth" in result.stdout, result.stderr[-2000:]

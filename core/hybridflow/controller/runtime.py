@@ -33,6 +33,7 @@ def init_ray(
     *,
     num_gpus: int | None = None,
     namespace: str | None = None,
+    allow_remote_without_auth: bool = False,
 ) -> dict[str, Any]:
     """Start a local Ray on 127.0.0.1 (or join ``address``) once per process; return the cluster's resources.
 
