@@ -34,7 +34,7 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
         if suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            rows = pq.read_table(path).to_pylist()
+            rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
         elif suffix in {".jsonl", ".json"}:
             rows = []
             with path.open(encoding="utf-8") as handle:

@@ -42,12 +42,14 @@ def resolve_reward_function(spec: str, *, key: str = "reward.function") -> Rewar
         function = getattr(module, attribute, None)
         if not callable(function):
             raise ConfigError(f'{key}: "{module_name}" has no callable "{attribute}"; check the name after ":".')
-        return function  # type: ignore[no-any-return]
+        imported: RewardFunction = function
+        return imported
     from hybridflow.plugins import get_plugin_manager
 
     get_plugin_manager()  # the core's own rewards are registered with the manager (no entry points loaded)
     try:
-        return registries.rewards.get(spec)  # type: ignore[no-any-return]
+        registered: RewardFunction = registries.rewards.get(spec)
+        return registered
     except KeyError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
 

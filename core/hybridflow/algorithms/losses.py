@@ -292,7 +292,8 @@ def _column(micro_batch: Batch, key: str, why: str) -> torch.Tensor:
             f'the micro-batch has no column "{key}" ({why}); columns: {", ".join(micro_batch.keys())}. '
             f"Add it in the driver before calling train_step."
         )
-    return micro_batch.tensors[key]
+    column: torch.Tensor = micro_batch.tensors[key]
+    return column
 
 
 def _output(outputs: Mapping[str, torch.Tensor], key: str, why: str) -> torch.Tensor:

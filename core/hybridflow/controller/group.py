@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -29,6 +29,9 @@ from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError, WorkerError
 from hybridflow.transfer import get_protocol
 from hybridflow.transfer.protocol import TransferContext
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 __all__ = ["WorkerGroup", "RoleHandle", "BoundMethod"]
 
@@ -117,7 +120,9 @@ class WorkerGroup:
             if not isinstance(cls, type):
                 raise ConfigError(f'role "{role}" must be a class, got {type(cls).__name__}')
             for method in _registered_methods(cls):
-                get_protocol(dispatch_of(getattr(cls, method)).protocol)  # unknown protocol fails here, listing known
+                dispatch = dispatch_of(getattr(cls, method))
+                if dispatch is not None:  # always: _registered_methods lists the registered methods
+                    get_protocol(dispatch.protocol)  # unknown protocol fails here, listing known
         if deadline_s <= 0:
             raise ConfigError(f"deadline_s must be positive seconds, got {deadline_s}")
         self.pool = pool
@@ -144,7 +149,8 @@ class WorkerGroup:
 
     def _start(self) -> None:
         slots = self.pool.slots()
-        self._hosts = [WorkerHost.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
+        actor_class = cast("ActorClass[WorkerHost]", WorkerHost)  # @ray.remote made it one; mypy keeps the class
+        self._hosts = [actor_class.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
                        for slot in slots]
         self._mesh = {}
         started = time.time()

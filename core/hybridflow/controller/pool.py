@@ -76,7 +76,7 @@ class ResourcePool:
                                                                strategy=strategy, name=f"hybridflow-{name}")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
         if not ready:
-            available = ray.available_resources()
+            available = ray.available_resources()  # type: ignore[no-untyped-call]  # unannotated in ray
             remove_placement_group(self.placement_group)
             raise PlacementError(
                 f'ResourcePool "{name}": expected {self.world_size} bundles of {bundle} within {ready_timeout_s}s, got '

@@ -42,7 +42,7 @@ def init_ray(
     how a run outgrows one machine (``ray.address`` in the config).
     """
     if ray.is_initialized():
-        return dict(ray.cluster_resources())
+        return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # unannotated in ray
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RAY_DEDUP_LOGS": "0"}
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
@@ -72,7 +72,7 @@ def init_ray(
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(**kwargs)
     _local = address is None
-    return dict(ray.cluster_resources())
+    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # unannotated in ray
 
 
 def shutdown_ray() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config import Config, ModelConfig, ParallelSection
+from hybridflow.config import Config, CriticConfig, ModelConfig, ParallelSection, ReferenceConfig, RewardConfig
 from hybridflow.engines import (
     ModelSpec,
     OptimConfig,
@@ -135,9 +135,10 @@ def plan_roles(config: Config, *, needs_critic: bool, needs_reference: bool, los
 
 
 def _check_pools(config: Config, *, needs_critic: bool, needs_reference: bool) -> None:
-    used = [("critic", config.critic, needs_critic), ("reference", config.reference, needs_reference),
-            ("reward", config.reward, config.reward.model is not None),
-            ("cost", config.cost, config.cost is not None and config.cost.model is not None)]
+    used: list[tuple[str, CriticConfig | ReferenceConfig | RewardConfig | None, bool]] = [
+        ("critic", config.critic, needs_critic), ("reference", config.reference, needs_reference),
+        ("reward", config.reward, config.reward.model is not None),
+        ("cost", config.cost, config.cost is not None and config.cost.model is not None)]
     for key, section, in_use in used:
         if in_use and section is not None and section.pool not in config.resource_pools:
             raise ConfigError(f"{key}.pool is {section.pool!r}, not one of resource_pools "

@@ -60,7 +60,8 @@ def _build_training_engine(spec: RoleSpec) -> TrainingEngine:
     torch.set_num_threads(spec.threads)
     load_plugins()
     factory = registries.training_engines.get(spec.engine)
-    return factory(role=spec.role, config=spec.engine_config, device=spec.device)  # type: ignore[no-any-return]
+    engine: TrainingEngine = factory(role=spec.role, config=spec.engine_config, device=spec.device)
+    return engine
 
 
 def _iteration(batch: Batch) -> int | None:

@@ -6,7 +6,7 @@ training engine and the rollout engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -59,8 +59,8 @@ def build_model(spec: ModelSpec, *, role: str, attn_implementation: str = "sdpa"
     """
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    transformers.utils.logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # unannotated in transformers
     if role not in _AUTO_CLASS:
         raise ConfigError(f"unknown role {role!r}; expected one of {sorted(_AUTO_CLASS)}")
     auto_class = getattr(transformers, _AUTO_CLASS[role])
@@ -72,7 +72,7 @@ def build_model(spec: ModelSpec, *, role: str, attn_implementation: str = "sdpa"
     else:
         model = auto_class.from_config(config, dtype=dtype)
     model.config.use_cache = False
-    return model
+    return cast(nn.Module, model)  # auto_class is looked up by name, so typed Any
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,11 @@ from hybridflow_fsdp.distributed import (
 from hybridflow_fsdp.fast_decode import build_lean_decoder
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from hybridflow.resharding import ReshardPlan
 
 __all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "TRAINABLE_ROLES"]
 
@@ -65,7 +71,8 @@ class FSDPTrainingEngine:
         attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
         model = build_model(config.model, role=role, attn_implementation=attn_implementation)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
-            model.gradient_checkpointing_enable()
+            hf_model = cast("PreTrainedModel", model)
+            hf_model.gradient_checkpointing_enable()  # type: ignore[no-untyped-call]  # unannotated in transformers
         self.trainable = role in TRAINABLE_ROLES
         if not self.trainable:
             model.requires_grad_(False)
@@ -75,6 +82,7 @@ class FSDPTrainingEngine:
         self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision) if self.sharded
                       else model)
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
+        self._handover_plan: ReshardPlan | None = None  # built by handover.reshard_generation_weights on first use
         self.lean = None
         if (not self.sharded and role in ("actor", "reference") and not config.gradient_checkpointing
                 and config.extra.get("lean_forward", True)):
@@ -203,7 +211,7 @@ class FSDPTrainingEngine:
                                            LOSS_SCALE_TOKENS: global_tokens / self.world_size})
                 outputs = self._forward_outputs(micro, with_entropy=with_entropy)
                 loss, metrics = loss_fn(outputs, micro)
-                loss.backward()
+                torch.autograd.backward(loss)  # Tensor.backward without its stub gap (it is unannotated)
                 weight = len(micro) / len(mini)  # metrics are micro-batch means; the loss is already a share
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 for key, value in metrics.items():
@@ -211,7 +219,7 @@ class FSDPTrainingEngine:
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip_and_step()
             steps += 1
         metrics = {key: value / steps for key, value in totals.items()}
-        metrics.update(lr=self.scheduler.get_last_lr()[0], optimizer_steps=float(steps))
+        metrics.update(lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=float(steps))
         return metrics
 
     def _clip_and_step(self) -> float:
@@ -259,7 +267,8 @@ class FSDPTrainingEngine:
 
     def release(self) -> None:
         """Drop the model and optimizer (the process group stays, it belongs to the worker)."""
-        self.model = None  # type: ignore[assignment]
+        if hasattr(self, "model"):
+            del self.model  # a released engine holds no model; a later call fails on the missing attribute
         self.lean = None
         self.optimizer = None
         self.scheduler = None

@@ -108,7 +108,7 @@ def _install_rng_tracker() -> None:
 
     base = megatron_random.CudaRNGStatesTracker
 
-    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]  # megatron-core is untyped: base is Any
         """Megatron's RNG tracker over the CPU default generator (forked states, same names and seeds)."""
 
         def add(self, name: str, seed: int) -> None:
@@ -150,7 +150,7 @@ def _patch_loaded_megatron_modules() -> int:
     for name, module in list(sys.modules.items()):
         if ((name == "megatron.core" or name.startswith("megatron.core.")) and module is not None
                 and getattr(module, "torch", None) is torch):
-            module.torch = _PROXY
+            vars(module)["torch"] = _PROXY
             patched += 1
     return patched
 
@@ -204,10 +204,11 @@ def cpu_tensor_methods() -> Iterator[None]:
             return "torch.cuda." + name[len("torch."):]
         return name
 
-    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    # replacing these torch methods is the point of the shim; their stub signatures are narrower than ours
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign, assignment]
     torch.Tensor.type = tensor_type  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
-        torch.Tensor.type = original_type  # type: ignore[method-assign]
+        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]  # restoring what the shim replaced
+        torch.Tensor.type = original_type  # type: ignore[method-assign]  # restoring what the shim replaced

@@ -166,7 +166,7 @@ class MegatronTrainingEngine:
             return model(input_ids, position_ids, attention_mask=mask), partial(loss_func, micro)
 
         schedule = get_forward_backward_func()
-        return schedule(
+        results: list[dict[str, Any]] = schedule(
             forward_step_func=forward_step,
             data_iterator=iter(micros),
             model=[self.model],
@@ -175,6 +175,7 @@ class MegatronTrainingEngine:
             micro_batch_size=len(micros[0]),
             forward_only=forward_only,
         )
+        return results
 
     def _broadcast_from_last_stage(self, value: Any) -> Any:
         """``value`` of the last pipeline stage, on every stage of this rank's pipeline (an object broadcast)."""
@@ -334,7 +335,7 @@ class MegatronTrainingEngine:
 
         factory = AutoModelForTokenClassification if self.role == "critic" else AutoModelForCausalLM
         with torch.device("meta"):
-            hf = factory.from_config(self.hf_config)
+            hf = factory.from_config(self.hf_config)  # type: ignore[no-untyped-call]  # transformers leaves from_config unannotated
         shapes = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
         if self.arch.tied_embeddings:
             shapes.pop("lm_head.weight", None)

@@ -129,12 +129,12 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     torch.manual_seed(spec.seed)
     if role == "critic":
         config.num_labels = 1
-        if spec.path is not None:
-            return AutoModelForTokenClassification.from_pretrained(spec.path, config=config, dtype=torch.float32)
-        return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    factory = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
     if spec.path is not None:
-        return AutoModelForCausalLM.from_pretrained(spec.path, config=config, dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model: torch.nn.Module = factory.from_pretrained(spec.path, config=config, dtype=torch.float32)
+    else:
+        model = factory.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # transformers leaves from_config unannotated
+    return model
 
 
 def build_transformer_config(hf_config: Any, *, arch: ArchInfo, placement: StagePlacement, dtype: str,

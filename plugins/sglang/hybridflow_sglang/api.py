@@ -119,7 +119,7 @@ class SGLangEngineLike(Protocol):
     """The methods of ``sglang.srt.entrypoints.engine.Engine`` the adapter calls (see :data:`API_USES`)."""
 
     def generate(self, *, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                 return_logprob: bool) -> list[dict[str, Any]]: ...
+                 return_logprob: bool) -> list[dict[str, Any]] | dict[str, Any]: ...  # a dict for one prompt
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], load_format: str | None = None,
                                    flush_cache: bool = True) -> Any: ...
