@@ -101,7 +101,7 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any)
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers leaves from_config unannotated
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # untyped in HF
     # written directly: save_pretrained writes only on rank 0 inside a torch.distributed world
     from safetensors.torch import save_file
 

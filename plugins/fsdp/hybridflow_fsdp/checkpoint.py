@@ -36,7 +36,7 @@ def _rng_state() -> dict[str, Any]:
     name, keys, position, has_gauss, cached = legacy_state
     numpy_state = [str(name), torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)]
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -81,8 +81,8 @@ class FSDPTrainingEngine:
         self.sharded = self.world_size > 1 or config.mixed_precision != "none" or bool(config.extra.get("fsdp_always"))
         self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision) if self.sharded
                       else model)
-        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
         self._handover_plan: ReshardPlan | None = None  # built by handover.reshard_generation_weights on first use
+        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
         self.lean = None
         if (not self.sharded and role in ("actor", "reference") and not config.gradient_checkpointing
                 and config.extra.get("lean_forward", True)):
@@ -211,7 +211,7 @@ class FSDPTrainingEngine:
                                            LOSS_SCALE_TOKENS: global_tokens / self.world_size})
                 outputs = self._forward_outputs(micro, with_entropy=with_entropy)
                 loss, metrics = loss_fn(outputs, micro)
-                torch.autograd.backward(loss)  # Tensor.backward without its stub gap (it is unannotated)
+                torch.autograd.backward(loss)  # = loss.backward(), which torch leaves unannotated
                 weight = len(micro) / len(mini)  # metrics are micro-batch means; the loss is already a share
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 for key, value in metrics.items():

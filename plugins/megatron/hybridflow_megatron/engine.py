@@ -335,7 +335,7 @@ class MegatronTrainingEngine:
 
         factory = AutoModelForTokenClassification if self.role == "critic" else AutoModelForCausalLM
         with torch.device("meta"):
-            hf = factory.from_config(self.hf_config)  # type: ignore[no-untyped-call]  # transformers leaves from_config unannotated
+            hf = factory.from_config(self.hf_config)  # type: ignore[no-untyped-call]  # untyped in HF
         shapes = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
         if self.arch.tied_embeddings:
             shapes.pop("lm_head.weight", None)

@@ -133,7 +133,7 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     if spec.path is not None:
         model: torch.nn.Module = factory.from_pretrained(spec.path, config=config, dtype=torch.float32)
     else:
-        model = factory.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # transformers leaves from_config unannotated
+        model = factory.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # untyped in HF
     return model
 
 
