@@ -19,12 +19,12 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import ray
+import torch
 
-from hybridflow.batch import Batch  # noqa: E402
-from hybridflow.controller import ResourcePool, Worker, WorkerGroup, init_ray, register  # noqa: E402
+from hybridflow.batch import Batch
+from hybridflow.controller import ResourcePool, Worker, WorkerGroup, init_ray, register
 
 COLUMNS = 1024
 

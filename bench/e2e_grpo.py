@@ -24,6 +24,7 @@ Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -83,7 +84,7 @@ def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
         shutdown_ray()
         if not args.keep_run_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return {"system": "hybridflow", "startup_s": startup_s, "step_s": [b - a for a, b in zip(ends, ends[1:])],
+    return {"system": "hybridflow", "startup_s": startup_s, "step_s": [b - a for a, b in itertools.pairwise(ends)],
             "tokens": tokens, "rewards": rewards,
             "config": {"workers": args.workers, "training_engine": config.actor.engine,
                        "rollout_engine": config.rollout.engine,

@@ -27,16 +27,16 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import yaml  # noqa: E402
+import yaml
 
-from hybridflow.placement import Workload, build_cluster, model_from_hf_config  # noqa: E402
-from hybridflow.placement.autoparallel import LayoutPlanner  # noqa: E402
-from hybridflow.placement.calibration import compare_nodes, fit_efficiency, fit_efficiency_to_runs  # noqa: E402
-from hybridflow.placement.dataflow import Dataflow, Stage, get_dataflow  # noqa: E402
-from hybridflow.placement.parallel import GenerationConfig, ParallelConfig  # noqa: E402
-from hybridflow.placement.profiles import Efficiency  # noqa: E402
-from hybridflow.placement.record import PlanInputs, PlanRecord, plan_inputs, retime_plan  # noqa: E402
-from hybridflow.placement.search import Plan, enumerate_allocations, set_partitions  # noqa: E402
+from hybridflow.placement import Workload, build_cluster, model_from_hf_config
+from hybridflow.placement.autoparallel import LayoutPlanner
+from hybridflow.placement.calibration import compare_nodes, fit_efficiency, fit_efficiency_to_runs
+from hybridflow.placement.dataflow import Dataflow, Stage, get_dataflow
+from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
+from hybridflow.placement.profiles import Efficiency
+from hybridflow.placement.record import PlanInputs, PlanRecord, plan_inputs, retime_plan
+from hybridflow.placement.search import Plan, enumerate_allocations, set_partitions
 
 ROLES = ("actor", "critic", "reference", "reward")
 SLOTS = 4

@@ -22,9 +22,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from hybridflow.resharding import (  # noqa: E402
+from hybridflow.resharding import (
     STRATEGIES,
     GenerationLayout,
     ModelLayout,
@@ -35,7 +35,7 @@ from hybridflow.resharding import (  # noqa: E402
     plan_reshard,
     tiny_llama_shapes,
 )
-from hybridflow.resharding.local_cluster import GlooCluster  # noqa: E402
+from hybridflow.resharding.local_cluster import GlooCluster
 
 HEADS, KV_HEADS, HIDDEN = 8, 4, 256
 SHAPES = tiny_llama_shapes(hidden=HIDDEN, intermediate=512, layers=4, num_heads=HEADS, num_kv_heads=KV_HEADS,

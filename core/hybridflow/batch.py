@@ -8,9 +8,9 @@ batch is split across ranks is the transfer protocols' business, not this module
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 import warnings
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -126,10 +126,11 @@ class Batch:
         return self.meta.get("iteration")
 
     def keys(self) -> list[str]:
-        return list(self.tensors.keys()) + list(self.non_tensors)
+        # the TensorDict is flat: str keys (tensordict's types allow nested tuple keys, which a Batch never has)
+        return cast(list[str], list(self.tensors.keys())) + list(self.non_tensors)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.tensors.keys() or key in self.non_tensors
+        return isinstance(key, str) and (key in self.tensors.keys() or key in self.non_tensors)
 
     def __getitem__(self, key: str) -> Any:
         if key in self.non_tensors:
@@ -150,7 +151,7 @@ class Batch:
 
     def nbytes(self) -> int:
         """Bytes held by tensor columns (what a transfer moves; object columns are not counted)."""
-        return int(sum(t.numel() * t.element_size() for t in self.tensors.values()))
+        return int(sum(t.numel() * t.element_size() for t in cast(Iterable[torch.Tensor], self.tensors.values())))
 
     def __repr__(self) -> str:
         cols = [f"{k}:{tuple(v.shape)}:{str(v.dtype).removeprefix('torch.')}" for k, v in self.tensors.items()]
@@ -158,7 +159,9 @@ class Batch:
         return f"Batch(len={len(self)}, columns=[{', '.join(cols)}], meta={self.meta})"
 
     # --- building -------------------------------------------------------------------------------------------
-    def _with(self, tensors: TensorDict, non_tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> Batch:
+    def _with(
+        self, tensors: TensorDict, non_tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None
+    ) -> Batch:
         return Batch(tensors, non_tensors, dict(self.meta) if meta is None else meta)
 
     def select(self, *keys: str) -> Batch:
@@ -166,7 +169,8 @@ class Batch:
         if missing:
             raise KeyError(f"Batch has no column(s) {missing}. Columns: {', '.join(self.keys())}.")
         tensor_keys = [k for k in keys if k in self.tensors.keys()]
-        return self._with(self.tensors.select(*tensor_keys), {k: self.non_tensors[k] for k in keys if k in self.non_tensors})
+        non_tensors = {k: self.non_tensors[k] for k in keys if k in self.non_tensors}
+        return self._with(self.tensors.select(*tensor_keys), non_tensors)
 
     def slice(self, start: int, stop: int) -> Batch:
         return self._with(self.tensors[start:stop], {k: v[start:stop] for k, v in self.non_tensors.items()})
@@ -242,7 +246,7 @@ class Batch:
             raise ValueError(f"cannot concatenate batches with different columns: {[sorted(k) for k in keys]}")
         if len(batches) == 1:
             return batches[0]
-        tensors = torch.cat([b.tensors for b in batches], dim=0)
+        tensors = cast(TensorDict, torch.cat([b.tensors for b in batches], dim=0))  # TensorDict's torch.cat
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in batches[0].non_tensors}
         meta = dict(batches[0].meta)
         meta.update(agreed)
@@ -257,7 +261,7 @@ class Batch:
         tensors.update(other.tensors)
         non_tensors = {**self.non_tensors, **other.non_tensors}
         for key in other.tensors.keys():
-            non_tensors.pop(key, None)
+            non_tensors.pop(cast(str, key), None)
         for key in other.non_tensors:
             if key in tensors.keys():
                 del tensors[key]
@@ -274,7 +278,7 @@ class Batch:
 
     # --- serialization --------------------------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
-        tensors = {key: _tensor_to_numpy(value) for key, value in self.tensors.items()}
+        tensors = {key: _tensor_to_numpy(cast(torch.Tensor, value)) for key, value in self.tensors.items()}
         return (_rebuild, (tensors, self.non_tensors, self.meta, len(self)))
 
     def equals(self, other: Batch) -> bool:

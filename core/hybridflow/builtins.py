@@ -12,7 +12,10 @@ from hybridflow.hookspecs import hookimpl
 
 @hookimpl
 def hybridflow_register_transfer_protocols(*, registry: Any) -> None:
-    """The built-in transfer protocols (``one_to_all``, ``dp_compute``, ``mesh``, ...); see :mod:`hybridflow.transfer`."""
+    """The built-in transfer protocols (``one_to_all``, ``dp_compute``, ``mesh``, ...).
+
+    See :mod:`hybridflow.transfer`.
+    """
     from hybridflow.transfer.builtin_protocols import BUILTIN_PROTOCOLS
 
     for name, protocol in BUILTIN_PROTOCOLS.items():

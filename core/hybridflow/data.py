@@ -35,7 +35,7 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
         if suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            rows = pq.read_table(path).to_pylist()
+            rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
         elif suffix in {".jsonl", ".json"}:
             rows = []
             with path.open(encoding="utf-8") as handle:
@@ -54,10 +54,12 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
         else:
             raise DatasetError(f"dataset file {path} has suffix {suffix or '(none)'}; expected .parquet or .jsonl")
     except UnicodeDecodeError as exc:
-        raise DatasetError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); re-encode it as UTF-8") from exc
+        raise DatasetError(
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); re-encode it as UTF-8"
+        ) from exc
     except DatasetError:
         raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a broken file
+    except Exception as exc:  # pyarrow raises many types for a broken file
         raise DatasetError(f"could not read {path}: {type(exc).__name__}: {exc}") from exc
     if not rows:
         raise DatasetError(f"dataset file {path} is empty; it needs at least one row with a `prompt` column")

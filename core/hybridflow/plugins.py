@@ -1,7 +1,10 @@
 """Plugin loading: a pluggy PluginManager over the ``hybridflow`` entry-point group, filling the registries.
 
 Nothing here runs at ``import hybridflow``; :func:`load_plugins` is called explicitly by the CLI, the trainer
-and each worker process. It knows nothing about any particular plugin.
+and each worker process. It knows nothing about any particular plugin. Entry points are read with the standard
+library's ``importlib.metadata`` (as pluggy's ``load_setuptools_entrypoints`` does; the ``entrypoints`` package is
+maintenance-only upstream and points to it), and each module is registered with pluggy here so that a failure
+stays one plugin's :class:`PluginLoadError` and disabled plugins are never imported.
 """
 
 from __future__ import annotations
@@ -91,7 +94,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
         return _manager
 
 
-def _register_module(manager: pluggy.PluginManager, module: ModuleType, *, name: str, owner: str) -> dict[str, list[str]]:
+def _register_module(
+    manager: pluggy.PluginManager, module: ModuleType, *, name: str, owner: str
+) -> dict[str, list[str]]:
     """Register a hook module with pluggy (validating it) and let it fill the registries as ``owner``.
 
     Registration hooks are historic, so each plugin's implementation is called once, when that plugin is

@@ -78,7 +78,8 @@ def resolve_reward_function(spec: str, *, key: str = "reward.function",
 
     get_plugin_manager()  # the core's own rewards are registered with the manager (no entry points loaded)
     try:
-        return registries.rewards.get(spec)  # type: ignore[no-any-return]
+        registered: RewardFunction = registries.rewards.get(spec)
+        return registered
     except KeyError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
 

@@ -16,7 +16,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.ya
 
 
 def test_example_loads_and_overrides_apply() -> None:
-    config = load_config(EXAMPLE, ["actor.optim.lr=1e-4", "rollout.engine=vllm", "resource_pools.main.devices_per_node=[4]"])
+    config = load_config(EXAMPLE, ["actor.optim.lr=1e-4", "rollout.engine=vllm",
+                                   "resource_pools.main.devices_per_node=[4]"])
     assert config.actor.optim.lr == 1e-4
     assert config.rollout.engine == "vllm"
     assert config.resource_pools["main"].world_size == 4
@@ -40,7 +41,7 @@ def test_errors_name_the_key_and_the_problem(override: str, key: str, expected: 
 
 
 def test_override_syntax_errors() -> None:
-    with pytest.raises(ConfigError, match="dotted.key=value"):
+    with pytest.raises(ConfigError, match=r"dotted\.key=value"):
         apply_overrides({}, ["actor.optim.lr"])
     with pytest.raises(ConfigError, match="is a value, not a section"):
         apply_overrides({"a": 1}, ["a.b=2"])

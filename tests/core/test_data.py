@@ -47,11 +47,11 @@ def test_dataset_errors_name_the_file_and_the_fix(tmp_path: Path, tokenizer) -> 
         load_rows(tmp_path / "missing.jsonl")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(DatasetError, match="empty.jsonl is empty"):
+    with pytest.raises(DatasetError, match=r"empty\.jsonl is empty"):
         load_rows(empty)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "1+1="}\n{not json\n')
-    with pytest.raises(DatasetError, match="broken.jsonl:2: not valid JSON"):
+    with pytest.raises(DatasetError, match=r"broken\.jsonl:2: not valid JSON"):
         load_rows(broken)
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
@@ -59,7 +59,7 @@ def test_dataset_errors_name_the_file_and_the_fix(tmp_path: Path, tokenizer) -> 
         load_rows(latin)
     with pytest.raises(DatasetError, match="lacks column"):
         PromptDataset.from_rows([{"question": "1+1="}], tokenizer, max_prompt_length=8)
-    with pytest.raises(DatasetError, match="more than data.max_prompt_length=3"):
+    with pytest.raises(DatasetError, match=r"more than data\.max_prompt_length=3"):
         PromptDataset.from_rows(ROWS, tokenizer, max_prompt_length=3)
 
 
@@ -91,7 +91,8 @@ def test_peek_returns_the_next_batch_without_advancing(tokenizer) -> None:
 def test_rewards_checked_and_resolved() -> None:
     assert score_arithmetic("12<junk", "12") == 1.0 and score_arithmetic("1", "12") == 0.25
     fn = resolve_reward_function("arithmetic")
-    assert compute_rule_rewards(fn, responses=["3", "x"], ground_truths=["3", "3"], data_sources=["a", "a"]) == [1.0, 0.0]
+    rewards = compute_rule_rewards(fn, responses=["3", "x"], ground_truths=["3", "3"], data_sources=["a", "a"])
+    assert rewards == [1.0, 0.0]
     with pytest.raises(RewardError, match="returned 1 scores for 2 responses"):
         compute_rule_rewards(lambda **k: [1.0], responses=["a", "b"], ground_truths=[0, 0], data_sources=["", ""])
     with pytest.raises(RewardError, match="non-finite"):

@@ -48,7 +48,8 @@ def make_plugin_dist(site: Path, name: str, source: str, *, version: str = "1.0"
 
 def make_broken_plugin(site: Path, *, name: str = "broken", import_error: str = "missing_backend_xyz") -> None:
     """A distribution whose plugin module fails to import (its backend is not installed)."""
-    make_plugin_dist(site, name, f"import {import_error}\n", version="0.3.1", extra_metadata="Provides-Extra: backend\n")
+    make_plugin_dist(site, name, f"import {import_error}\n", version="0.3.1",
+                     extra_metadata="Provides-Extra: backend\n")
 
 
 LOAD_AND_PRINT_ERROR = """

@@ -194,7 +194,7 @@ def test_bad_reward_function_is_a_reward_error_naming_it(case: tuple[object, int
     with pytest.raises(RewardError) as info:
         compute_rule_rewards(function, responses=["7"] * rows, ground_truths=["7"] * rows,  # type: ignore[arg-type]
                              data_sources=["t"] * rows)
-    assert_clean(info.value, getattr(function, "__qualname__"), expected)
+    assert_clean(info.value, function.__qualname__, expected)
 
 
 @settings(max_examples=10, **SETTINGS)

@@ -82,7 +82,7 @@ def test_flipped_byte_is_refused_naming_the_file(tmp_path: Path) -> None:
 def test_missing_file_and_corrupted_index_are_refused(tmp_path: Path) -> None:
     manager, path = _saved(tmp_path)
     (path / "actor" / "model.distcp").unlink()
-    with pytest.raises(CheckpointError, match="model.distcp is missing"):
+    with pytest.raises(CheckpointError, match=r"model\.distcp is missing"):
         manager.verify(path)
     (path / CHECKSUM_FILE).write_text("{not json")
     with pytest.raises(CheckpointError) as info:

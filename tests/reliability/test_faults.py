@@ -85,7 +85,7 @@ def test_fault_fires_once_per_run(tmp_path: Path) -> None:
     plan = FaultPlan.from_sources(["critic.values@2:raise:rank=1"], tmp_path, environ={})
     assert maybe_fail("critic.values", iteration=1, rank=1, plan=plan) is None   # wrong iteration
     assert maybe_fail("critic.values", iteration=2, rank=0, plan=plan) is None   # wrong rank
-    with pytest.raises(InjectedFault, match="critic.values@2"):
+    with pytest.raises(InjectedFault, match=r"critic\.values@2"):
         maybe_fail("critic.values", iteration=2, rank=1, plan=plan)
     assert maybe_fail("critic.values", iteration=2, rank=1, plan=plan) is None   # the marker says: fired
     assert plan.fired() == ["critic.values@2:raise:rank=1"]

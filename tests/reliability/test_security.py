@@ -3,7 +3,11 @@ of ``module:function`` reward functions."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,10 +79,8 @@ def test_fsdp_checkpoint_load_does_not_execute_pickled_code(tmp_path: Path) -> N
     with (directory / "engine_state_rank0.pt").open("wb") as handle:
         pickle.dump(_Payload(marker), handle)
     engine = SimpleNamespace(rank=0, world_size=1, role="actor")
-    try:
+    with contextlib.suppress(Exception):  # refusing the file is the expected outcome
         checkpoint.load(engine, str(directory))  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - refusing the file is the expected outcome
-        pass
     assert not marker.exists(), "loading a checkpoint executed code embedded in it"
 
 
@@ -97,3 +99,19 @@ def test_joining_a_remote_cluster_without_auth_is_refused(monkeypatch: pytest.Mo
         check_remote_address("203.0.113.7:6379", allow_without_auth=False)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     check_remote_address("203.0.113.7:6379", allow_without_auth=False)  # token auth on: allowed
+
+
+def test_init_ray_refuses_a_remote_cluster_without_auth() -> None:
+    """The call ``Trainer.start`` makes for ``ray.address`` checks authentication before joining (fresh process)."""
+    code = (
+        "from hybridflow.controller import init_ray\n"
+        "from hybridflow.errors import ConfigError\n"
+        "try:\n"
+        "    init_ray('203.0.113.7:6379', allow_remote_without_auth=False)\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert "refused:" in result.stdout and "allow_remote_without_auth" in result.stdout, result.stderr[-2000:]

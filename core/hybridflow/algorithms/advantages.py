@@ -158,7 +158,8 @@ def _group_index(groups: int | torch.Tensor, batch_size: int, device: torch.devi
             raise AlgorithmInputError(
                 f"group ids have shape {tuple(groups.shape)}, expected ({batch_size},): one id per row"
             )
-        return torch.unique(groups.to(device), return_inverse=True)[1]
+        inverse: torch.Tensor = torch.unique(groups.to(device), return_inverse=True)[1]
+        return inverse
     if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or batch_size % groups:
         raise ConfigError(
             f"samples per prompt n={groups!r} must be a positive int dividing the batch size {batch_size}; rows "

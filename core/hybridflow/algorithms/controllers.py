@@ -6,8 +6,8 @@ the episode cost and saving the state with the checkpoint are left to the driver
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from hybridflow.errors import CheckpointError, ConfigError

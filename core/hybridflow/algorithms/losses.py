@@ -30,9 +30,9 @@ Padding rows (``is_padding``, from ``Batch.chunk(pad=True)``) and masked tokens 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-import math
 from typing import Any, Literal
 
 import torch
@@ -292,7 +292,8 @@ def _column(micro_batch: Batch, key: str, why: str) -> torch.Tensor:
             f'the micro-batch has no column "{key}" ({why}); columns: {", ".join(micro_batch.keys())}. '
             f"Add it in the driver before calling train_step."
         )
-    return micro_batch.tensors[key]
+    column: torch.Tensor = micro_batch.tensors[key]
+    return column
 
 
 def _output(outputs: Mapping[str, torch.Tensor], key: str, why: str) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from hybridflow.batch import Batch, check_versions
+from hybridflow.batch import check_versions
 from hybridflow.controller.host import FetchArg, RankResult
 from hybridflow.controller.records import CallRecord, notify_observers
 from hybridflow.controller.watchdog import raise_deadline_exceeded

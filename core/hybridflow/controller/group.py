@@ -6,6 +6,7 @@ collected value or a ``BatchFuture``; what the roles compute, and when to restar
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import time
@@ -28,6 +29,9 @@ from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError, UnknownNameError, WorkerError
 from hybridflow.transfer import get_protocol
 from hybridflow.transfer.protocol import TransferContext
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 __all__ = ["WorkerGroup", "RoleHandle", "BoundMethod"]
 
@@ -143,7 +147,9 @@ class WorkerGroup:
             if not isinstance(cls, type):
                 raise ConfigError(f'role "{role}" must be a class, got {type(cls).__name__}')
             for method in _registered_methods(cls):
-                get_protocol(dispatch_of(getattr(cls, method)).protocol)  # unknown protocol fails here, listing known
+                dispatch = dispatch_of(getattr(cls, method))
+                if dispatch is not None:  # always: _registered_methods lists the registered methods
+                    get_protocol(dispatch.protocol)  # unknown protocol fails here, listing known
         if deadline_s <= 0:
             raise ConfigError(f"deadline_s must be positive seconds, got {deadline_s}")
         self._overrides = _protocol_overrides(roles, protocols or {})
@@ -171,7 +177,8 @@ class WorkerGroup:
 
     def _start(self) -> None:
         slots = self.pool.slots()
-        self._hosts = [WorkerHost.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
+        actor_class = cast("ActorClass[WorkerHost]", WorkerHost)  # @ray.remote made it one; mypy keeps the class
+        self._hosts = [actor_class.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
                        for slot in slots]
         self._mesh = {}
         started = time.time()
@@ -218,10 +225,8 @@ class WorkerGroup:
         """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""
         self._ahead.clear()
         for host in self._hosts:
-            try:
+            with contextlib.suppress(RayError):
                 ray.kill(host, no_restart=True)
-            except RayError:
-                pass
         self._hosts = []
 
     def restart(self) -> None:
@@ -389,7 +394,8 @@ class WorkerGroup:
         return future.get() if dispatch.blocking else future
 
     def __repr__(self) -> str:
-        return f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, alive={bool(self._hosts)})"
+        return (f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, "
+                f"alive={bool(self._hosts)})")
 
 
 def _settle(value: Any) -> Any:

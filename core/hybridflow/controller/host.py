@@ -138,7 +138,9 @@ def _strip_padding(output: Any, padding_rows: int, input_rows: int) -> Any:
     )
 
 
-@ray.remote(concurrency_groups={"control": 1, "transfer": 2}, max_restarts=0)
+@ray.remote(  # type: ignore[call-overload]  # ray's keyword overload lists task options only, not actor options
+    concurrency_groups={"control": 1, "transfer": 2}, max_restarts=0
+)
 class WorkerHost:
     """One slot: the colocated role instances of a group, sharing this process."""
 
@@ -156,7 +158,7 @@ class WorkerHost:
 
     def reserve_master_address(self, loopback: bool) -> tuple[str, int]:
         """This node's IP (127.0.0.1 on a single-machine Ray) and a free TCP port, for rank 0's rendezvous."""
-        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # ray
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((address, 0))
             return address, int(sock.getsockname()[1])

@@ -60,7 +60,9 @@ class ResourcePool:
         if device not in ("cpu", "cuda"):
             raise ConfigError(f'device must be "cpu" or "cuda", got {device!r}')
         if cpus_per_worker <= 0 or max_colocated <= 0:
-            raise ConfigError(f"cpus_per_worker and max_colocated must be positive, got {cpus_per_worker}, {max_colocated}")
+            raise ConfigError(
+                f"cpus_per_worker and max_colocated must be positive, got {cpus_per_worker}, {max_colocated}"
+            )
         self.name = name
         self.devices_per_node = tuple(counts)
         self.device = device
@@ -74,7 +76,7 @@ class ResourcePool:
                                                                strategy=strategy, name=f"hybridflow-{name}")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
         if not ready:
-            available = ray.available_resources()
+            available = ray.available_resources()  # type: ignore[no-untyped-call]  # unannotated in ray
             remove_placement_group(self.placement_group)
             raise PlacementError(
                 f'ResourcePool "{name}": expected {self.world_size} bundles of {bundle} within {ready_timeout_s}s, got '

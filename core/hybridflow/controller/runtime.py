@@ -44,7 +44,7 @@ def init_ray(
     ``allow_remote_without_auth`` (``ray.allow_remote_without_auth`` in the config) is set.
     """
     if ray.is_initialized():
-        return dict(ray.cluster_resources())
+        return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # unannotated in ray
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RAY_DEDUP_LOGS": "0"}
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
@@ -85,7 +85,7 @@ def init_ray(
             "an explicit address otherwise."
         ) from exc
     _local = address is None
-    return dict(ray.cluster_resources())
+    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # unannotated in ray
 
 
 def shutdown_ray() -> None:

@@ -6,7 +6,7 @@ Stability: experimental.
 
 from __future__ import annotations
 
-from hybridflow.placement.advisor import RemapCosts, Recommendation, advise_remap
+from hybridflow.placement.advisor import Recommendation, RemapCosts, advise_remap
 from hybridflow.placement.calibration import compare_nodes, fit_efficiency, fit_efficiency_to_runs, read_ledger
 from hybridflow.placement.cost_model import CostModel, cost_models, lookup_cost_models
 from hybridflow.placement.dataflow import ALGORITHMS, Dataflow, Stage, Workload, get_dataflow

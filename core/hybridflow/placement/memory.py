@@ -17,7 +17,8 @@ from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
 from hybridflow.placement.profiles import Cluster
 
 __all__ = ["MemoryFloor", "OPTIMIZER_BYTES_PER_PARAMETER", "state_bytes", "train_bytes_per_device",
-           "infer_bytes_per_device", "resident_bytes_per_device", "generation_kv_budget", "compute_memory_floor", "memory_shares"]
+           "infer_bytes_per_device", "resident_bytes_per_device", "generation_kv_budget", "compute_memory_floor",
+           "memory_shares"]
 
 OPTIMIZER_BYTES_PER_PARAMETER = 12  # fp32 master weights + Adam first and second moments
 

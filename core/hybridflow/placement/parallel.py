@@ -81,10 +81,11 @@ def divisors(n: int) -> tuple[int, ...]:
 
 def enumerate_parallel_configs(model: ModelSpec, devices: int, *, max_tensor: int, max_data: int
                                ) -> list[ParallelConfig]:
-    """All p·t·d == ``devices`` with t dividing the KV heads (capped at ``max_tensor``), p ≤ layers, d ≤ ``max_data``."""
+    """All p·t·d == ``devices`` with t dividing the KV heads (capped at ``max_tensor``), p ≤ layers,
+    d ≤ ``max_data``."""
     configs = []
     for tensor in divisors(devices):
-        if tensor > max_tensor or model.num_kv_heads % tensor and tensor % model.num_kv_heads:
+        if tensor > max_tensor or (model.num_kv_heads % tensor and tensor % model.num_kv_heads):
             continue
         if model.num_heads % tensor:
             continue

@@ -21,7 +21,8 @@ from hybridflow.placement.profiles import Cluster, DeviceProfile, Efficiency, In
 from hybridflow.placement.search import Placement, Plan, schedule_dataflow
 from hybridflow.placement.simulator import Simulator
 
-__all__ = ["PlanInputs", "PlanRecord", "save_plan_record", "load_plan_record", "retime_plan", "plan_inputs", "PLAN_FILE"]
+__all__ = ["PlanInputs", "PlanRecord", "save_plan_record", "load_plan_record", "retime_plan", "plan_inputs",
+           "PLAN_FILE"]
 
 PLAN_FILE = "plan.json"
 

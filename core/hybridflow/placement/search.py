@@ -142,7 +142,8 @@ def _layout_set(planner: LayoutPlanner, group: tuple[str, ...], devices: int, us
     """
     dataflow, models = planner.dataflow, planner.models
     shares = memory_shares(group, models, dataflow)
-    proportional: dict[str, RoleLayout] | None = {}
+    chosen: dict[str, RoleLayout] = {}
+    proportional: dict[str, RoleLayout] | None = chosen
     reason = ""
     for role in group:
         layout = planner.best_layout(role, devices, usable_bytes * shares[role])
@@ -151,7 +152,7 @@ def _layout_set(planner: LayoutPlanner, group: tuple[str, ...], devices: int, us
                       f"{usable_bytes * shares[role] / 1e9:.1f} GB per device")
             proportional = None
             break
-        proportional[role] = layout  # type: ignore[index]
+        chosen[role] = layout
     greedy = _layout_set_greedy(planner, group, devices, usable_bytes)
     feasible = [c for c in (proportional, greedy) if c is not None]
     if not feasible:

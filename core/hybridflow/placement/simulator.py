@@ -51,7 +51,7 @@ class Simulator:
                                            cluster=self.cluster, sequences=sequences)
             if value is not None:
                 return value
-        w, p, t, d = self.workload, parallel.pipeline, parallel.tensor, parallel.data
+        w, p, d = self.workload, parallel.pipeline, parallel.data
         steps = w.ppo_epochs * w.mini_batches
         tokens = sequences * w.sequence_length * w.ppo_epochs
         tokens_per_step_device = tokens / steps / parallel.world_size

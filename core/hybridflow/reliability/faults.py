@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from hybridflow.errors import ConfigError, HybridflowError
 
@@ -96,7 +96,8 @@ def parse_fault_specs(text: str | list[str] | tuple[str, ...]) -> tuple[FaultSpe
                 rank = int(option.removeprefix("rank="))
             else:
                 action = option
-        specs.append(FaultSpec(point=match["point"], iteration=int(match["iteration"]), action=action,  # type: ignore[arg-type]
+        # FaultSpec.__post_init__ rejects an unknown action with the valid ones
+        specs.append(FaultSpec(point=match["point"], iteration=int(match["iteration"]), action=cast(Action, action),
                                rank=rank))
     return tuple(specs)
 
@@ -166,8 +167,10 @@ def arm(plan: FaultPlan | str | None) -> FaultPlan:
     global _armed
     if plan is None:
         _armed = FaultPlan()
+    elif isinstance(plan, str):
+        _armed = FaultPlan.from_json(plan)
     else:
-        _armed = FaultPlan.from_json(plan) if isinstance(plan, str) else plan
+        _armed = plan
     return _armed
 
 

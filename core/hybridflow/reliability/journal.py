@@ -52,12 +52,11 @@ def _materialize(value: Any) -> Any:
 
 def _still_valid(result: Any) -> bool:
     """A future that already failed is not reusable (one still running, or done fine, is)."""
-    if hasattr(result, "done") and hasattr(result, "wait") and not isinstance(result, Batch):
-        if result.done():
-            try:
-                result.wait(timeout=0)
-            except Exception:  # noqa: BLE001 - any failure of the producing call means: redo it
-                return False
+    if hasattr(result, "done") and hasattr(result, "wait") and not isinstance(result, Batch) and result.done():
+        try:
+            result.wait(timeout=0)
+        except Exception:  # noqa: BLE001 - any failure of the producing call means: redo it
+            return False
     return True
 
 

@@ -80,7 +80,7 @@ def assign_minimal(
             touching = [(h, box, hit) for h, box in all_sources if (hit := intersect_boxes(target, box)) is not None]
             cuts = _cuts(target, [hit for _, _, hit in touching])
             chosen: dict[tuple[int, int], list[Box]] = {}
-            for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+            for cell in itertools.product(*[list(itertools.pairwise(c)) for c in cuts]):
                 if any(_contains(box, cell) for box in held):
                     continue
                 candidates = [

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from hybridflow.errors import LayoutError
-from hybridflow.resharding.layout import GenerationLayout, ParallelLayout
+from hybridflow.resharding.layout import GenerationLayout, MeshAxis, ParallelLayout
 from hybridflow.resharding.specs import FusedLayout, Mesh, ModelLayout, ParamShardSpec
 
 __all__ = ["ParamKind", "PARAM_KINDS", "classify_llama_param", "build_fsdp_layout", "build_tensor_parallel_layout",
@@ -152,7 +152,9 @@ def build_tensor_parallel_layout(
     if mesh is None:
         mesh = ParallelLayout(pipeline=pipeline, tensor=tensor, data=data)
     elif (tensor, pipeline, data) != (1, 1, 1):
-        raise LayoutError("pass either mesh=... or tensor/pipeline/data sizes to build_tensor_parallel_layout, not both.")
+        raise LayoutError(
+            "pass either mesh=... or tensor/pipeline/data sizes to build_tensor_parallel_layout, not both."
+        )
     shapes = {name: tuple(shape) for name, shape in named_shapes.items()}
     layers = [int(m.group(1)) for name in shapes if (m := _LAYER.search(name)) is not None]
     num_layers = max(layers) + 1 if layers else 1
@@ -163,13 +165,13 @@ def build_tensor_parallel_layout(
         kind = kinds.get(name) or classify_llama_param(name)
         if kind not in PARAM_KINDS:
             raise LayoutError(f"unknown kind {kind!r} for {name!r}; known: {PARAM_KINDS}.")
-        splits: tuple[tuple[int, str], ...] = ()
+        splits: tuple[tuple[int, MeshAxis], ...] = ()
         if kind in ("column", "vocab"):
             splits = ((0, "tensor"),)
         elif kind == "row":
             splits = ((1, "tensor"),)
         params[name] = ParamShardSpec(
-            name=name, shape=shape, dtype=dtype, splits=splits, fused=fused,  # type: ignore[arg-type]
+            name=name, shape=shape, dtype=dtype, splits=splits, fused=fused,
             pipeline_stage=_stage_of(name, num_layers, stages),
         )
     return ModelLayout(mesh=mesh, params=params)

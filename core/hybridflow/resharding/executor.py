@@ -227,7 +227,7 @@ class _Prepared:
         if self.collective:
             assert self.flat is not None
             members, me = len(op.ranks), op.ranks.index(rank)
-            slots = list(self.flat.split(self.flat.numel() // members))
+            slots = list(torch.split(self.flat, self.flat.numel() // members))
             own = slots[me].clone() if device.type == "cuda" else slots[me]
             dist.all_gather(slots, own, group=_subgroup(group, op.ranks))
             for index, segments in enumerate(op.contributions):

@@ -108,9 +108,10 @@ class ParallelLayout:
 
     def rank(self, *, pipeline: int = 0, tensor: int = 0, data: int = 0) -> int:
         """Rank at the given coordinates."""
-        for axis, value in (("pipeline", pipeline), ("tensor", tensor), ("data", data)):
-            if not 0 <= value < self.axis_size(axis):  # type: ignore[arg-type]
-                raise LayoutError(f"{axis} coordinate must be in [0, {self.axis_size(axis)}); got {value}.")  # type: ignore[arg-type]
+        coordinates: tuple[tuple[MeshAxis, int], ...] = (("pipeline", pipeline), ("tensor", tensor), ("data", data))
+        for axis, value in coordinates:
+            if not 0 <= value < self.axis_size(axis):
+                raise LayoutError(f"{axis} coordinate must be in [0, {self.axis_size(axis)}); got {value}.")
         return (data * self.pipeline + pipeline) * self.tensor + tensor
 
     def axis_index(self, rank: int, axis: MeshAxis) -> int:
@@ -256,7 +257,7 @@ class GenerationLayout:
             c = self.coords(rank)
             values = {"pipeline": c.pipeline, "tensor": c.tensor, "data": c.data, "replica": c.replica}
             if key == "micro_data":
-                label = (c.replica, c.pipeline, c.tensor)
+                label: tuple[int, ...] = (c.replica, c.pipeline, c.tensor)
             else:
                 label = tuple(v for name, v in values.items() if name not in (key, "replica"))
             buckets.setdefault(label, []).append(rank)

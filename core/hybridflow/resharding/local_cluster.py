@@ -6,6 +6,7 @@ knows nothing about resharding. Stability: developer.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import socket
@@ -41,7 +42,7 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any, timeout: 
                                 timeout=timedelta(seconds=60))
         # Prefix groups {0..w-1} let a function run on fewer ranks; new_group is collective, so all create them.
         prefixes = {w: dist.new_group(ranks=list(range(w))) for w in range(2, world)}
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - forwarded to the parent, which raises it
         outbox.put((rank, False, traceback.format_exc()))
         return
     outbox.put((rank, True, "ready"))
@@ -58,7 +59,7 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any, timeout: 
                 group = None if size == world else prefixes.get(size)
                 result = fn(rank, size, group, *args)
             outbox.put((rank, True, result))
-        except BaseException:  # report everything to the parent, which raises it
+        except BaseException:  # noqa: BLE001 - report everything to the parent, which raises it
             outbox.put((rank, False, traceback.format_exc()))
         faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
@@ -79,7 +80,8 @@ class GlooCluster:
         self._inboxes = [context.Queue() for _ in range(world)]
         port = free_port()
         self._procs = [
-            context.Process(target=_worker, args=(rank, world, port, self._inboxes[rank], self._outbox, timeout), daemon=True)
+            context.Process(target=_worker, args=(rank, world, port, self._inboxes[rank], self._outbox, timeout),
+                            daemon=True)
             for rank in range(world)
         ]
         for proc in self._procs:
@@ -124,10 +126,8 @@ class GlooCluster:
     def close(self) -> None:
         """Stop the workers (killing any that do not exit within a few seconds)."""
         for inbox in self._inboxes:
-            try:
+            with contextlib.suppress(Exception):  # a closed queue means the worker is gone already
                 inbox.put(None)
-            except Exception:  # noqa: BLE001 - a closed queue means the worker is gone already
-                pass
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():

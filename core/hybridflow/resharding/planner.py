@@ -308,7 +308,9 @@ def plan_reshard(
     elif strategy == "per_tensor_allgather":
         groups = [[name] for name in names]
     else:
-        groups, current, cost = [], [], defaultdict(int)
+        current: list[str] = []
+        cost: defaultdict[int, int] = defaultdict(int)
+        groups = []
         for name in names:
             if current and any(cost[r] + value > bucket_bytes for r, value in costs[name].items()):
                 groups.append(current)

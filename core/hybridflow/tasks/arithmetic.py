@@ -1,5 +1,6 @@
 """The arithmetic task: prompts ``"a+b="`` and a rule-based reward (1.0 when the response starts with the exact
-sum, partial credit for correct leading digits). It makes data and scores text; tokenising and batching are :mod:`hybridflow.data`'s job.
+sum, partial credit for correct leading digits). It makes data and scores text; tokenising and batching are
+:mod:`hybridflow.data`'s job.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ PARTIAL_CREDIT = 0.5
 _LEADING_INTEGER = re.compile(r"-?\d+")
 
 
-def make_arithmetic_rows(*, num_rows: int, max_operand: int = 99, seed: int = 0, operators: str = "+") -> list[dict[str, Any]]:
+def make_arithmetic_rows(
+    *, num_rows: int, max_operand: int = 99, seed: int = 0, operators: str = "+"
+) -> list[dict[str, Any]]:
     """Rows in verl's layout: ``prompt`` text, ``data_source``, ``reward_model.ground_truth``, ``extra_info``."""
     rng = random.Random(seed)
     rows = []

@@ -36,7 +36,7 @@ def build_char_tokenizer() -> Any:
     vocab = {token: index for index, token in enumerate(CHAR_VOCAB)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", ignore_merges=True))
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__ in transformers
         tokenizer_object=core,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -101,7 +101,7 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any)
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # untyped in HF
     # written directly: save_pretrained writes only on rank 0 inside a torch.distributed world
     from safetensors.torch import save_file
 

@@ -112,4 +112,5 @@ class CheckpointManager:
             if _sha256(file) != expected:
                 raise CheckpointError(f"checkpoint file {file} is corrupted (checksum mismatch); delete {path} "
                                       "to resume from an earlier checkpoint")
-        return json.loads((path / TRAINER_STATE_FILE).read_text())  # type: ignore[no-any-return]
+        state: dict[str, Any] = json.loads((path / TRAINER_STATE_FILE).read_text())
+        return state

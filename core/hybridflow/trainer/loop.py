@@ -160,7 +160,9 @@ class Trainer:
 
         def write_workers(path: str) -> None:
             for role in groups.role_pool:
-                groups.role(role).save_checkpoint(path)
+                handle = groups.role(role)
+                assert handle is not None  # role_pool lists the hosted roles
+                handle.save_checkpoint(path)
 
         return self.checkpoints.save(self.step, write_workers, self._trainer_state(),
                                      before_publish=self.supervisor.before_publish(self.step))
@@ -179,7 +181,9 @@ class Trainer:
         state = self.checkpoints.verify(latest)
         assert self.groups is not None
         for role in self.groups.role_pool:
-            self.groups.role(role).load_checkpoint(str(latest))
+            handle = self.groups.role(role)
+            assert handle is not None  # role_pool lists the hosted roles
+            handle.load_checkpoint(str(latest))
         self._load_trainer_state(state)
         self.step = int(state["step"])
         self.ledger.truncate_after(self.step - 1)
@@ -226,7 +230,9 @@ class Trainer:
                 pass
         assert self.groups is not None
         role = next(r for r, p in self.groups.role_pool.items() if p == pool)
-        return sum(stats["rss_bytes"] for stats in self.groups.role(role).process_stats())
+        handle = self.groups.role(role)
+        assert handle is not None  # role_pool lists the hosted roles
+        return sum(stats["rss_bytes"] for stats in handle.process_stats())
 
     # --- lookahead ----------------------------------------------------------------------------------------
     def _lookahead_allowed(self) -> bool:
@@ -279,7 +285,7 @@ class Trainer:
         start = time.perf_counter()
         self._in_step = True
         try:
-            metrics = self.algorithm.step(runtime, prompts)
+            metrics: dict[str, float] = self.algorithm.step(runtime, prompts)
         except BaseException:
             self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
             raise

@@ -39,7 +39,9 @@ class OneToAll:
 
     concatenates = False
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         return [RankInput(args=args, kwargs=dict(kwargs)) for _ in range(context.world_size)]
 
     def collect_ranks(self, context: TransferContext) -> list[int]:
@@ -54,17 +56,21 @@ class AllToAll:
 
     concatenates = False
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         world = context.world_size
         for name, value in [*enumerate(args), *kwargs.items()]:
             if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or len(value) != world:
-                got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, Sequence) else type(value).__name__
+                got = (f"{type(value).__name__} of length {len(value)}" if isinstance(value, Sequence)
+                       else type(value).__name__)
                 raise ConfigError(
                     f"protocol all_to_all needs every argument of {context.role}.{context.method} to be a list of "
                     f"{world} items (one per rank); argument {name!r} is a {got}. Fix: pass one item per rank"
                 )
         return [
-            RankInput(args=tuple(value[rank] for value in args), kwargs={key: value[rank] for key, value in kwargs.items()})
+            RankInput(args=tuple(value[rank] for value in args),
+                      kwargs={key: value[rank] for key, value in kwargs.items()})
             for rank in range(world)
         ]
 
@@ -115,7 +121,9 @@ class DataParallelCompute:
     def __init__(self, *, pad: bool = False) -> None:
         self.pad = pad
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         world = context.world_size
         return _distribute_over_dp(args, kwargs, list(range(world)), world, self.pad)
 
@@ -131,7 +139,9 @@ class RankZero:
 
     concatenates = True
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         return [RankInput(args=args, kwargs=dict(kwargs))] + [None] * (context.world_size - 1)
 
     def collect_ranks(self, context: TransferContext) -> list[int]:
@@ -171,7 +181,9 @@ class Mesh:
             )
         return dp_size, [rank for _, rank in collectors]
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         dp_size, _ = self._validated(context)
         return _distribute_over_dp(args, kwargs, [info.dp_rank for info in context.mesh], dp_size, self.pad)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -66,11 +67,12 @@ def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _concat_column(tensors: list[torch.Tensor]) -> torch.Tensor:
-    arrays = [_as_numpy(tensor) for tensor in tensors]
-    if any(array is None for array in arrays) or len({t.dtype for t in tensors}) != 1 or \
+    maybe_arrays = [_as_numpy(tensor) for tensor in tensors]
+    arrays = [array for array in maybe_arrays if array is not None]
+    if len(arrays) != len(maybe_arrays) or len({t.dtype for t in tensors}) != 1 or \
             len({tuple(t.shape[1:]) for t in tensors}) != 1:
         return torch.cat(tensors, dim=0)
-    result = torch.from_numpy(_concat_arrays(arrays))  # type: ignore[arg-type]
+    result = torch.from_numpy(_concat_arrays(arrays))
     return result.view(torch.bfloat16) if tensors[0].dtype == torch.bfloat16 else result
 
 
@@ -83,6 +85,7 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     if any(k != keys[0] for k in keys):
         raise ValueError(f"cannot concatenate batches with different columns: {[sorted(k) for k in keys]}")
     first = batches[0]
-    tensors = {key: _concat_column([batch.tensors[key] for batch in batches]) for key in first.tensors.keys()}
+    tensors = {cast(str, key): _concat_column([batch.tensors[key] for batch in batches])
+               for key in first.tensors.keys()}
     non_tensors = {key: np.concatenate([batch.non_tensors[key] for batch in batches]) for key in first.non_tensors}
     return Batch(tensors, non_tensors, {**first.meta, **agreed}, batch_size=sum(len(batch) for batch in batches))

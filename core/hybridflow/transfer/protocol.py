@@ -99,7 +99,9 @@ class TransferProtocol(Protocol):
 
     concatenates: bool
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         ...
 
     def collect_ranks(self, context: TransferContext) -> list[int]:

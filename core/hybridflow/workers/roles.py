@@ -3,8 +3,8 @@
 A worker owns engines built from the registries inside its process; it knows nothing about which plugin supplied
 them. Training-engine methods use protocol ``mesh`` (data to data-parallel groups, replicated inside tensor and
 pipeline groups, collected from the ranks the engine marks); ``generate`` uses ``dp_compute`` because every rank is
-its own generation replica (tg = 1). The actor worker is the hybrid engine: it trains and generates on the same ranks and hands its weights from
-the training layout to the rollout engine in place before each generation.
+its own generation replica (tg = 1). The actor worker is the hybrid engine: it trains and generates on the same
+ranks and hands its weights from the training layout to the rollout engine in place before each generation.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _build_training_engine(spec: RoleSpec) -> TrainingEngine:
     torch.set_num_threads(spec.threads)
     load_plugins()
     factory = registries.training_engines.get(spec.engine)
-    return factory(role=spec.role, config=spec.engine_config, device=spec.device)  # type: ignore[no-any-return]
+    engine: TrainingEngine = factory(role=spec.role, config=spec.engine_config, device=spec.device)
+    return engine
 
 
 def _iteration(batch: Batch) -> int | None:
@@ -160,8 +161,8 @@ class ActorRolloutWorker(_TrainingRole):
         if self._asleep:  # only what this worker put to sleep is woken (engines may refuse waking an awake engine)
             self.rollout.wake()
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank)
-        self.rollout.update_weights(self.engine.generation_weights(target=getattr(self.rollout, "weights_target", "hf")),
-                                    version=self.policy_version)
+        target = getattr(self.rollout, "weights_target", "hf")
+        self.rollout.update_weights(self.engine.generation_weights(target=target), version=self.policy_version)
         stats = getattr(self.engine, "last_handover_stats", None)
         self.handover["seconds"] += time.perf_counter() - start
         self.handover["bytes_received"] += int(getattr(stats, "bytes_received", 0) or 0)

@@ -10,7 +10,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,8 @@ import torch.distributed as dist
 from hybridflow.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
 __all__ = ["save", "load", "export_hf", "TOKENIZER_FILES"]
@@ -30,10 +32,11 @@ _EXTRA = "engine_state_rank{rank}.pt"
 
 def _rng_state() -> dict[str, Any]:
     """Every RNG state as tensors and plain Python values, so the file loads with ``weights_only=True``."""
-    name, keys, position, has_gauss, cached = np.random.get_state()
+    legacy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    name, keys, position, has_gauss, cached = legacy_state
     numpy_state = [str(name), torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)]
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -59,14 +62,14 @@ def _state_dicts(engine: FSDPTrainingEngine) -> dict[str, Any]:
 
 def save(engine: FSDPTrainingEngine, path: str) -> None:
     """Write ``path`` (a directory) atomically: into ``path.tmp`` first, renamed by rank 0 once every rank is done."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save as save_distributed
 
     final, staging = Path(path), Path(f"{path}.tmp")
     if engine.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state_dicts(engine), checkpoint_id=str(staging))
+    save_distributed(_state_dicts(engine), checkpoint_id=str(staging))
     extra = {
         "world_size": engine.world_size,
         "role": engine.role,
@@ -85,8 +88,8 @@ def save(engine: FSDPTrainingEngine, path: str) -> None:
 
 def load(engine: FSDPTrainingEngine, path: str) -> None:
     """Restore what :func:`save` wrote; the world size and role must match the saving run."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as load_distributed
 
     directory = Path(path)
     extra_file = directory / _EXTRA.format(rank=engine.rank)
@@ -99,7 +102,7 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
     try:
         # weights_only: a checkpoint file is data, never code (a tampered pickle must not execute on load)
         extra = torch.load(extra_file, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not ours or is corrupted
+    except Exception as exc:  # any unpickling failure means the file is not ours or is corrupted
         raise CheckpointError(f"checkpoint file {extra_file} could not be loaded safely ({type(exc).__name__}: "
                               f"{exc}); it is corrupted or was not written by hybridflow-fsdp") from exc
     if extra["world_size"] != engine.world_size or extra["role"] != engine.role:
@@ -108,7 +111,7 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
             f"{engine.role} on {engine.world_size} ranks. Resume with the same role and world size."
         )
     state = _state_dicts(engine)
-    dcp.load(state, checkpoint_id=str(directory))
+    load_distributed(state, checkpoint_id=str(directory))
     set_model_state_dict(engine.model, state["model"])
     if engine.optimizer is not None:
         set_optimizer_state_dict(engine.model, engine.optimizer, state["optimizer"])
@@ -135,16 +138,16 @@ def export_hf(engine: FSDPTrainingEngine, path: str) -> None:
     if engine.rank == 0:
         directory = Path(path)
         directory.mkdir(parents=True, exist_ok=True)
-        config = engine.model.config
+        config = cast("PretrainedConfig", engine.model.config)
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         config.architectures = [_unwrapped_class_name(engine.model)]
         config.save_pretrained(directory)
-        save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
+        tensors = {name: cast(torch.Tensor, tensor).contiguous() for name, tensor in state.items()}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         source = engine.config.model.path
         for name in TOKENIZER_FILES if source else ():
-            if (Path(source) / name).exists():
+            if source and (Path(source) / name).exists():
                 shutil.copy2(Path(source) / name, directory / name)
     del state
     dist.barrier()

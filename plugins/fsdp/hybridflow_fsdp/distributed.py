@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_fsdp.models import transformer_blocks
 
 __all__ = ["ensure_process_group", "build_data_parallel_mesh", "apply_fsdp", "find_free_port"]

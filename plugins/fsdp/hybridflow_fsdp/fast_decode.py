@@ -8,7 +8,8 @@ models it does not recognise (other architectures, sliding windows, non-default 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,49 @@ from torch import nn
 __all__ = ["LeanDecoder", "build_lean_decoder", "lean_decoder_unsupported_reason"]
 
 _ARCHITECTURES = ("qwen2", "llama")
+
+
+# The attributes this forward reads from an HF Llama/Qwen2 model (torch types submodule attributes as
+# ``Tensor | Module``); :func:`lean_decoder_unsupported_reason` checks the architecture before the cast.
+class _Linear(Protocol):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class _Norm(Protocol):
+    weight: torch.Tensor
+
+
+class _Attention(Protocol):
+    q_proj: _Linear
+    k_proj: _Linear
+    v_proj: _Linear
+    o_proj: _Linear
+
+
+class _Mlp(Protocol):
+    gate_proj: _Linear
+    up_proj: _Linear
+    down_proj: _Linear
+
+
+class _DecoderLayer(Protocol):
+    self_attn: _Attention
+    mlp: _Mlp
+    input_layernorm: _Norm
+    post_attention_layernorm: _Norm
+
+
+class _Backbone(Protocol):
+    embed_tokens: _Norm
+    layers: list[_DecoderLayer]
+    norm: _Norm
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _CausalLM(Protocol):
+    model: _Backbone
+    lm_head: _Linear
 
 
 def lean_decoder_unsupported_reason(model: nn.Module) -> str | None:
@@ -52,7 +96,8 @@ class LeanDecoder:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         config: Any = model.config
         self.model = model
-        self.layers = list(model.model.layers)  # type: ignore[union-attr]
+        self._hf = cast(_CausalLM, model)
+        self.layers = list(self._hf.model.layers)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
@@ -68,7 +113,7 @@ class LeanDecoder:
         self._length = self._prompt_width = 0
 
     # --- pieces ---------------------------------------------------------------------------------------------------
-    def _norm(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, module: _Norm) -> torch.Tensor:
         weight = module.weight
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -81,7 +126,7 @@ class LeanDecoder:
         HF's ``x·cos + rotate_half(x)·sin``, so the same rounding."""
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
-    def _layer(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _layer(self, layer: _DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """One decoder layer over whole sequences (no cache; gradients flow)."""
         rows, width, _ = h.shape
@@ -102,7 +147,7 @@ class LeanDecoder:
                             mlp.down_proj.bias)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        backbone = self.model.model  # type: ignore[union-attr]
+        backbone = self._hf.model
         h = F.embedding(input_ids, backbone.embed_tokens.weight)
         cos = self._cos[positions].unsqueeze(1).to(h.dtype)
         sin = self._sin[positions].unsqueeze(1).to(h.dtype)
@@ -111,15 +156,15 @@ class LeanDecoder:
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        head = self.model.lm_head  # type: ignore[union-attr]
-        return F.linear(self._norm(h, self.model.model.norm), head.weight, head.bias)  # type: ignore[union-attr]
+        head = self._hf.lm_head
+        return F.linear(self._norm(h, self._hf.model.norm), head.weight, head.bias)
 
     def _rope_tables(self, length: int, device: torch.device) -> None:
         if self._cos.shape[0] >= length and self._cos.device == device:
             return
         with torch.inference_mode(False):  # kept across calls: ordinary tensors even when made during generation
             reference = torch.empty(0, dtype=torch.float32, device=device)
-            rotary = self.model.model.rotary_emb  # type: ignore[union-attr]
+            rotary = self._hf.model.rotary_emb
             cos, sin = rotary(reference, torch.arange(length, device=device).unsqueeze(0))
             half = sin.shape[-1] // 2  # sin stored signed: its first half negated (rotate_half folded in)
             self._cos, self._sin = cos[0].clone(), torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
@@ -168,7 +213,7 @@ class LeanDecoder:
         ids = torch.cat((input_ids[unique_rows, :prompt_width].reshape(-1), input_ids[:, prompt_width:].reshape(-1)))
         positions = torch.cat((position_ids[unique_rows, :prompt_width].reshape(-1),
                                position_ids[:, prompt_width:].reshape(-1)))
-        embedding = self.model.model.embed_tokens.weight  # type: ignore[union-attr]
+        embedding = self._hf.model.embed_tokens.weight
         h = F.embedding(ids, embedding)
         cos = self._cos[positions].unsqueeze(1).to(h.dtype)  # [N, 1, D]
         sin = self._sin[positions].unsqueeze(1).to(h.dtype)
@@ -183,17 +228,17 @@ class LeanDecoder:
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
             x = self._norm(h, layer.input_layernorm)
+            biases = [m.bias for m in (attention.q_proj, attention.k_proj, attention.v_proj) if m.bias is not None]
             qkv = F.linear(x, torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)),
-                           None if attention.q_proj.bias is None else
-                           torch.cat((attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias)))
+                           torch.cat(biases) if biases else None)
             # split (one backward cat per split) rather than slices (a zero-filled gradient per slice)
-            qk, v = qkv.split(((heads + kv_heads) * dim, kv_heads * dim), dim=-1)
+            qk, v = torch.split(qkv, [(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
             qk = qk.view(-1, heads + kv_heads, dim)
             qk = self._rope(qk, cos, sin)
-            qk_p, qk_r = qk.split((prompt_tokens, rows * responses))
-            v_p, v_r = v.split((prompt_tokens, rows * responses))
-            q_p, k_p = qk_p.split((heads, kv_heads), dim=1)
-            q_r, k_r = qk_r.split((heads, kv_heads), dim=1)
+            qk_p, qk_r = torch.split(qk, [prompt_tokens, rows * responses])
+            v_p, v_r = torch.split(v, [prompt_tokens, rows * responses])
+            q_p, k_p = torch.split(qk_p, [heads, kv_heads], dim=1)
+            q_r, k_r = torch.split(qk_r, [heads, kv_heads], dim=1)
             q_p = q_p.view(prompts, prompt_width, heads, dim).transpose(1, 2)
             k_p = k_p.view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
             v_p = v_p.view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
@@ -212,7 +257,7 @@ class LeanDecoder:
             up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
             h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         # the last prompt position predicts the first response token; response positions predict the rest
-        h_p, h_r = h.split((prompt_tokens, rows * responses))
+        h_p, h_r = torch.split(h, [prompt_tokens, rows * responses])
         first = self._logits(h_p.view(prompts, prompt_width, -1)[:, -1])[owner].unsqueeze(1)
         rest = self._logits(h_r.view(rows, responses, -1)[:, :-1])
         return torch.cat((first, rest), dim=1)
@@ -230,7 +275,7 @@ class LeanDecoder:
         """
         rows, width = input_ids.shape
         total = width + max_new_tokens
-        backbone = self.model.model  # type: ignore[union-attr]
+        backbone = self._hf.model
         parameter = backbone.embed_tokens.weight
         dtype, device = parameter.dtype, parameter.device
         self._k = [torch.empty(rows * repeats, self.num_kv_heads, total, self.head_dim, dtype=dtype, device=device)
@@ -285,7 +330,7 @@ class LeanDecoder:
         weight that precedes them folded in (``norm(x)·g @ Wᵀ = norm(x) @ (W·g)ᵀ``), and direct references to the
         rest, so a decode step does no module attribute lookups."""
 
-        def joined(norm: nn.Module, *modules: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def joined(norm: _Norm, *modules: _Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([m.weight for m in modules])
             weight = (weight.float() * norm.weight.float()).to(weight.dtype)
             if all(m.bias is None for m in modules):
@@ -307,7 +352,7 @@ class LeanDecoder:
                                  (attention.o_proj.weight, attention.o_proj.bias),
                                  joined(layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj),
                                  (mlp.down_proj.weight, mlp.down_proj.bias)))
-        backbone, head = self.model.model, self.model.lm_head  # type: ignore[union-attr]
+        backbone, head = self._hf.model, self._hf.lm_head
         self._embedding = backbone.embed_tokens.weight
         self._head = joined(backbone.norm, head)
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from hybridflow.batch import Batch
 from hybridflow.errors import EngineError
-
 from hybridflow_fsdp.models import compute_position_ids
 
 __all__ = [
@@ -66,7 +65,7 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 def response_logits(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
     """Logits that predict each response token: positions ``T-R-1 .. T-2`` of the causal LM output, [B, R, V]."""
     length = response_length(batch)
-    logits = model(**model_inputs(batch, device), use_cache=False).logits
+    logits: torch.Tensor = model(**model_inputs(batch, device), use_cache=False).logits
     return logits[:, -length - 1 : -1, :]
 
 

@@ -6,7 +6,7 @@ training engine and the rollout engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -51,15 +51,16 @@ def build_hf_config(spec: ModelSpec, *, role: str, attn_implementation: str = "s
 
 
 def build_model(spec: ModelSpec, *, role: str, attn_implementation: str = "sdpa") -> nn.Module:
-    """The model of ``role`` on CPU in ``spec.dtype``: loaded from ``spec.path`` or randomly initialised with ``spec.seed``.
+    """The model of ``role`` on CPU in ``spec.dtype``: loaded from ``spec.path`` or randomly initialised from
+    ``spec.seed``.
 
     A critic or reward model loaded from a causal-LM directory keeps the backbone and gets a fresh 1-output
     ``score`` head (initialised from ``spec.seed``), which is how a critic starts from the actor's weights.
     """
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    transformers.utils.logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # unannotated in transformers
     if role not in _AUTO_CLASS:
         raise ConfigError(f"unknown role {role!r}; expected one of {sorted(_AUTO_CLASS)}")
     auto_class = getattr(transformers, _AUTO_CLASS[role])
@@ -71,7 +72,7 @@ def build_model(spec: ModelSpec, *, role: str, attn_implementation: str = "sdpa"
     else:
         model = auto_class.from_config(config, dtype=dtype)
     model.config.use_cache = False
-    return model
+    return cast(nn.Module, model)  # auto_class is looked up by name, so typed Any
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -80,8 +81,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     layers = getattr(backbone, "layers", None) if backbone is not None else None
     if layers is None:
         raise ConfigError(
-            f"cannot find decoder layers on {type(model).__name__}: expected `.{getattr(model, 'base_model_prefix', 'model')}"
-            ".layers` as in Llama/Qwen2/Mistral HF models; other architectures need their own wrap policy"
+            f"cannot find decoder layers on {type(model).__name__}: expected "
+            f"`.{getattr(model, 'base_model_prefix', 'model')}.layers` as in Llama/Qwen2/Mistral HF models; "
+            "other architectures need their own wrap policy"
         )
     return list(layers)
 

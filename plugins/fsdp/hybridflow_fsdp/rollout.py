@@ -15,7 +15,6 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_fsdp.fast_decode import build_lean_decoder
 from hybridflow_fsdp.forward import require_columns
 from hybridflow_fsdp.models import build_model, compute_position_ids

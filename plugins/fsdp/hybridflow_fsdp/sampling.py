@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from hybridflow.engines import SamplingParams
-
 from hybridflow_fsdp.fast_decode import LeanDecoder
 from hybridflow_fsdp.models import compute_position_ids
 
@@ -44,7 +43,9 @@ def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Te
     return logits
 
 
-def pick_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token per row and its log-prob under the raw (untempered, unfiltered) distribution."""
     logits = logits.float()
     raw_log_probs = torch.log_softmax(logits, dim=-1)

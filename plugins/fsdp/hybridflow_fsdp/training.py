@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,6 @@ import torch.distributed as dist
 from hybridflow.batch import Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_fsdp import checkpoint, forward, handover
 from hybridflow_fsdp.distributed import (
     apply_fsdp,
@@ -27,6 +26,11 @@ from hybridflow_fsdp.distributed import (
 from hybridflow_fsdp.fast_decode import build_lean_decoder
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from hybridflow.resharding import ReshardPlan
 
 __all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "TRAINABLE_ROLES"]
 
@@ -59,11 +63,13 @@ class FSDPTrainingEngine:
         if config.parallel.tensor_parallel_size != 1 or config.parallel.pipeline_parallel_size != 1:
             raise ConfigError(
                 f"the fsdp engine shards over data-parallel ranks only; got tensor_parallel_size="
-                f"{config.parallel.tensor_parallel_size}, pipeline_parallel_size={config.parallel.pipeline_parallel_size}."
+                f"{config.parallel.tensor_parallel_size}, "
+                f"pipeline_parallel_size={config.parallel.pipeline_parallel_size}."
                 " Use the megatron engine for tensor/pipeline parallelism."
             )
         self.mesh = build_data_parallel_mesh(device, self.world_size)
-        model = build_model(config.model, role=role, attn_implementation=str(config.extra.get("attn_implementation", "sdpa")))
+        attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
+        model = build_model(config.model, role=role, attn_implementation=attn_implementation)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
             # decoder layers recompute their forward in backward (transformers >= 5 names it activation checkpointing)
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -76,6 +82,7 @@ class FSDPTrainingEngine:
         self.sharded = self.world_size > 1 or config.mixed_precision != "none" or bool(config.extra.get("fsdp_always"))
         self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision) if self.sharded
                       else model)
+        self._handover_plan: ReshardPlan | None = None  # built by handover.reshard_generation_weights on first use
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
         self.lean = None
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
@@ -135,7 +142,10 @@ class FSDPTrainingEngine:
         return Batch({c: t.clone() for c, t in merged.items()}, meta=batch.meta, batch_size=len(batch))
 
     def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
-        """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""
+        """``log_probs`` [B, R] (and ``entropy``) of ``responses``.
+
+        Returns only the new columns, with ``batch.meta``.
+        """
         self._check_role("compute_log_probs", ("actor", "reference"))
         forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
         columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)
@@ -203,7 +213,7 @@ class FSDPTrainingEngine:
                                            LOSS_SCALE_TOKENS: global_tokens / self.world_size})
                 outputs = self._forward_outputs(micro, with_entropy=with_entropy)
                 loss, metrics = loss_fn(outputs, micro)
-                loss.backward()
+                torch.autograd.backward(loss)  # = loss.backward(), which torch leaves unannotated
                 weight = len(micro) / len(mini)  # metrics are micro-batch means; the loss is already a share
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 for key, value in metrics.items():
@@ -211,7 +221,7 @@ class FSDPTrainingEngine:
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip_and_step()
             steps += 1
         metrics = {key: value / steps for key, value in totals.items()}
-        metrics.update(lr=self.scheduler.get_last_lr()[0], optimizer_steps=float(steps))
+        metrics.update(lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=float(steps))
         return metrics
 
     def _clip_and_step(self) -> float:
@@ -259,7 +269,8 @@ class FSDPTrainingEngine:
 
     def release(self) -> None:
         """Drop the model and optimizer (the process group stays, it belongs to the worker)."""
-        self.model = None  # type: ignore[assignment]
+        if hasattr(self, "model"):
+            del self.model  # a released engine holds no model; a later call fails on the missing attribute
         self.lean = None
         self.optimizer = None
         self.scheduler = None

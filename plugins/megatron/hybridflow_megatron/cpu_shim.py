@@ -108,7 +108,7 @@ def _install_rng_tracker() -> None:
 
     base = megatron_random.CudaRNGStatesTracker
 
-    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]  # megatron-core is untyped: base is Any
         """Megatron's RNG tracker over the CPU default generator (forked states, same names and seeds)."""
 
         def add(self, name: str, seed: int) -> None:
@@ -148,10 +148,10 @@ def _patch_loaded_megatron_modules() -> int:
         _PROXY = _CpuTorch()
     patched = 0
     for name, module in list(sys.modules.items()):
-        if (name == "megatron.core" or name.startswith("megatron.core.")) and module is not None:
-            if getattr(module, "torch", None) is torch:
-                module.torch = _PROXY
-                patched += 1
+        if ((name == "megatron.core" or name.startswith("megatron.core.")) and module is not None
+                and getattr(module, "torch", None) is torch):
+            vars(module)["torch"] = _PROXY
+            patched += 1
     return patched
 
 
@@ -164,10 +164,11 @@ def activate_cpu_shim(device: str) -> bool:
     global _active
     if device != "cpu":
         return False
-    import megatron.core.models.gpt.gpt_model  # noqa: F401  (import the modules the engine uses before patching)
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    # import the modules the engine uses before patching
+    import megatron.core.distributed
+    import megatron.core.models.gpt.gpt_model
+    import megatron.core.optimizer
+    import megatron.core.pipeline_parallel.schedules
     import megatron.core.tensor_parallel  # noqa: F401
 
     _patch_loaded_megatron_modules()
@@ -203,10 +204,11 @@ def cpu_tensor_methods() -> Iterator[None]:
             return "torch.cuda." + name[len("torch."):]
         return name
 
-    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    # replacing these torch methods is the point of the shim; their stub signatures are narrower than ours
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign, assignment]
     torch.Tensor.type = tensor_type  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
-        torch.Tensor.type = original_type  # type: ignore[method-assign]
+        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]  # restoring what the shim replaced
+        torch.Tensor.type = original_type  # type: ignore[method-assign]  # restoring what the shim replaced

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_megatron import cpu_shim, handover, persist
 from hybridflow_megatron.model import VALUE_HEAD_ROLES, build_stage, ensure_parallel_state
 from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
@@ -184,7 +183,7 @@ class MegatronTrainingEngine:
             return model(input_ids, position_ids, attention_mask=mask), partial(loss_func, micro)
 
         schedule = get_forward_backward_func()
-        return schedule(
+        results: list[dict[str, Any]] = schedule(
             forward_step_func=forward_step,
             data_iterator=iter(micros),
             model=[self.model],
@@ -193,6 +192,7 @@ class MegatronTrainingEngine:
             micro_batch_size=len(micros[0]),
             forward_only=forward_only,
         )
+        return results
 
     def _broadcast_from_last_stage(self, value: Any) -> Any:
         """``value`` of the last pipeline stage, on every stage of this rank's pipeline (an object broadcast)."""
@@ -221,7 +221,10 @@ class MegatronTrainingEngine:
         return Batch(result, meta=batch.meta, batch_size=len(batch))
 
     def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
-        """``log_probs`` [B, R] (and ``entropy``) of ``responses``; returns only the new columns, with ``batch.meta``."""
+        """``log_probs`` [B, R] (and ``entropy``) of ``responses``.
+
+        Returns only the new columns, with ``batch.meta``.
+        """
         self._check_role("compute_log_probs", ("actor", "reference"))
         _require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
         columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)
@@ -352,7 +355,7 @@ class MegatronTrainingEngine:
 
         factory = AutoModelForTokenClassification if self.role in VALUE_HEAD_ROLES else AutoModelForCausalLM
         with torch.device("meta"):
-            hf = factory.from_config(self.hf_config)
+            hf = factory.from_config(self.hf_config)  # type: ignore[no-untyped-call]  # untyped in HF
         shapes = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
         if self.arch.tied_embeddings:
             shapes.pop("lm_head.weight", None)

@@ -1,4 +1,6 @@
-"""Assemble full HF-named weights on every rank from megatron shards: all-gather over tensor ranks, broadcast over stages.
+"""Assemble full HF-named weights on every rank from megatron shards.
+
+All-gather over tensor ranks, broadcast over stages.
 
 It is the HF export's source and the handover's fallback for a vocabulary megatron padded for tensor parallelism;
 every other handover goes through the core reshard planner (:mod:`hybridflow_megatron.handover`).

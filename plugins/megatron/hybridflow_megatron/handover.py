@@ -21,6 +21,7 @@ from hybridflow.errors import ConfigError, EngineError
 from hybridflow.resharding import (
     GenerationLayout,
     ModelLayout,
+    ParallelLayout,
     ReshardPlan,
     build_tensor_parallel_layout,
     execute_reshard,
@@ -96,7 +97,10 @@ class WeightHandover:
         source = self.source_layout()
         shapes = {name: shape for name, (shape, _) in source.canonical_shapes().items()}
         dtype = next(iter(source.params.values())).dtype
-        mesh = GenerationLayout(tensor=tensor, pipeline=pipeline, training=source.mesh)  # type: ignore[arg-type]
+        if not isinstance(source.mesh, ParallelLayout):
+            raise EngineError(f"the megatron source layout must sit on a training mesh (ParallelLayout), got "
+                              f"{type(source.mesh).__name__}")
+        mesh = GenerationLayout(tensor=tensor, pipeline=pipeline, training=source.mesh)
         return build_tensor_parallel_layout(shapes, mesh=mesh, dtype=dtype)
 
     def plan_for(self, target: ModelLayout) -> ReshardPlan:

@@ -15,9 +15,7 @@ import torch.distributed as dist
 
 from hybridflow.engines import ModelSpec, ParallelConfig
 from hybridflow.errors import ConfigError, EngineError
-
 from hybridflow_megatron import cpu_shim
-from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 from hybridflow_megatron.convert import (
     ArchInfo,
     ShardPosition,
@@ -25,6 +23,7 @@ from hybridflow_megatron.convert import (
     read_arch_info,
     tensor_parallel_dim,
 )
+from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 
 __all__ = ["StagePlacement", "ValueHead", "VALUE_HEAD_ROLES", "ensure_parallel_state", "destroy_parallel_state",
            "build_hf_model", "build_transformer_config", "build_stage"]
@@ -135,12 +134,12 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     torch.manual_seed(spec.seed)
     if role in VALUE_HEAD_ROLES:
         config.num_labels = 1
-        if spec.path is not None:
-            return AutoModelForTokenClassification.from_pretrained(spec.path, config=config, dtype=torch.float32)
-        return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    factory = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
     if spec.path is not None:
-        return AutoModelForCausalLM.from_pretrained(spec.path, config=config, dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model: torch.nn.Module = factory.from_pretrained(spec.path, config=config, dtype=torch.float32)
+    else:
+        model = factory.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # untyped in HF
+    return model
 
 
 def build_transformer_config(hf_config: Any, *, arch: ArchInfo, placement: StagePlacement, dtype: str,

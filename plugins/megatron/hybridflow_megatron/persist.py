@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import CheckpointError
-
 from hybridflow_megatron import gather
 from hybridflow_megatron.model import VALUE_HEAD_ROLES
 
@@ -86,7 +85,7 @@ def load(engine: Any, path: str) -> None:
                               "Export to HF (export_hf) and build the new layout from that directory instead.")
     try:  # weights_only: a checkpoint file is data, never code
         state = torch.load(_rank_file(root), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable file is corrupted or not ours
+    except Exception as exc:  # an unpicklable file is corrupted or not ours
         raise CheckpointError(f"checkpoint file {_rank_file(root)} could not be loaded safely "
                               f"({type(exc).__name__}: {exc})") from exc
     with torch.no_grad():

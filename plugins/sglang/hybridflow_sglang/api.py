@@ -103,7 +103,8 @@ API_USES: tuple[ApiUse, ...] = (
     ApiUse(module="sglang.srt.sampling.sampling_params", owner="SamplingParams", member=None,
            keywords=SAMPLING_PARAM_NAMES),
     ApiUse(module="sglang.srt.constants", owner=None, member=None,
-           keywords=(f"GPU_MEMORY_TYPE_KV_CACHE={MEMORY_TAG_KV_CACHE}", f"GPU_MEMORY_TYPE_WEIGHTS={MEMORY_TAG_WEIGHTS}")),
+           keywords=(f"GPU_MEMORY_TYPE_KV_CACHE={MEMORY_TAG_KV_CACHE}",
+                     f"GPU_MEMORY_TYPE_WEIGHTS={MEMORY_TAG_WEIGHTS}")),
     ApiUse(module="sglang.srt.managers.tokenizer_manager", owner="<strings>", member=None,
            keywords=("output_ids", "meta_info", "output_token_logprobs", "finish_reason")),
     ApiUse(module="sglang.srt.layers.sampler", owner="<strings>", member=None, keywords=(ORIGINAL_LOGPROB_ENV,)),
@@ -119,7 +120,7 @@ class SGLangEngineLike(Protocol):
     """The methods of ``sglang.srt.entrypoints.engine.Engine`` the adapter calls (see :data:`API_USES`)."""
 
     def generate(self, *, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                 return_logprob: bool) -> list[dict[str, Any]]: ...
+                 return_logprob: bool) -> list[dict[str, Any]] | dict[str, Any]: ...  # a dict for one prompt
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], load_format: str | None = None,
                                    flush_cache: bool = True) -> Any: ...

@@ -13,7 +13,6 @@ from typing import Any
 
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError
-
 from hybridflow_sglang.api import MEMORY_TAG_KV_CACHE, MEMORY_TAG_WEIGHTS
 
 __all__ = ["SUPPORTED_DEVICES", "SGLangOptions", "build_sampling_params", "build_server_args", "derive_sample_seed",
@@ -141,7 +140,9 @@ def derive_sample_seed(seed: int, row: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def build_sampling_params(sampling: SamplingParams, *, rows: int, eos_token_id: int) -> dict[str, Any] | list[dict[str, Any]]:
+def build_sampling_params(
+    sampling: SamplingParams, *, rows: int, eos_token_id: int
+) -> dict[str, Any] | list[dict[str, Any]]:
     """SGLang ``sampling_params`` for ``rows`` prompts.
 
     Unseeded: one dict with ``n`` (sglang expands each prompt into n samples, prompt-major). Seeded: the caller has

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from hybridflow.errors import EngineError
-
 from hybridflow_sglang.api import load_sglang_backend
 from hybridflow_sglang.engine import WeightSpec, iter_weight_buckets
 

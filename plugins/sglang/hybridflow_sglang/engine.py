@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError, EngineError, VersionMismatchError
-
 from hybridflow_sglang.api import (
     MEMORY_TAG_WEIGHTS,
     ORIGINAL_LOGPROB_ENV,
@@ -190,14 +189,17 @@ class SGLangRolloutEngine:
 
     def update_weights_per_rank(self, shards: Sequence[Mapping[str, torch.Tensor]], *, version: int) -> None:
         """Load already resharded weights: ``shards[r]`` holds TP rank ``r``'s local tensors in sglang's own
-        parameter names (fused ``qkv_proj`` / ``gate_up_proj``, see :func:`hybridflow_sglang.layout.build_sglang_layout`).
+        parameter names (fused ``qkv_proj`` / ``gate_up_proj``, see
+        :func:`hybridflow_sglang.layout.build_sglang_layout`).
 
         Each rank receives only its own shard (``LocalSerializedTensor``) and copies it into the parameter of the
         same name (``load_format="direct"``); tensors should live on that rank's GPU (CUDA IPC, no copy).
         """
         tp_size = self.config.tensor_parallel_size
         if len(shards) != tp_size:
-            raise EngineError(f"update_weights_per_rank expects one shard dict per TP rank ({tp_size}), got {len(shards)}.")
+            raise EngineError(
+                f"update_weights_per_rank expects one shard dict per TP rank ({tp_size}), got {len(shards)}."
+            )
         names = list(shards[0])
         for rank, shard in enumerate(shards[1:], start=1):
             if list(shard) != names:
@@ -228,7 +230,9 @@ class SGLangRolloutEngine:
         """
         expected = 1 + self.config.tensor_parallel_size
         if world_size != expected:
-            raise ConfigError(f"weight update group world_size must be 1 trainer + tp_size = {expected}, got {world_size}")
+            raise ConfigError(
+                f"weight update group world_size must be 1 trainer + tp_size = {expected}, got {world_size}"
+            )
         result = self._engine.init_weights_update_group(
             master_address=master_address, master_port=master_port, rank_offset=1, world_size=world_size,
             group_name=group_name, backend=backend,

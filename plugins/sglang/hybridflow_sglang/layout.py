@@ -4,8 +4,9 @@ hold them.
 
 It only names shards (via :func:`hybridflow.resharding.builders.build_tensor_parallel_layout`); moving bytes is the
 reshard executor's job. Known gaps: sglang pads vocab-parallel rows (embedding, lm_head) to a multiple of 64 per
-rank (even at tp 1) and replicates KV heads when ``num_kv_heads < tp_size``; neither is expressible here, so such models raise
-:class:`~hybridflow.errors.LayoutError` and use the full-weights path (``update_weights``). Stability: public.
+rank (even at tp 1) and replicates KV heads when ``num_kv_heads < tp_size``; neither is expressible here, so such
+models raise :class:`~hybridflow.errors.LayoutError` and use the full-weights path (``update_weights``).
+Stability: public.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import importlib.util
 from typing import Any
 
 from hybridflow.hookspecs import hookimpl
-
 from hybridflow_sglang.api import SGLANG_CHECKED_VERSION
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -238,7 +238,7 @@ class VllmRolloutEngine:
             response_length=response_length,
             pad_token_id=self.config.pad_token_id,
         )
-        tensors = {key: repeated.tensors[key] for key in repeated.tensors.keys()}
+        tensors = {cast(str, key): repeated.tensors[key] for key in repeated.tensors.keys()}
         tensors.update(columns)
         meta = dict(batch.meta)
         meta["policy_version"] = self._version

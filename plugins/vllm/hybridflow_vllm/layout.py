@@ -59,9 +59,7 @@ def build_vllm_layout(
     shapes = dict(named_shapes)
     if model_config.get("tie_word_embeddings"):
         shapes.pop("lm_head.weight", None)  # vLLM shares embed_tokens; there is no separate lm_head to fill
-    sizes: dict[str, int] = {} if mesh is not None else {
-        "tensor": tensor_parallel_size, "pipeline": pipeline_parallel_size,
-    }
     return build_tensor_parallel_layout(
-        shapes, mesh=mesh, dtype=dtype, fuse_attention=(num_heads, num_kv_heads, head_dim), fuse_mlp=True, **sizes,
+        shapes, mesh=mesh, dtype=dtype, fuse_attention=(num_heads, num_kv_heads, head_dim), fuse_mlp=True,
+        tensor=tensor_parallel_size if mesh is None else 1, pipeline=pipeline_parallel_size if mesh is None else 1,
     )

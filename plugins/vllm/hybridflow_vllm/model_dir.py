@@ -45,7 +45,8 @@ def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirector
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+        dtype = getattr(torch, spec.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]  # untyped in HF
         # Not model.save_pretrained: under torch.distributed it writes on rank 0 only, and every rank builds its
         # own engine from its own directory.
         config.save_pretrained(holder.name)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings, strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridflow.algorithms.advantages import (
     AlgorithmInputError,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
-from hypothesis import given, settings, strategies as st
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridflow.algorithms.controllers import (
     AdaptiveKLController,
@@ -57,7 +59,7 @@ def test_lagrange_multiplier_rises_while_cost_exceeds_limit():
 def test_lagrange_multiplier_falls_to_exactly_zero_and_stays_there():
     multiplier = LagrangeMultiplier(cost_limit=0.5, lr=0.1, init_value=1.0)
     values = [multiplier.update(-1.0) for _ in range(10)]
-    assert all(a > b for a, b in zip(values[:6], values[1:7]))
+    assert all(a > b for a, b in itertools.pairwise(values[:7]))
     assert values[-1] == 0.0 and min(values) >= 0.0
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridflow.algorithms.advantages import AlgorithmInputError
 from hybridflow.algorithms.losses import (
@@ -182,7 +183,7 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss(seed, rows, loss_agg, dat
 
 
 def test_padded_chunks_contribute_nothing():
-    batch, log_probs, entropy, _ = make_batch(5, 5, 4)
+    batch, log_probs, _entropy, _ = make_batch(5, 5, 4)
     batch["response_mask"][0, 0] = 1  # at least one token
     actor = make_actor_loss_fn(PolicyLossConfig(kl_loss_coef=0.1))
     full, _ = actor({"log_probs": log_probs}, batch)

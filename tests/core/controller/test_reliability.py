@@ -31,7 +31,9 @@ class ReversedDataParallel:
 
     concatenates = True
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         chunks = args[0].chunk(context.world_size)
         return [RankInput(args=(chunks[context.world_size - 1 - rank],)) for rank in range(context.world_size)]
 
@@ -47,7 +49,9 @@ class LastRankOnly:
 
     concatenates = True
 
-    def distribute(self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext) -> list[RankInput | None]:
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
         return [None] * (context.world_size - 1) + [RankInput(args=args, kwargs=dict(kwargs))]
 
     def collect_ranks(self, context: TransferContext) -> list[int]:

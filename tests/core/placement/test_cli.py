@@ -10,6 +10,7 @@ import yaml
 
 from hybridflow.placement import load_plan_record, validate_fragment
 from hybridflow.placement.cli import main
+
 from placement_runs import make_run, write_ledger
 
 

@@ -19,6 +19,7 @@ from hybridflow.resharding import (
     plan_reshard,
     tiny_llama_shapes,
 )
+
 from reshard_jobs import check_plan_fills_exactly
 
 SHAPES = tiny_llama_shapes(layers=2)

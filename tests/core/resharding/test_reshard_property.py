@@ -18,6 +18,7 @@ from hybridflow.resharding import (
     tiny_llama_shapes,
 )
 from hybridflow.resharding.local_cluster import GlooCluster
+
 from reshard_jobs import check_plan_fills_exactly, reshard_job
 
 

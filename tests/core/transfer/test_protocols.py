@@ -84,7 +84,7 @@ def test_user_register_validates_and_rejects_duplicates() -> None:
     class Incomplete:
         concatenates = True
 
-        def distribute(self, args, kwargs, context):  # noqa: ANN001, ANN201
+        def distribute(self, args, kwargs, context):
             return []
 
     with pytest.raises(TypeError, match="collect_ranks, collect"):

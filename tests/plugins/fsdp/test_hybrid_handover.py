@@ -66,7 +66,9 @@ def test_hybrid_engine_handover_on_two_ranks(tmp_path: Path) -> None:
         assert generated.meta["policy_version"] == 1
         gap = ((generated["rollout_log_probs"] - result["actor_log_probs"]) * generated["response_mask"]).abs().max()
         assert gap < 1e-4, f"rank {rank}: rollout log-probs differ from the actor's by {gap}"
-        assert result["resumed"][0] == result["resumed"][1], f"rank {rank}: resume not bit-identical {result['resumed']}"
+        assert result["resumed"][0] == result["resumed"][1], (
+            f"rank {rank}: resume not bit-identical {result['resumed']}"
+        )
     assert results[0]["generated"].equals(results[1]["generated"]), "both ranks hold the same weights and seed"
     # the exported directory is the trained actor: a fresh engine from it generates the same rollout
     from hybridflow_fsdp.rollout import HFRolloutEngine

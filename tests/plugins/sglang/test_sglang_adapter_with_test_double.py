@@ -22,6 +22,8 @@ from hybridflow_sglang.api import SAMPLING_PARAM_NAMES, SERVER_ARG_NAMES
 from hybridflow_sglang.engine import SGLangRolloutEngine, WeightSpec, build_sglang_rollout_engine
 from hybridflow_sglang.outputs import parse_output
 
+from sglang_test_double import FakeLocalSerializedTensor, build_fake_backend
+
 PAD, EOS = 0, 2
 
 
@@ -175,7 +177,7 @@ def test_parse_output_accepts_a_trimmed_stop_token_and_rejects_inconsistent_outp
         parse_output({"output_ids": [9], "meta_info": {}}, row=0, max_new_tokens=4)
     aborted = {"output_ids": [], "meta_info": {"output_token_logprobs": [],
                                                "finish_reason": {"type": "abort", "message": "oom"}}}
-    with pytest.raises(EngineError, match="aborted.*oom"):
+    with pytest.raises(EngineError, match=r"aborted.*oom"):
         parse_output(aborted, row=0, max_new_tokens=4)
 
 

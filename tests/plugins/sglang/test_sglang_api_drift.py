@@ -20,10 +20,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from sglang_test_double import FakeSGLangEngine
 
 import hybridflow_sglang
 from hybridflow_sglang.api import API_USES, ENGINE_MODULE, SGLANG_CHECKED_VERSION, ApiUse
+
+from sglang_test_double import FakeSGLangEngine
 
 CACHE = Path(os.environ.get("HYBRIDFLOW_TEST_CACHE", Path.home() / ".cache" / "hybridflow-tests"))
 WHEEL_DIR = CACHE / f"sglang-{SGLANG_CHECKED_VERSION}"
@@ -96,7 +97,8 @@ def find_method(source: WheelSource, module: str, cls: str, method: str, depth: 
 
 
 def _class_fields(node: ast.ClassDef) -> set[str]:
-    return {stmt.target.id for stmt in node.body if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+    return {stmt.target.id for stmt in node.body
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
 
 
 def find_problems(source: WheelSource, use: ApiUse) -> list[str]:
@@ -114,7 +116,8 @@ def find_problems(source: WheelSource, use: ApiUse) -> list[str]:
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         return [f"{where}: string {k!r} no longer appears" for k in use.keywords if k not in strings]
     if use.owner is None and use.member is None:
-        values = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        values = {t.id: n.value.value for n in tree.body
+                  if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
                   for t in n.targets if isinstance(t, ast.Name)}
         problems = []
         for item in use.keywords:

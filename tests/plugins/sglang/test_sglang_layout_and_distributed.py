@@ -38,7 +38,7 @@ def test_sglang_layout_matches_qkv_and_gate_up_parallel_linear_shards():
     assert f"{p}self_attn.qkv_proj.weight" in layout.params and f"{p}mlp.gate_up_proj.weight" in layout.params
     for rank in range(2):
         shards = layout.extract_shards(full, rank)
-        half = lambda t, dim=0: t.chunk(2, dim=dim)[rank]  # noqa: E731
+        half = lambda t, dim=0, rank=rank: t.chunk(2, dim=dim)[rank]  # noqa: E731
         expected_qkv = torch.cat([half(full[f"{p}self_attn.{x}_proj.weight"]) for x in "qkv"])
         assert torch.equal(shards[f"{p}self_attn.qkv_proj.weight"], expected_qkv)
         assert torch.equal(shards[f"{p}self_attn.qkv_proj.bias"],
@@ -70,9 +70,9 @@ def _free_port() -> int:
 
 def _sender(port: int, queue) -> None:
     torch.set_num_threads(1)
-    from sglang_test_double import stand_in_init_process_group
-
     from hybridflow_sglang.distributed import SGLangWeightSender, plan_weight_buckets
+
+    from sglang_test_double import stand_in_init_process_group
 
     sender = SGLangWeightSender(init_process_group=stand_in_init_process_group)
     sender.connect(master_address="127.0.0.1", master_port=port, world_size=2, backend="gloo")
@@ -84,11 +84,11 @@ def _sender(port: int, queue) -> None:
 
 def _receiver(port: int, queue) -> None:
     torch.set_num_threads(1)
-    from sglang_test_double import build_fake_backend
-
     from hybridflow.engines import ModelSpec, RolloutEngineConfig
     from hybridflow_sglang.distributed import describe_bucket, plan_weight_buckets
     from hybridflow_sglang.engine import SGLangRolloutEngine
+
+    from sglang_test_double import build_fake_backend
 
     created = []
     engine = SGLangRolloutEngine(RolloutEngineConfig(model=ModelSpec(path="/models/tiny")), device="cuda",

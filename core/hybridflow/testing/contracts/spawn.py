@@ -21,7 +21,8 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, error_file: str, args: tuple) -> None:
+def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, error_file: str,
+           args: tuple[Any, ...]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     try:
@@ -39,7 +40,8 @@ def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, 
             dist.destroy_process_group()
 
 
-def _start(function: Callable[..., Any], world_size: int, args: tuple, workdir: Path) -> tuple[list[Any], list[str]]:
+def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
+           workdir: Path) -> tuple[list[Any], list[str]]:
     context = multiprocessing.get_context("spawn")
     port = find_free_port()
     processes, error_files = [], []
@@ -52,7 +54,9 @@ def _start(function: Callable[..., Any], world_size: int, args: tuple, workdir: 
     return processes, error_files
 
 
-def run_rank_groups(jobs: list[tuple[Callable[..., Any], int, tuple]], *, workdir: Path, timeout_s: float = 180) -> None:
+def run_rank_groups(
+    jobs: list[tuple[Callable[..., Any], int, tuple[Any, ...]]], *, workdir: Path, timeout_s: float = 180
+) -> None:
     """Start every ``(function, world_size, args)`` job at once (each its own process group), then wait for all.
 
     Each rank calls ``function(rank, world_size, *args)`` with RANK/WORLD_SIZE/MASTER_* set; ``function`` must be

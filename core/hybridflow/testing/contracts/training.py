@@ -57,7 +57,9 @@ def build_training_batch(rows: int = 8, prompt_length: int = 6, response_length:
     }, meta={"policy_version": 0, "iteration": 0})
 
 
-def sequence_mean_nll(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def sequence_mean_nll(
+    outputs: Mapping[str, torch.Tensor] | Batch, micro_batch: Batch
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over rows of each row's mean negative log-likelihood of its response tokens (a row-mean loss).
 
     Normalised by ``meta["loss_scale_rows"]`` (the mini-batch's rows, set by the engine) so that micro-batch losses
@@ -69,7 +71,9 @@ def sequence_mean_nll(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -
     return per_row.sum() / rows, {"nll": float(per_row.mean().detach())}
 
 
-def value_regression(outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def value_regression(
+    outputs: Mapping[str, torch.Tensor] | Batch, micro_batch: Batch
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Row-mean squared error of ``values`` against the ``advantages`` column (a stand-in return target)."""
     mask = micro_batch["response_mask"].to(outputs["values"].dtype)
     error = ((outputs["values"] - micro_batch["advantages"]) ** 2 * mask).sum(-1) / mask.sum(-1).clamp(min=1)
