@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 #: model of the FSDP and lean-forward checks: big enough that bf16 rounding shows, small enough to take seconds
-WIDE: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+WIDE: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 4,
+                        "num_kv_heads": 2}
 
 
 class Skip(Exception):

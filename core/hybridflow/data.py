@@ -8,6 +8,7 @@ and scoring are other nodes' business.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Sequence
@@ -90,10 +91,8 @@ def _extra_info(row: dict[str, Any], where: str) -> dict[str, Any]:
     if extra is None:
         return {}
     if isinstance(extra, str):  # verl datasets written through pandas sometimes hold it as JSON text
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             extra = json.loads(extra)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(extra, dict):
         raise DatasetError(f"{where}: `extra_info` must be a mapping (verl layout, e.g. {{\"index\": 0}}), got "
                            f"{type(extra).__name__}")

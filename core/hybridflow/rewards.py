@@ -125,13 +125,13 @@ def _import_module(name: str, *, spec: str, key: str, base_dir: str | Path | Non
                 f"importable from the driver (on PYTHONPATH{f' or next to the config file in {local}' if local else ''}"
                 f'), "path/to/file.py:function", or a registered name: {", ".join(registries.rewards.names())}.'
             ) from exc
-    except Exception as exc:  # noqa: BLE001 - user code failing at import becomes a typed error naming it
+    except Exception as exc:
         raise ConfigError(f'{key}: importing "{name}" of "{spec}" failed: {type(exc).__name__}: {exc}') from exc
     # a module next to the config file, as verl's custom_reward_function.path lets one keep it there
     sys.path.insert(0, str(local.resolve()))
     try:
         return importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - user code failing at import becomes a typed error naming it
+    except Exception as exc:
         raise ConfigError(f'{key}: importing "{name}" from {local} failed: {type(exc).__name__}: {exc}') from exc
 
 
@@ -156,7 +156,7 @@ def _import_file(location: str, *, spec: str, key: str, base_dir: str | Path | N
     if len(parts) > 1 or path.stem == "__init__":
         try:
             return importlib.import_module(".".join(parts))
-        except Exception as exc:  # noqa: BLE001 - user code failing at import becomes a typed error naming it
+        except Exception as exc:
             raise ConfigError(f"{key}: importing {'.'.join(parts)} from {root} failed: "
                               f"{type(exc).__name__}: {exc}") from exc
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
@@ -170,7 +170,7 @@ def _import_file(location: str, *, spec: str, key: str, base_dir: str | Path | N
     sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - user code failing at import becomes a typed error naming it
+    except Exception as exc:
         del sys.modules[module_name]
         raise ConfigError(f"{key}: running {path} failed: {type(exc).__name__}: {exc}") from exc
     return module
@@ -231,7 +231,7 @@ def score_responses(function: RewardFunction, *, responses: Sequence[str], groun
         try:
             scores = function(responses=list(responses), ground_truths=list(ground_truths),
                               data_sources=list(data_sources), extra=rows)
-        except Exception as exc:  # noqa: BLE001 - a user function's failure becomes a typed error naming it
+        except Exception as exc:
             raise RewardError(f"{name} function {_describe(function)} raised {type(exc).__name__}: {exc}") from exc
     try:
         values = [float(s) for s in scores]
@@ -271,7 +271,7 @@ def _call_per_sample(function: RewardFunction, responses: Sequence[str], ground_
         try:
             result = function(data_source=data_sources[index], solution_str=response,
                               ground_truth=ground_truths[index], extra_info=extra[index] if extra else None)
-        except Exception as exc:  # noqa: BLE001 - a user function's failure becomes a typed error naming it
+        except Exception as exc:
             raise RewardError(f"{name} function {_describe(function)} raised {type(exc).__name__} on row {index}: "
                               f"{exc}") from exc
         if isinstance(result, Mapping):

@@ -47,4 +47,4 @@ Yaml12Loader.add_constructor(_INT_TAG, _construct_int)
 
 def load_yaml(text: str) -> Any:
     """Parse ``text`` with :class:`Yaml12Loader` (raises ``yaml.YAMLError`` on bad YAML)."""
-    return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - Yaml12Loader is a SafeLoader
+    return yaml.load(text, Loader=Yaml12Loader)

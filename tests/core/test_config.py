@@ -116,9 +116,9 @@ def test_trained_roles_take_gradient_checkpointing_and_mixed_precision() -> None
 
 def test_the_plan_reaches_engine_configs_for_every_role() -> None:
     """gradient_checkpointing and mixed_precision reach the engine configs the trainer plans for each role."""
-    from hybridflow.testing.fixtures import build_char_tokenizer
     from hybridflow import registries
     from hybridflow.plugins import load_plugins
+    from hybridflow.testing.fixtures import build_char_tokenizer
     from hybridflow.trainer.build import plan_roles
 
     config = load_config(EXAMPLE, ["algorithm.name=ppo", "actor.kl_loss_coef=0.1",

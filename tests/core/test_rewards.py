@@ -138,7 +138,7 @@ def test_errors_say_what_was_expected_and_got(tmp_path: Path) -> None:
         resolve_reward_function(f"{path}:two_args")
     with pytest.raises(ConfigError, match=r"no callable \"missing\" \(functions it defines: .*no_score"):
         resolve_reward_function(f"{path}:missing")
-    with pytest.raises(ConfigError, match="does not exist; expected path/to/file.py:function"):
+    with pytest.raises(ConfigError, match=r"does not exist; expected path/to/file.py:function"):
         resolve_reward_function(f"{tmp_path / 'nope.py'}:f")
     arguments = {"responses": ["a"], "ground_truths": ["a"], "data_sources": ["d"]}
     with pytest.raises(RewardError, match=r"without \"score\" on row 0 \(keys: \['acc'\]\)"):

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hybridflow.trainer.progress import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

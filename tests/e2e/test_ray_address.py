@@ -125,6 +125,7 @@ def test_joining_without_the_token_is_a_config_error_that_says_how(ray_head: Ray
             f"init_ray({ray_head.address!r})\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
     env["RAY_AUTH_MODE"] = "disabled"
-    result = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode != 0
     assert "ConfigError" in result.stderr and "RAY_AUTH_MODE=token" in result.stderr, result.stderr[-3000:]

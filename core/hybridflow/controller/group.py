@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError

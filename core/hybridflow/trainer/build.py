@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.config import Config, CriticConfig, ModelConfig, ParallelSection, ReferenceConfig, RewardConfig
+from hybridflow.config import Config, ModelConfig, ParallelSection
 from hybridflow.engines import (
     ModelSpec,
     OptimConfig,

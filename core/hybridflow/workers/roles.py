@@ -1,4 +1,5 @@
-"""Worker classes for the four kinds of model role (an algorithm may declare several roles of one kind); each method declares its transfer protocol with ``@register``.
+"""Worker classes for the four kinds of model role (an algorithm may declare several roles of one kind); each
+method declares its transfer protocol with ``@register``.
 
 A worker owns engines built from the registries inside its process; it knows nothing about which plugin supplied
 them. Training-engine methods use protocol ``mesh`` (data to data-parallel groups, replicated inside tensor and
@@ -128,8 +129,8 @@ class _TrainingRole(Worker):
         version = batch.meta.get("policy_version")
         if version is not None and version != self.policy_version:
             raise VersionMismatchError(
-                f"{self.spec.name or self.spec.role}.{what} got a batch of policy_version {version} but its weights are version "
-                f"{self.policy_version}; the iteration is aborted so versions never mix"
+                f"{self.spec.name or self.spec.role}.{what} got a batch of policy_version {version} but its weights "
+                f"are version {self.policy_version}; the iteration is aborted so versions never mix"
             )
 
 

@@ -7,7 +7,7 @@ algorithm (PPO, GRPO, ...) and how batches reach the ranks belong to the core. S
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -28,7 +28,6 @@ from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
     from hybridflow.resharding import ReshardPlan
 
@@ -72,7 +71,9 @@ class FSDPTrainingEngine:
         model = build_model(config.model, role=role, attn_implementation=attn_implementation)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
             # decoder layers recompute their forward in backward (transformers >= 5 names it activation checkpointing)
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable = cast("Callable[[], None] | None", getattr(model, "activation_checkpointing_enable", None))
+            if enable is None:
+                enable = cast("Callable[[], None]", model.gradient_checkpointing_enable)
             enable()
         self.trainable = role in TRAINABLE_ROLES
         if not self.trainable:

@@ -114,7 +114,7 @@ def export_hf(engine: Any, path: str) -> None:
 
         config = engine.hf_config
         factory = AutoModelForTokenClassification if engine.role in VALUE_HEAD_ROLES else AutoModelForCausalLM
-        model = factory.from_config(config, dtype=torch.float32)
+        model = factory.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # untyped in HF
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied_ok = set(missing) <= {"lm_head.weight"} and engine.arch.tied_embeddings
         if (missing and not tied_ok) or unexpected:

@@ -20,7 +20,8 @@ __all__ = ["SUPPORTED_DEVICES", "SGLangOptions", "build_sampling_params", "build
 
 _KNOWN_TAGS = (MEMORY_TAG_KV_CACHE, MEMORY_TAG_WEIGHTS, "cuda_graph")
 #: server args derived from typed config fields; ``server_args`` in ``extra`` may not override them
-_DERIVED = {"model_path": "model.path", "tp_size": "tensor_parallel_size", "random_seed": "seed", "dtype": "model.dtype",
+_DERIVED = {"model_path": "model.path", "tp_size": "tensor_parallel_size", "random_seed": "seed",
+            "dtype": "model.dtype",
             "context_length": "max_prompt_length + max_new_tokens", "base_gpu_id": "the worker's device",
             "device": "the worker's device"}
 #: torch device kinds the adapter passes to sglang's ``device`` server arg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hybridflow.algorithms.advantages import build_token_level_rewards
 from hybridflow.algorithms.base import Runtime
 from hybridflow.algorithms.controllers import FixedKLController, LagrangeMultiplier
@@ -47,7 +48,7 @@ def test_reference_is_built_only_when_something_consumes_it(name: str) -> None:
 
 
 def test_adaptive_kl_without_a_coefficient_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="adaptive_kl_target.*kl_coef"):
+    with pytest.raises(ConfigError, match=r"adaptive_kl_target.*kl_coef"):
         PPO().build_state(config("algorithm.name=ppo", "algorithm.adaptive_kl_target=3"))
 
 
@@ -86,10 +87,10 @@ def test_missing_free_form_section_and_pool_name_the_key() -> None:
     from hybridflow.algorithms.roles import reward_model_role
 
     cfg = config()
-    with pytest.raises(ConfigError, match="section 'roles.judge', which is missing"):
+    with pytest.raises(ConfigError, match=r"section 'roles.judge', which is missing"):
         resolve_section(cfg, reward_model_role("judge", section="roles.judge"))
     cfg = config("roles.judge.pool=elsewhere", "roles.judge.model.preset=tiny-qwen2")
-    with pytest.raises(ConfigError, match="roles.judge.pool is 'elsewhere'"):
+    with pytest.raises(ConfigError, match=r"roles.judge.pool is 'elsewhere'"):
         plan_roles(cfg, [*GRPO().roles(cfg), reward_model_role("judge", section="roles.judge")],
                    tokenizer=build_tokenizer(cfg.model))
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import ray.cloudpickle
 import torch
+
 from hybridflow import registries
 from hybridflow.batch import Batch
 from hybridflow.controller import ResourcePool, Worker, WorkerGroup, register

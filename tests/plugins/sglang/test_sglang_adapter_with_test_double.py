@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_test_double import FakeLocalSerializedTensor, build_fake_backend
 
 from hybridflow.batch import Batch
 from hybridflow.engines import ModelSpec, RolloutEngine, RolloutEngineConfig, SamplingParams

@@ -17,6 +17,7 @@ from itertools import groupby
 from pathlib import Path
 
 import pytest
+
 from sglang_test_double import LOG_ENV, write_sglang_test_double_package
 
 REPO = Path(__file__).resolve().parents[3]
