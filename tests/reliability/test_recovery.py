@@ -25,6 +25,7 @@ def weights(export: Path) -> dict[str, torch.Tensor]:
     return load_file(export / "model.safetensors")
 
 
+@pytest.mark.slow  # ~55-60 CPU-seconds (a clean run and a run through every injected fault)
 def test_faults_recover_to_the_uninjected_result(tmp_path: Path) -> None:
     run_and_export(short_config(tmp_path / "clean"), tmp_path / "w_clean")
     faults = ["actor.update@1:kill:rank=1", "actor.generate@2:hang", "controller.between_nodes@3"]
