@@ -47,6 +47,7 @@ def test_grpo_reward_rises(tmp_path: Path, tiny_config) -> None:
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 
 
+@pytest.mark.slow  # ~35-40 CPU-seconds (two trainer runs)
 def test_resume_is_bit_identical(tmp_path: Path, tiny_config) -> None:
     straight = tmp_path / "straight"
     run(tiny_config(straight, "trainer.total_steps=6", "trainer.checkpoint_every=3"), export=tmp_path / "w_straight")

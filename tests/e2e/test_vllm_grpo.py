@@ -17,6 +17,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow  # ~35 CPU-seconds (vLLM start-up, 40 GRPO steps)
 def test_grpo_with_vllm_rollout_learns(tmp_path: Path, tiny_config) -> None:
     trainer = Trainer(tiny_config(tmp_path / "v", "rollout.engine=vllm", "trainer.total_steps=40",
                                   "trainer.checkpoint_every=0"), progress=False)

@@ -33,6 +33,7 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow  # a run through every injected fault, after the shared clean run
 def test_faults_recover_to_the_uninjected_result(tmp_path: Path, clean_run: Path) -> None:
     faults = ["actor.update@1:kill:rank=1", "actor.generate@2:hang", "controller.between_nodes@3"]
     trainer = run_and_export(short_config(tmp_path / "faulty", faults=faults,
