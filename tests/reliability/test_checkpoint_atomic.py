@@ -99,3 +99,31 @@ def test_checksums_cover_every_file(tmp_path: Path) -> None:
     listed = set(json.loads((path / CHECKSUM_FILE).read_text()))
     on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE}
     assert listed == on_disk
+
+
+@pytest.mark.parametrize("resume", ["never", "auto"])
+def test_a_fresh_start_moves_an_earlier_runs_logs_aside(tmp_path: Path, resume: str) -> None:
+    """Starting at step 0 in a directory with an earlier run's metrics/ledger (trainer.resume=never, or auto with no
+    checkpoint) moves those rows to previous/<n>/ instead of appending the new run's rows after them."""
+    from hybridflow.config import load_config
+    from hybridflow.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old_rows = "".join(json.dumps({"step": step, "reward/mean": 0.5}) + "\n" for step in range(30))
+    (run_dir / "metrics.jsonl").write_text(old_rows)
+    (run_dir / "ledger.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    config = load_config(None, [f"trainer.run_dir={run_dir}", f"trainer.resume={resume}", "trainer.tensorboard=false",
+                                "data.task.num_prompts=16"])
+    trainer = Trainer(config, progress=False)
+    try:
+        trainer._maybe_resume()
+    finally:
+        trainer.close()
+    assert trainer.step == 0
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "ledger.jsonl").exists()
+    assert (run_dir / "previous" / "0" / "metrics.jsonl").read_text() == old_rows  # nothing lost
+    assert (run_dir / "previous" / "0" / "ledger.jsonl").exists()
+    (run_dir / "metrics.jsonl").write_text(old_rows)
+    Trainer(config, progress=False)._maybe_resume()
+    assert (run_dir / "previous" / "1" / "metrics.jsonl").read_text() == old_rows

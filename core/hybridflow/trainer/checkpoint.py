@@ -17,7 +17,7 @@ from typing import Any
 
 from hybridflow.errors import CheckpointError
 
-__all__ = ["CheckpointManager", "CHECKSUM_FILE", "TRAINER_STATE_FILE"]
+__all__ = ["CheckpointManager", "CHECKSUM_FILE", "TRAINER_STATE_FILE", "archive_previous_logs", "RUN_LOGS"]
 
 CHECKSUM_FILE = "checksums.json"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -114,3 +114,23 @@ class CheckpointManager:
                                       "to resume from an earlier checkpoint")
         state: dict[str, Any] = json.loads((path / TRAINER_STATE_FILE).read_text())
         return state
+
+
+#: per-step files a run appends to; a fresh start in a directory that holds them moves them aside
+RUN_LOGS = ("metrics.jsonl", "ledger.jsonl", "recovery.jsonl")
+
+
+def archive_previous_logs(run_dir: str | Path) -> Path | None:
+    """Move the per-step logs an earlier run left in ``run_dir`` to ``run_dir/previous/<n>/`` (nothing is deleted);
+    return that folder, or None when there was nothing to move. Called when a run starts from step 0."""
+    run_dir = Path(run_dir)
+    found = [run_dir / name for name in RUN_LOGS if (run_dir / name).exists() and (run_dir / name).stat().st_size]
+    if not found:
+        return None
+    previous = run_dir / "previous"
+    previous.mkdir(exist_ok=True)
+    target = previous / str(sum(1 for _ in previous.iterdir()))
+    target.mkdir()
+    for path in found:
+        path.rename(target / path.name)
+    return target

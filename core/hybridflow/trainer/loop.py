@@ -25,7 +25,7 @@ from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards import resolve_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
-from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
 
 __all__ = ["Trainer"]
@@ -175,6 +175,8 @@ class Trainer:
         mode = self.config.trainer.resume
         latest = self.checkpoints.latest()
         if mode == "never" or (latest is None and mode == "auto"):
+            # a fresh start: rows left by an earlier run in this directory move aside instead of mixing with ours
+            archive_previous_logs(self.run_dir)
             return
         if latest is None:
             raise CheckpointError(f"trainer.resume=must but {self.checkpoints.root} holds no checkpoint")
