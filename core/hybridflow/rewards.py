@@ -7,8 +7,8 @@ Two calling conventions are accepted, told apart by the function's signature:
   extra_info=None) -> float | dict``; a dict carries the reward under ``score`` and its other numeric keys are
   logged as ``reward/extra/<key>`` means.
 
-Model-based rewards run in a reward-model worker (:mod:`hybridflow.workers`), not here. ``module:function`` and
-``file.py:function`` import and run user code: only use trusted files.
+Model-based rewards run in a reward-model worker (:mod:`hybridflow.workers`), not here. Resolving ``module:function``
+or ``file.py:function`` imports and runs user code: only use trusted files.
 """
 
 from __future__ import annotations

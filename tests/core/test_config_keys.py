@@ -252,7 +252,7 @@ def observe(config: Config, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> d
             "reliability": _describe((trainer.supervisor.policy, trainer.faults)),
             "outputs": _describe((str(trainer.run_dir), trainer.checkpoints.keep, trainer.checkpoints.root,
                                   trainer.writer._tensorboard is not None, trainer.show_progress)),
-            "lookahead": _describe(trainer._lookahead_allowed()),
+            "lookahead": _describe(_lookahead_inside_a_step(trainer)),
         }
         try:
             trainer.start()
@@ -269,6 +269,15 @@ def observe(config: Config, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> d
         return seen
     finally:
         trainer.close()
+
+
+def _lookahead_inside_a_step(trainer: Any) -> bool:
+    """Whether the trainer would submit the next generation ahead from inside its first step."""
+    trainer._in_step = True
+    try:
+        return bool(trainer._lookahead_allowed())
+    finally:
+        trainer._in_step = False
 
 
 def _kl_batch() -> Batch:

@@ -53,7 +53,7 @@ def test_local_ray_services_listen_on_loopback_only() -> None:
 
 def test_docs_say_module_function_rewards_execute_code() -> None:
     text = (ROOT / "docs" / "operations.md").read_text()
-    assert "`module:function` execute code" in text
+    assert "`module:function` or `path/to/file.py:function` execute code" in text
     from hybridflow import rewards
 
     assert "imports and runs user code" in (rewards.__doc__ or "")

@@ -134,7 +134,7 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     torch.manual_seed(spec.seed)
     if role in VALUE_HEAD_ROLES:
         config.num_labels = 1
-    factory = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    factory = AutoModelForTokenClassification if role in VALUE_HEAD_ROLES else AutoModelForCausalLM
     if spec.path is not None:
         model: torch.nn.Module = factory.from_pretrained(spec.path, config=config, dtype=torch.float32)
     else:
