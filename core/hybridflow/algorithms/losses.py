@@ -321,7 +321,8 @@ class ActorLoss:
     """The actor's ``LossFn``: PPO surrogate − entropy_coef·entropy + kl_loss_coef·KL(π ‖ π_ref).
 
     ``required_outputs`` names what the engine must compute with gradients (``entropy`` only when its coefficient
-    is non-zero). Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs`` (when
+    is non-zero); an ``entropy`` output given without gradients is logged as ``actor/entropy`` (mean token entropy
+    of the policy over response tokens) and left out of the loss. Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs`` (when
     ``kl_loss_coef`` > 0), ``is_padding`` (optional). Metric keys start with ``actor/``.
     """
 
@@ -347,12 +348,12 @@ class ActorLoss:
             loss_agg=config.loss_agg,
             loss_scale=scale,
         )
-        if config.entropy_coef != 0.0 or "entropy" in outputs:
+        if config.entropy_coef != 0.0 or "entropy" in outputs:  # engines pass a detached entropy for the metric
             entropy = _output(outputs, "entropy", "entropy_coef is non-zero")
-            bonus = entropy_bonus(entropy, valid, loss_agg=config.loss_agg, loss_scale=scale)
             metrics["entropy"] = float(masked_mean(entropy.detach(), valid))
             if config.entropy_coef != 0.0:
-                loss = loss - config.entropy_coef * bonus
+                loss = loss - config.entropy_coef * entropy_bonus(entropy, valid, loss_agg=config.loss_agg,
+                                                                  loss_scale=scale)
         if config.kl_loss_coef > 0.0:
             ref = _column(micro_batch, "ref_log_probs", "kl_loss_coef > 0 needs the reference policy's log-probs")
             kl = kl_penalty(log_probs, ref.detach(), config.kl_loss_kind, response_mask=valid)
