@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from hybridflow.report import main, render_plots, summarize_run
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 
@@ -30,7 +29,10 @@ def test_validation_rows_and_unchanged_training(tmp_path: Path, tiny_config) -> 
     off, on = read_metrics(tmp_path / "off"), read_metrics(tmp_path / "on")
     training = [row for row in on if "reward/mean" in row]
     validation = [row for row in on if "reward/mean" not in row]
-    strip = lambda row: {k: v for k, v in row.items() if k not in TIMING}  # noqa: E731
+
+    def strip(row: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in row.items() if k not in TIMING}
+
     assert [strip(row) for row in training] == [strip(row) for row in off]
     assert [row["step"] for row in validation] == [0, 2, 3]
     source = "hybridflow/arithmetic"

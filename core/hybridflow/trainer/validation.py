@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
-from hybridflow.batch import Batch
 from hybridflow.config import Config
-from hybridflow.data import PromptDataset, load_rows, make_task_rows
+from hybridflow.data import PromptDataset, load_rows
 from hybridflow.errors import ConfigError
 
-__all__ = ["Validation", "build_validation", "summarize_validation", "expected_best_of", "VALIDATION_ITERATION"]
+__all__ = ["VALIDATION_ITERATION", "Validation", "build_validation", "expected_best_of", "summarize_validation"]
 
 #: ``iteration`` meta of validation prompts: far from any training iteration, so its sampling seeds
 #: (``seed + 1000 * iteration + rank``) never repeat a training step's, and no fault spec matches it
@@ -73,7 +72,7 @@ def summarize_validation(data_sources: Sequence[str], uids: Sequence[str], score
             per_prompt = [[float(v >= CORRECT_SCORE) for v in values] if variable == "acc" else values
                           for values in prompts.values()]
 
-            def put(name: str, value: float, core: bool, variable: str = variable) -> None:
+            def put(name: str, value: float, core: bool, variable: str = variable, source: str = source) -> None:
                 section = "val-core" if core and variable == "acc" else "val-aux"
                 metrics[f"{section}/{source}/{variable}/{name}"] = value
 

@@ -6,7 +6,6 @@ import itertools
 import statistics
 
 import pytest
-
 from hybridflow.config import load_config
 from hybridflow.data import make_task_rows
 from hybridflow.errors import ConfigError, DatasetError
