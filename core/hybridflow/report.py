@@ -128,7 +128,8 @@ def render_plots(run_dir: str | Path) -> list[Path]:
 def _plot_validation(run_dir: Path, rows: list[dict[str, Any]], plt: Any) -> Path:
     """The ``val-core`` curves (greedy accuracy, mean@k, pass@k per data source) over policy versions."""
     figure, axis = plt.subplots(figsize=(7, 4))
-    for key in sorted({k for row in rows for k in row if k.startswith("val-core/")}):
+    # acc/best@k/mean is acc/pass@k under verl's name: one curve for both
+    for key in sorted({k for row in rows for k in row if k.startswith("val-core/") and "/acc/best@" not in k}):
         points = [(row["step"], row[key]) for row in rows if key in row]
         axis.plot([s for s, _ in points], [v for _, v in points], marker="o", label=key.removeprefix("val-core/"))
     axis.set_xlabel("step (policy updates)")

@@ -20,7 +20,8 @@ def _write_run(run_dir: Path) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def test_report_separates_validation_rows_and_plots_the_curve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_separates_validation_rows_and_plots_the_curve(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     _write_run(run_dir)
     summary = summarize_run(run_dir)

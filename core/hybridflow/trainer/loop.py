@@ -61,6 +61,7 @@ class Trainer:
         self.algorithm = registries.algorithms.get(config.algorithm.name)
         self.tokenizer = build_tokenizer(config.role_model(config.actor))
         train, self.validation = _load_datasets(config, self.tokenizer)
+        self.validation_history: list[dict[str, float]] = []  # this process's validation rows, with their step
         self.loader = PromptLoader(train, batch_size=config.data.batch_size, seed=config.trainer.seed,
                                    shuffle=config.data.shuffle)
         self.reward_fn = resolve_reward_function(config.reward.function) if config.reward.function else None
@@ -305,6 +306,7 @@ class Trainer:
         metrics = self.validation.run(self.runtime(), self.step)
         metrics["timing_s/testing"] = time.perf_counter() - started  # verl's name for validation time
         self.writer.write(self.step, metrics)
+        self.validation_history.append({"step": float(self.step), **metrics})
         return metrics
 
     def fit(self) -> list[dict[str, float]]:
