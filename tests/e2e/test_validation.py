@@ -42,3 +42,20 @@ def test_validation_rows_and_unchanged_training(tmp_path: Path, tiny_config) -> 
             assert 0.0 <= row[key] <= 1.0, (key, row)
         assert row[f"val-core/{source}/acc/pass@8"] >= row[f"val-core/{source}/acc/mean@8"]
     assert all(k.startswith(("val-core/", "val-aux/", "timing_s/", "step")) for row in validation for k in row)
+
+
+@pytest.mark.slow
+def test_resumed_run_writes_the_validation_rows_of_a_straight_run(tmp_path: Path, tiny_config) -> None:
+    common = ["trainer.checkpoint_every=2", "data.task.num_val_prompts=4", "data.task.num_prompts=64",
+              "trainer.val_every=2"]
+    _run(tiny_config(tmp_path / "straight", "trainer.total_steps=4", *common))
+    _run(tiny_config(tmp_path / "resumed", "trainer.total_steps=2", *common))
+    _run(tiny_config(tmp_path / "resumed", "trainer.total_steps=4", "trainer.resume=must", *common))
+    drop = (*TIMING, "timing_s/testing")
+
+    def rows(run: str) -> list[dict[str, float]]:
+        return [{k: v for k, v in row.items() if k not in drop} for row in read_metrics(tmp_path / run)]
+
+    straight = rows("straight")
+    assert [row["step"] for row in straight if "reward/mean" not in row] == [0, 2, 4]
+    assert rows("resumed") == straight

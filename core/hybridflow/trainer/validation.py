@@ -21,9 +21,10 @@ from hybridflow.errors import ConfigError
 
 __all__ = ["VALIDATION_ITERATION", "Validation", "build_validation", "expected_best_of", "summarize_validation"]
 
-#: ``iteration`` meta of validation prompts: far from any training iteration, so its sampling seeds
-#: (``seed + 1000 * iteration + rank``) never repeat a training step's, and no fault spec matches it
-VALIDATION_ITERATION = 10_000_000
+#: ``iteration`` meta of validation prompts: beyond any training iteration, so its sampling seeds
+#: (``seed + 1000 * iteration + rank``) never repeat a training step's (and stay below 2**31 for runs of up to a
+#: million steps, for engines that keep 32-bit seeds), and no fault spec matches it
+VALIDATION_ITERATION = 1_000_000
 #: a response scoring at least this is counted as correct in ``acc`` (exact match for the shipped arithmetic
 #: reward and for verl's GSM8K-style rule rewards, which give 1.0 for the right answer)
 CORRECT_SCORE = 1.0
