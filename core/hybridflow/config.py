@@ -238,10 +238,13 @@ class TaskConfig(_Section):
     max_operand: int = Field(default=99, ge=0)
     operators: str = "+"
     seed: int = 0
+    # held-out prompts for validation (trainer.val_every): distinct prompts that never occur in training
+    num_val_prompts: int = Field(default=0, ge=0)
 
 
 class DataConfig(_Section):
     train_files: list[str] = Field(default_factory=list)
+    val_files: list[str] = Field(default_factory=list)  # validation prompts (same formats), see trainer.val_every
     task: TaskConfig | None = TaskConfig()
     max_prompt_length: int = Field(default=8, gt=0)
     batch_size: int = Field(default=16, gt=0)
@@ -269,6 +272,10 @@ class TrainerConfig(_Section):
     # dispatch the next iteration's generation while the actor update runs (same calls, same order on the workers;
     # off before a checkpoint and on the last step); see docs/controller.md
     lookahead: bool = True
+    # validation (docs/validation.md): every val_every steps, before the first and after the last (0 = off), on
+    # data.val_files or data.task.num_val_prompts; greedy, plus val_n samples per prompt when val_n > 1
+    val_every: int = Field(default=0, ge=0)
+    val_n: int = Field(default=1, ge=1)
 
 
 class ReliabilitySection(_Section):

@@ -24,7 +24,8 @@ Training contract:
   the engine sets ``micro_batch.meta["loss_scale_tokens"]`` and ``["loss_scale_rows"]`` to the mini-batch's valid
   response tokens and rows (all-reduced over data-parallel ranks, divided by their number, ``is_padding`` rows
   excluded) and calls ``backward()`` on the returned loss unweighted. ``outputs`` holds what
-  ``loss_fn.required_outputs`` names (default ``("log_probs",)``; ``entropy`` only when asked).
+  ``loss_fn.required_outputs`` names (default ``("log_probs",)``; ``entropy`` with gradients only when asked; an
+  actor engine passes it detached otherwise, for the ``actor/entropy`` metric).
 - Engines may expose ``last_handover_stats`` (bytes received, seconds) after ``generation_weights`` is consumed,
   and rollout engines ``resident_weight_bytes()``; the ledger reports them when present.
 """

@@ -1,4 +1,5 @@
-"""``hybridflow report RUN_DIR``: PNG plots (reward curve, per-step time by node) and a short text summary.
+"""``hybridflow report RUN_DIR``: PNG plots (reward curve, validation curve, per-step time by node) and a short text
+summary.
 
 It reads ``metrics.jsonl`` and ``ledger.jsonl``; it never touches a running job.
 """
@@ -13,7 +14,27 @@ from typing import Any
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer.progress import read_metrics
 
-__all__ = ["main", "summarize_run", "render_plots"]
+__all__ = ["main", "summarize_run", "render_plots", "split_validation_rows"]
+
+VALIDATION_PREFIXES = ("val-core/", "val-aux/")
+
+
+def split_validation_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, validation rows) of metrics.jsonl: a validation row holds only ``val-*`` metrics (and its
+    timing), written at the policy version it evaluated."""
+    validation = [row for row in rows if any(key.startswith(VALIDATION_PREFIXES) for key in row)]
+    training = [row for row in rows if not any(key.startswith(VALIDATION_PREFIXES) for key in row)]
+    return training, validation
+
+
+def _validation_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each ``val-core`` metric's first and last value and the steps they were measured at."""
+    out: dict[str, dict[str, float]] = {}
+    for key in sorted({k for row in rows for k in row if k.startswith("val-core/")}):
+        points = [(row["step"], row[key]) for row in rows if key in row]
+        out[key] = {"first_step": points[0][0], "first": points[0][1], "last_step": points[-1][0],
+                    "last": points[-1][1], "best": max(value for _, value in points)}
+    return out
 
 
 def _node_seconds(node: dict[str, Any]) -> float:
@@ -26,7 +47,7 @@ def _node_seconds(node: dict[str, Any]) -> float:
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     """Headline numbers of a run: steps, reward trajectory, time per node, policy updates per hour."""
     run_dir = Path(run_dir)
-    metrics = read_metrics(run_dir)
+    metrics, validation = split_validation_rows(read_metrics(run_dir))
     ledger = read_ledger(run_dir)
     if not metrics:
         from hybridflow.errors import HybridflowError
@@ -52,18 +73,20 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "policy_updates_per_hour": len(metrics) / seconds * 3600 if seconds else 0.0,
         "node_seconds": dict(sorted(node_seconds.items(), key=lambda kv: -kv[1])),
         "bytes_moved": edge_bytes,
+        "validation": _validation_summary(validation),
     }
 
 
 def render_plots(run_dir: str | Path) -> list[Path]:
-    """Write ``reward.png`` and ``time_by_node.png`` into the run directory; return their paths."""
+    """Write ``reward.png``, ``validation.png`` (when the run validated) and ``time_by_node.png`` into the run
+    directory; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    metrics = read_metrics(run_dir)
+    metrics, validation = split_validation_rows(read_metrics(run_dir))
     ledger = read_ledger(run_dir)
     paths = []
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -79,6 +102,8 @@ def render_plots(run_dir: str | Path) -> list[Path]:
     paths.append(run_dir / "reward.png")
     figure.savefig(paths[-1], dpi=100)
     plt.close(figure)
+    if validation:
+        paths.append(_plot_validation(run_dir, validation, plt))
     if ledger:
         names = sorted({name for row in ledger for name in row["nodes"]})
         figure, axis = plt.subplots(figsize=(7, 4))
@@ -98,6 +123,25 @@ def render_plots(run_dir: str | Path) -> list[Path]:
         figure.savefig(paths[-1], dpi=100)
         plt.close(figure)
     return paths
+
+
+def _plot_validation(run_dir: Path, rows: list[dict[str, Any]], plt: Any) -> Path:
+    """The ``val-core`` curves (greedy accuracy, mean@k, pass@k per data source) over policy versions."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    # acc/best@k/mean is acc/pass@k under verl's name: one curve for both
+    for key in sorted({k for row in rows for k in row if k.startswith("val-core/") and "/acc/best@" not in k}):
+        points = [(row["step"], row[key]) for row in rows if key in row]
+        axis.plot([s for s, _ in points], [v for _, v in points], marker="o", label=key.removeprefix("val-core/"))
+    axis.set_xlabel("step (policy updates)")
+    axis.set_ylabel("validation")
+    axis.set_ylim(-0.02, 1.02)
+    axis.legend(fontsize=7)
+    axis.set_title(f"validation — {run_dir.name}")
+    figure.tight_layout()
+    path = run_dir / "validation.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
 
 
 def main(argv: list[str]) -> int:
@@ -121,6 +165,9 @@ def main(argv: list[str]) -> int:
     print(f"reward: {summary['reward_first']:.3f} (first 10%) → {summary['reward_last']:.3f} (last 10%), "
           f"best {summary['reward_best']:.3f}")
     print("time by node: " + ", ".join(f"{k} {v:.1f}s" for k, v in list(summary["node_seconds"].items())[:6]))
+    for key, curve in summary["validation"].items():
+        print(f"{key}: {curve['first']:.3f} (step {curve['first_step']:.0f}) → {curve['last']:.3f} "
+              f"(step {curve['last_step']:.0f}), best {curve['best']:.3f}")
     print(f"bytes moved between nodes: {summary['bytes_moved'] / 1e6:.1f} MB")
     print("plots: " + ", ".join(str(p) for p in plots))
     return 0

@@ -120,6 +120,7 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "reward.function": [["reward.function=response_length_cost"]],
         "cost.function": [["cost.function=arithmetic"]],
         "data.train_files": [[f"data.train_files=[{json.dumps(str(data_file))}]"]],
+        "data.val_files": [[f"data.val_files=[{json.dumps(str(data_file))}]"]],
         "data.task.operators": [['data.task.operators="+-"']],
         "resource_pools.main.devices_per_node": [["resource_pools.main.devices_per_node=[4]"]],
         "trainer.run_dir": [[f"trainer.run_dir={tmp / 'other-run'}"]],
@@ -253,6 +254,7 @@ def observe(config: Config, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> d
             "outputs": _describe((str(trainer.run_dir), trainer.checkpoints.keep, trainer.checkpoints.root,
                                   trainer.writer._tensorboard is not None, trainer.show_progress)),
             "lookahead": _describe(_lookahead_inside_a_step(trainer)),
+            "validation": _describe(trainer.validation.describe() if trainer.validation is not None else None),
         }
         try:
             trainer.start()

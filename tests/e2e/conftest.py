@@ -9,11 +9,13 @@ import pytest
 from hybridflow.config import Config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+#: the example validates; the tests built on it compare training rows, so they run without (test_validation.py on)
+NO_VALIDATION = ("trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0")
 
 
 def _tiny_config(run_dir: Path, *overrides: str) -> Config:
     return load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false",
-                                 "trainer.resume=never", *overrides])
+                                 "trainer.resume=never", *NO_VALIDATION, *overrides])
 
 
 @pytest.fixture

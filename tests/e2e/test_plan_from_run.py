@@ -51,7 +51,8 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     config = load_config(config_file, [
         f"trainer.run_dir={run_dir}", f"trainer.plan={plan_dir}", "trainer.progress=false",
         "trainer.tensorboard=false", "trainer.resume=never", "trainer.total_steps=2", "trainer.checkpoint_every=0",
-        "actor.kl_loss_coef=0.001", "reward.model={preset: tiny-qwen2}"])
+        "actor.kl_loss_coef=0.001", "reward.model={preset: tiny-qwen2}",
+        "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0"])
     trainer = Trainer(config, progress=False)
     try:
         trainer.fit()

@@ -34,7 +34,8 @@ def train(site: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedPro
             "--no-progress", str(EXAMPLE), f"trainer.run_dir={run_dir}", "trainer.tensorboard=false", "ray.num_cpus=4",
             "algorithm.name=two_reward_grpo", "algorithm.extra.safety_weight=0.5", "reward.model.preset=tiny-qwen2",
             "roles.safety.model.preset=tiny-llama", "data.batch_size=8", "rollout.max_new_tokens=6",
-            "trainer.checkpoint_every=1", *overrides]
+            "trainer.checkpoint_every=1", "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0",
+            *overrides]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     return result

@@ -70,7 +70,8 @@ def train(site: Path, *overrides: str, log: Path) -> subprocess.CompletedProcess
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "hybridflow.cli", "train", "--no-progress", str(EXAMPLE),
                "trainer.tensorboard=false", "trainer.resume=never", "trainer.checkpoint_every=0",
-               "trainer.deadline_s=120", *overrides]
+               "trainer.deadline_s=120", "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0",
+               *overrides]
     return subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 

@@ -33,7 +33,8 @@ def test_grpo_with_a_verl_reward_file(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     trainer = Trainer(load_config(job / "job.yaml", [
         f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
-        "trainer.total_steps=2", "trainer.checkpoint_every=0"]), progress=False)
+        "trainer.total_steps=2", "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1",
+        "data.task.num_val_prompts=0"]), progress=False)
     try:
         history = trainer.fit()
     finally:

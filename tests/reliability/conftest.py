@@ -20,7 +20,8 @@ def short_config(run_dir: Path, *overrides: str, faults: list[str] = (), deadlin
                                  "trainer.resume=never", f"trainer.total_steps={steps}",
                                  f"trainer.checkpoint_every={every}", "trainer.deadline_s=120",
                                  f"reliability.faults={json.dumps(list(faults))}",
-                                 f"reliability.deadlines={json.dumps(deadlines or {})}", *overrides])
+                                 f"reliability.deadlines={json.dumps(deadlines or {})}", "trainer.val_every=0",
+                                 "trainer.val_n=1", "data.task.num_val_prompts=0", *overrides])
 
 
 def run_and_export(config: Config, export: Path) -> Any:

@@ -17,7 +17,8 @@ from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
 
-__all__ = ["Algorithm", "Runtime", "build_kl_state", "mean_over_ranks", "fill_old_log_probs", "decode_batch"]
+__all__ = ["Algorithm", "Runtime", "build_kl_state", "mean_over_ranks", "fill_old_log_probs", "decode_batch",
+           "compute_response_length_metrics", "compute_zero_advantage_metrics"]
 
 
 class Algorithm(Protocol):
@@ -165,6 +166,8 @@ class Runtime:
             "tokens/prompt_and_response": float(batch["attention_mask"].sum()),
             "policy_version": float(batch.meta.get("policy_version") or 0),
         }
+        max_new_tokens = getattr(getattr(self.config, "rollout", None), "max_new_tokens", None)
+        metrics.update(compute_response_length_metrics(batch["response_mask"], max_new_tokens))
         metrics.update(batch.meta.get("reward_metrics", {}))  # a per-sample reward's extra keys
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
@@ -177,7 +180,43 @@ class Runtime:
             mean = masked_mean(advantages, mask)
             metrics["advantages/mean"] = float(mean)
             metrics["advantages/std"] = float(masked_mean((advantages - mean) ** 2, mask).sqrt())
+            if "uid" in batch:
+                metrics.update(compute_zero_advantage_metrics(advantages, mask, list(batch["uid"])))
         return metrics
+
+
+def compute_response_length_metrics(response_mask: torch.Tensor, max_new_tokens: int | None) -> dict[str, float]:
+    """verl's ``response_length/{mean,max,min,clip_ratio}``: tokens per response, and the share of responses that
+    reached ``max_new_tokens`` (cut off by the limit; the responses' width when no limit is given)."""
+    lengths = response_mask.float().sum(-1)
+    limit = float(max_new_tokens if max_new_tokens is not None else response_mask.shape[-1])
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths >= limit).float().mean()),
+    }
+
+
+def compute_zero_advantage_metrics(advantages: torch.Tensor, response_mask: torch.Tensor,
+                                   uids: list[Any]) -> dict[str, float]:
+    """How much of the batch carries no policy gradient: ``critic/advantages/zero_adv_ratio`` (share of responses
+    whose advantage is 0 on every response token) and ``critic/zero_adv_group_ratio`` (share of prompt groups,
+    rows sharing a ``uid``, in which every response has zero advantage: for GRPO/RLOO the groups whose rewards are
+    all equal). A ratio near 1 on most steps means the policy has collapsed: nothing left to learn from."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+        response_mask = torch.ones_like(advantages)
+    if len(uids) != advantages.shape[0]:
+        raise ValueError(f"{len(uids)} uids for {advantages.shape[0]} rows of advantages; expected one per row")
+    zero_rows = ((advantages.abs() <= 1e-8) | (response_mask == 0)).all(dim=-1).tolist()
+    groups: dict[Any, bool] = {}
+    for uid, zero in zip(uids, zero_rows):
+        groups[uid] = groups.get(uid, True) and bool(zero)
+    return {
+        "critic/advantages/zero_adv_ratio": sum(zero_rows) / max(len(zero_rows), 1),
+        "critic/zero_adv_group_ratio": sum(groups.values()) / max(len(groups), 1),
+    }
 
 
 def build_kl_state(config: Any) -> dict[str, Stateful]:

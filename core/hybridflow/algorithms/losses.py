@@ -45,7 +45,7 @@ __all__ = [
     "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation", "KLKind",
     "LossResult", "PolicyLossConfig", "ValueLossConfig", "ActorLoss", "CriticLoss", "compute_loss_scale",
     "aggregate_loss", "ppo_policy_loss", "value_loss", "kl_penalty", "entropy_bonus", "make_actor_loss_fn",
-    "make_critic_loss_fn",
+    "make_critic_loss_fn", "VERL_ACTOR_METRICS",
 ]
 
 LOSS_SCALE_TOKENS = "loss_scale_tokens"
@@ -55,6 +55,8 @@ LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-
 KLKind = Literal["k1", "k2", "k3", "abs"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 LossResult = tuple[torch.Tensor, dict[str, float]]
+#: :func:`ppo_policy_loss`'s metric names → the ``actor/`` names verl logs them under
+VERL_ACTOR_METRICS = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "approx_kl": "ppo_kl"}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -322,8 +324,11 @@ class ActorLoss:
     """The actor's ``LossFn``: PPO surrogate − entropy_coef·entropy + kl_loss_coef·KL(π ‖ π_ref).
 
     ``required_outputs`` names what the engine must compute with gradients (``entropy`` only when its coefficient
-    is non-zero). Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs`` (when
-    ``kl_loss_coef`` > 0), ``is_padding`` (optional). Metric keys start with ``actor/``.
+    is non-zero). Metric keys are verl's (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+    ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean``. An ``entropy`` output given
+    without gradients is logged as ``actor/entropy`` (mean token entropy
+    of the policy over response tokens) and left out of the loss. Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs`` (when
+    ``kl_loss_coef`` > 0), ``is_padding`` (optional).
     """
 
     config: PolicyLossConfig
@@ -348,18 +353,18 @@ class ActorLoss:
             loss_agg=config.loss_agg,
             loss_scale=scale,
         )
-        if config.entropy_coef != 0.0 or "entropy" in outputs:
+        if config.entropy_coef != 0.0 or "entropy" in outputs:  # engines pass a detached entropy for the metric
             entropy = _output(outputs, "entropy", "entropy_coef is non-zero")
-            bonus = entropy_bonus(entropy, valid, loss_agg=config.loss_agg, loss_scale=scale)
             metrics["entropy"] = float(masked_mean(entropy.detach(), valid))
             if config.entropy_coef != 0.0:
-                loss = loss - config.entropy_coef * bonus
+                loss = loss - config.entropy_coef * entropy_bonus(entropy, valid, loss_agg=config.loss_agg,
+                                                                  loss_scale=scale)
         if config.kl_loss_coef > 0.0:
             ref = _column(micro_batch, "ref_log_probs", "kl_loss_coef > 0 needs the reference policy's log-probs")
             kl = kl_penalty(log_probs, ref.detach(), config.kl_loss_kind, response_mask=valid)
             loss = loss + config.kl_loss_coef * aggregate_loss(kl, valid, config.loss_agg, loss_scale=scale)
             metrics["kl_loss"] = float(masked_mean(kl.detach(), valid))
-        return loss, {f"actor/{key}": value for key, value in metrics.items()}
+        return loss, {f"actor/{VERL_ACTOR_METRICS.get(key, key)}": value for key, value in metrics.items()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

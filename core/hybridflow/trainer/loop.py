@@ -17,7 +17,7 @@ from hybridflow.algorithms.base import Runtime
 from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
-from hybridflow.data import PromptDataset, PromptLoader, load_rows
+from hybridflow.data import PromptDataset, PromptLoader, load_rows, make_task_rows
 from hybridflow.errors import CheckpointError
 from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
@@ -27,25 +27,26 @@ from hybridflow.rewards import resolve_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
+from hybridflow.trainer.validation import Validation, build_validation
 
 __all__ = ["Trainer"]
 
 
-def _load_dataset(config: Config, tokenizer: Any) -> PromptDataset:
+def _load_datasets(config: Config, tokenizer: Any) -> tuple[PromptDataset, Validation | None]:
+    """The training prompts, and the validation (``data.val_files`` or the task's held-out prompts) if any."""
     data = config.data
+    held_out: list[dict[str, Any]] = []
     if data.train_files:
         rows: list[dict[str, Any]] = []
         for file in data.train_files:
             rows.extend(load_rows(file))
         source = ", ".join(data.train_files)
     else:
-        from hybridflow.tasks.arithmetic import make_arithmetic_rows
-
         assert data.task is not None
-        rows = make_arithmetic_rows(num_rows=data.task.num_prompts, max_operand=data.task.max_operand,
-                                    seed=data.task.seed, operators=data.task.operators)
+        rows, held_out = make_task_rows(data.task)
         source = f"task {data.task.name}"
-    return PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source)
+    train = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source)
+    return train, build_validation(config, tokenizer, held_out)
 
 
 class Trainer:
@@ -59,8 +60,10 @@ class Trainer:
         check_registered_names(config)
         self.algorithm = registries.algorithms.get(config.algorithm.name)
         self.tokenizer = build_tokenizer(config.role_model(config.actor))
-        self.loader = PromptLoader(_load_dataset(config, self.tokenizer), batch_size=config.data.batch_size,
-                                   seed=config.trainer.seed, shuffle=config.data.shuffle)
+        train, self.validation = _load_datasets(config, self.tokenizer)
+        self.validation_history: list[dict[str, float]] = []  # this process's validation rows, with their step
+        self.loader = PromptLoader(train, batch_size=config.data.batch_size, seed=config.trainer.seed,
+                                   shuffle=config.data.shuffle)
         self.reward_fn = resolve_reward_function(config.reward.function) if config.reward.function else None
         self.cost_fn = None
         if config.cost is not None and config.cost.function:
@@ -248,6 +251,8 @@ class Trainer:
         following = self.step + 1
         if not trainer.lookahead or not self._in_step or following >= trainer.total_steps:
             return False
+        if self.validation is not None and self.validation.due(following, trainer.total_steps):
+            return False  # validation runs between the steps: this step's time is the step's alone
         return not (trainer.checkpoint_every and following % trainer.checkpoint_every == 0)
 
     def _submit_generation_ahead(self, role: str, method: str) -> None:
@@ -308,6 +313,18 @@ class Trainer:
         self.step += 1
         return metrics
 
+    def validate_if_due(self) -> dict[str, float]:
+        """Validate the current weights (policy version ``self.step``) when ``trainer.val_every`` says so; the
+        metrics go to metrics.jsonl as a row of their own at this step (``val-core/...``, ``val-aux/...``)."""
+        if self.validation is None or not self.validation.due(self.step, self.config.trainer.total_steps):
+            return {}
+        started = time.perf_counter()
+        metrics = self.validation.run(self.runtime(), self.step)
+        metrics["timing_s/testing"] = time.perf_counter() - started  # verl's name for validation time
+        self.writer.write(self.step, metrics)
+        self.validation_history.append({"step": float(self.step), **metrics})
+        return metrics
+
     def fit(self) -> list[dict[str, float]]:
         """Run until ``trainer.total_steps``; checkpoint every ``trainer.checkpoint_every`` steps and at the end."""
         history: list[dict[str, float]] = []
@@ -316,10 +333,12 @@ class Trainer:
         total = self.config.trainer.total_steps
         every = self.config.trainer.checkpoint_every
         with Progress(total=total, start=self.step, enabled=self.show_progress) as progress:
+            self.validate_if_due()  # before training (and again on resume, as the truncated metrics lost it)
             while self.step < total:
                 metrics = self.supervisor.run_iteration()  # train_step(), retried per reliability policy
                 history.append(metrics)
                 progress.update(self.step, metrics)
+                self.validate_if_due()
                 if every and (self.step % every == 0 or self.step == total):
                     self.supervisor.save_checkpoint()
         (self.run_dir / "summary.json").write_text(json.dumps({"steps": self.step, "last": history[-1] if history

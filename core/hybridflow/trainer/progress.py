@@ -13,7 +13,8 @@ from typing import Any
 __all__ = ["MetricsWriter", "Progress", "read_metrics"]
 
 HEADLINE = {"reward/mean": "reward", "response/length_mean": "len", "time/step_s": "step_s", "grad_norm": "grad_norm",
-            "kl/actor_ref": "kl", "lagrange/lambda": "lambda"}
+            "actor/entropy": "entropy", "critic/zero_adv_group_ratio": "zero_adv", "kl/actor_ref": "kl",
+            "lagrange/lambda": "lambda"}
 
 
 class MetricsWriter:

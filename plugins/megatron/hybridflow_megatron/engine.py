@@ -147,7 +147,8 @@ class MegatronTrainingEngine:
         batch = _pad_rows(batch, size)
         return [batch.slice(start, start + size) for start in range(0, len(batch), size)]
 
-    def _outputs(self, micro: Batch, output: torch.Tensor, *, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _outputs(self, micro: Batch, output: torch.Tensor, *, with_entropy: bool,
+                 entropy_metric: bool = False) -> dict[str, torch.Tensor]:
         length = int(micro["responses"].shape[1])
         if self.role == "reward_model":  # the head's value at each row's last real token
             attention = micro["attention_mask"].to(output.device)
@@ -162,6 +163,10 @@ class MegatronTrainingEngine:
         outputs = {"log_probs": log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)}
         if with_entropy:
             outputs["entropy"] = -(log_softmax.exp() * log_softmax).sum(-1)
+        elif entropy_metric:  # training without an entropy bonus: detached, for the actor/entropy metric
+            with torch.no_grad():
+                detached = log_softmax.detach()
+                outputs["entropy"] = -(detached.exp() * detached).sum(-1)
         return outputs
 
     def _run_schedule(self, micros: list[Batch], *, forward_only: bool, loss_fn: LossFn | None,
@@ -171,7 +176,7 @@ class MegatronTrainingEngine:
         count = len(micros)
 
         def loss_func(micro: Batch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            outputs = self._outputs(micro, output, with_entropy=with_entropy)
+            outputs = self._outputs(micro, output, with_entropy=with_entropy, entropy_metric=not forward_only)
             if loss_fn is None:
                 return output.new_zeros(()), {key: value.detach().cpu() for key, value in outputs.items()}
             loss, metrics = loss_fn(outputs, micro)

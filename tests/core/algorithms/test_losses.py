@@ -199,8 +199,8 @@ def test_actor_loss_terms_and_metrics():
     batch["response_mask"][:, 0] = 1
     plain = make_actor_loss_fn()
     base, metrics = plain({"log_probs": log_probs}, batch)
-    assert set(metrics) == {"actor/pg_loss", "actor/clipfrac", "actor/clipfrac_lower", "actor/approx_kl",
-                            "actor/ratio_mean"} and plain.required_outputs == ("log_probs",)
+    assert set(metrics) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                            "actor/ratio_mean"} and plain.required_outputs == ("log_probs",)  # verl's names
     with_entropy = make_actor_loss_fn(PolicyLossConfig(entropy_coef=0.5))
     assert with_entropy.required_outputs == ("log_probs", "entropy")
     loss, metrics = with_entropy({"log_probs": log_probs, "entropy": entropy}, batch)

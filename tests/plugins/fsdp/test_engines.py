@@ -3,6 +3,7 @@ gradient accumulation, token-mean normalisation, mini-batches, schedules, sampli
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,18 @@ def test_plugin_registers_engines_and_layouts() -> None:
     layout = registries.layouts.get("fsdp")({"w": (5, 4)}, data=2)
     assert [p.box for p in layout.pieces(1)["w"]] == [((3, 5), (0, 4))]
     assert [p.box for p in registries.layouts.get("hf")({"w": (5, 4)}, data=2).pieces(1)["w"]] == [((0, 5), (0, 4))]
+
+
+def test_actor_train_step_reports_the_policy_entropy_of_its_forward(model_path: Path) -> None:
+    """``actor/entropy`` of a step without entropy bonus = the mean token entropy the weights had before it."""
+    from hybridflow.algorithms.losses import make_actor_loss_fn
+
+    batch = build_training_batch(rows=4)
+    engine = actor(model_path, micro_batch_size=4)
+    before = engine.compute_log_probs(batch, with_entropy=True)
+    mask = batch["response_mask"].bool()
+    expected = float(before["entropy"][mask].mean())
+    batch["old_log_probs"] = before["log_probs"]
+    metrics = engine.train_step(batch, loss_fn=make_actor_loss_fn())
+    assert metrics["actor/entropy"] == pytest.approx(expected, rel=1e-5)
+    assert 0.0 < expected < math.log(engine.model.config.vocab_size)

@@ -73,3 +73,16 @@ def test_tp2_dp2_train_steps_equal_one_rank(module_ranks):
     results = _train(module_ranks, 4, tp=2)
     _assert_matches_reference(results, reference)
     assert sorted(r["mesh"] for r in results) == [(0, 2, False), (0, 2, True), (1, 2, False), (1, 2, True)]
+
+
+def test_train_step_without_entropy_bonus_reports_the_policy_entropy(module_ranks):
+    """``actor/entropy`` (detached, no bonus) = the mean over micro-batches of their masked mean token entropy
+    under the weights before the step."""
+    (result,) = _train(module_ranks, 1, entropy_coef=0.0, steps=1)
+    from megatron_ranks import make_batch
+
+    mask = make_batch(rows=8)["response_mask"].bool()
+    entropy = result["entropy"]
+    expected = sum(float(entropy[rows][mask[rows]].mean()) for rows in (slice(0, 2), slice(2, 4), slice(4, 6),
+                                                                        slice(6, 8))) / 4
+    assert abs(result["metrics"][0]["actor/entropy"] - expected) < 1e-5 and expected > 0
