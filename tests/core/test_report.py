@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from hybridflow.report import main, render_plots, summarize_run
 
 

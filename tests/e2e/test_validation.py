@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 

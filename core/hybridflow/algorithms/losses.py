@@ -326,9 +326,9 @@ class ActorLoss:
     ``required_outputs`` names what the engine must compute with gradients (``entropy`` only when its coefficient
     is non-zero). Metric keys are verl's (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
     ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean``. An ``entropy`` output given
-    without gradients is logged as ``actor/entropy`` (mean token entropy
-    of the policy over response tokens) and left out of the loss. Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs`` (when
-    ``kl_loss_coef`` > 0), ``is_padding`` (optional).
+    without gradients is logged as ``actor/entropy`` (mean token entropy of the policy over response tokens) and
+    left out of the loss. Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs``
+    (when ``kl_loss_coef`` > 0), ``is_padding`` (optional).
     """
 
     config: PolicyLossConfig

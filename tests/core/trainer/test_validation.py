@@ -6,6 +6,7 @@ import itertools
 import statistics
 
 import pytest
+
 from hybridflow.config import load_config
 from hybridflow.data import make_task_rows
 from hybridflow.errors import ConfigError, DatasetError
@@ -69,7 +70,7 @@ def test_validation_settings_that_cannot_work_are_refused() -> None:
     with pytest.raises(ConfigError, match="validation is off"):
         build_validation(load_config(None, ["trainer.val_n=4"]), tokenizer, [])
     rows = [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}]
-    with pytest.raises(ConfigError, match="multiple of rollout.n=4"):
+    with pytest.raises(ConfigError, match=r"multiple of rollout.n=4"):
         build_validation(load_config(None, ["trainer.val_every=5", "trainer.val_n=6", "rollout.n=4"]), tokenizer, rows)
     validation = build_validation(load_config(None, ["trainer.val_every=5", "trainer.val_n=8", "rollout.n=4",
                                                      "trainer.total_steps=12"]), tokenizer, rows)
