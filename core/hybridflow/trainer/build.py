@@ -44,23 +44,20 @@ def build_model_spec(model: ModelConfig, *, seed: int, head: str | None = None) 
         return ModelSpec(path=model.path, dtype=model.dtype, seed=seed)
     if model.config is not None:
         return ModelSpec(config=dict(model.config), dtype=model.dtype, seed=seed)
-    from hybridflow.testing.fixtures import tiny_model_config
+    from hybridflow.presets import preset_model_config
 
-    presets: dict[str, dict[str, Any]] = {
-        "tiny-qwen2": {},
-        "tiny-qwen2-h16": {"num_heads": 4, "num_kv_heads": 2},
-        "tiny-llama": {"architecture": "llama"},
-    }
-    assert model.preset is not None
-    return ModelSpec(config=tiny_model_config(**presets[model.preset]), dtype=model.dtype, seed=seed)
+    if model.preset is None:
+        raise ConfigError("model needs one of path, config or preset; got none of them")
+    return ModelSpec(config=preset_model_config(model.preset), dtype=model.dtype, seed=seed)
 
 
 def build_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer of ``model``: the HF tokenizer saved with ``model.path``, else the presets' char tokenizer."""
     if model.path is not None:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model.path)
-    from hybridflow.testing.fixtures import build_char_tokenizer
+    from hybridflow.char_tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 
