@@ -18,7 +18,7 @@ from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_st
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows
-from hybridflow.errors import CheckpointError
+from hybridflow.errors import CheckpointError, HybridflowError
 from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
@@ -83,7 +83,8 @@ class Trainer:
         self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
         self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
         self._last_step_end: float | None = None
-        self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
+        self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults,
+                                     run_dir=self.run_dir)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,8 +150,32 @@ class Trainer:
             self.groups = None
         self.writer.close()
 
+    # --- what the Supervisor drives (hybridflow.reliability.Supervised) ------------------------------------
+    def current_step(self) -> int:
+        """The iteration the next :meth:`train_step` runs (the number of iterations done)."""
+        return self.step
+
+    def worker_groups(self) -> Groups:
+        """The run's worker groups (after :meth:`start`)."""
+        if self.groups is None:
+            raise HybridflowError("the trainer has no worker groups yet: expected a started run. Fix: call start() "
+                                  "(or fit()) first")
+        return self.groups
+
+    def latest_checkpoint(self, *, verify: bool = False) -> Path | None:
+        """The newest published checkpoint, or None; with ``verify``, a corrupted one raises naming the file."""
+        latest = self.checkpoints.latest()
+        if latest is not None and verify:
+            self.checkpoints.verify(latest)
+        return latest
+
+    def abandon_iteration(self) -> None:
+        """Forget the iteration in flight: its ledger row (kept across retries) is not written."""
+        self._record = None
+
     # --- checkpoints --------------------------------------------------------------------------------------
-    def _trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self) -> dict[str, Any]:
+        """The driver-side state: the data loader's position and the algorithm's state."""
         return {"loader": self.loader.state_dict(),
                 "algorithm": {name: item.state_dict() for name, item in self.algorithm_state.items()}}
 
@@ -164,10 +189,11 @@ class Trainer:
                 assert handle is not None  # role_pool lists the hosted roles
                 handle.save_checkpoint(path)
 
-        return self.checkpoints.save(self.step, write_workers, self._trainer_state(),
+        return self.checkpoints.save(self.step, write_workers, self.trainer_state(),
                                      before_publish=self.supervisor.before_publish(self.step))
 
-    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`trainer_state` returned (or a checkpoint's ``trainer_state.json``)."""
         self.loader.load_state_dict(state["loader"])
         load_algorithm_state(self.algorithm.name, self.algorithm_state, state)
 
@@ -184,7 +210,7 @@ class Trainer:
             handle = self.groups.role(role)
             assert handle is not None  # role_pool lists the hosted roles
             handle.load_checkpoint(str(latest))
-        self._load_trainer_state(state)
+        self.load_trainer_state(state)
         self.step = int(state["step"])
         self.ledger.truncate_after(self.step - 1)
         self.writer.truncate_after(self.step - 1)
