@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow import registries
-from hybridflow.algorithms.base import Runtime
 from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows
