@@ -214,8 +214,12 @@ class Groups:
 
 #: config section of each built-in role whose name differs from it (``<section>.protocols`` overrides the
 #: protocols of its worker methods)
-def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None) -> Groups:
-    """Create one resource pool per configured pool in use and one worker group per pool."""
+def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None,
+                 observers: list[Any] | None = None) -> Groups:
+    """Create one resource pool per configured pool in use and one worker group per pool.
+
+    ``observers``: the call observers every group shares (the very list: the run's owner adds and removes them).
+    """
     from hybridflow.controller import ResourcePool, WorkerGroup
 
     groups = Groups()
@@ -235,7 +239,7 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
         protocols = {plan.role: plan.protocols for plan in pool_plans}
         groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
                                                 deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
-                                                protocols=protocols)
+                                                protocols=protocols, observers=observers)
         for plan in pool_plans:
             groups.role_pool[plan.role] = pool_name
     return groups

@@ -10,7 +10,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow import registries
 from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
@@ -27,6 +27,9 @@ from hybridflow.rewards import resolve_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.progress import MetricsWriter, Progress
+
+if TYPE_CHECKING:
+    from hybridflow.controller import CallObserver
 
 __all__ = ["Trainer"]
 
@@ -85,10 +88,13 @@ class Trainer:
         self._last_step_end: float | None = None
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults,
                                      run_dir=self.run_dir)
+        #: the observers of this run's group calls (shared by its groups; append to watch them): the ledger's and
+        #: recovery's. Another trainer in the process has its own list and never hears these calls.
+        self.call_observers: list[CallObserver] = [self._observe, self.supervisor.observe]
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from hybridflow.controller import add_call_observer, init_ray
+        from hybridflow.controller import init_ray
 
         self._copy_plan()
         ray_config = self.config.ray
@@ -97,10 +103,8 @@ class Trainer:
         else:
             init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
-                                   stack_dump_dir=str(self.run_dir / "stacks"))
+                                   stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
         self.groups.group_of("actor").before_block = self._submit_generation_ahead
-        add_call_observer(self._observe)
-        add_call_observer(self.supervisor.observe)
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
                             "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
@@ -141,10 +145,6 @@ class Trainer:
                        timeout_s=self.config.trainer.deadline_s)
 
     def close(self) -> None:
-        from hybridflow.controller import remove_call_observer
-
-        remove_call_observer(self._observe)
-        remove_call_observer(self.supervisor.observe)
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
