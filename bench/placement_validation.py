@@ -126,7 +126,6 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
             ) -> dict[str, Any]:
     """Run the Trainer; return per-step wall seconds and busy rows (also written to RUN_DIR/busy.jsonl)."""
     from hybridflow.config import load_config
-    from hybridflow.controller import add_call_observer, remove_call_observer
     from hybridflow.trainer import Trainer
 
     example = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic.yaml"
@@ -138,7 +137,7 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
 
     started = time.perf_counter()
     trainer = Trainer(config, progress=False)
-    add_call_observer(observe)
+    trainer.call_observers.append(observe)  # this run's group calls only
     walls, rows = [], []
     try:
         trainer.start()
@@ -153,7 +152,6 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
                 rows.append({"iteration": step, "seconds": wall,
                              "nodes": {n: {"busy_seconds": s} for n, s in busy_seconds(calls).items()}})
     finally:
-        remove_call_observer(observe)
         trainer.close()
     (run_dir / "busy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"walls": walls, "rows": rows, "setup_s": setup, "run_dir": run_dir}

@@ -7,7 +7,7 @@ Importing this package loads no plugin, starts no Ray and imports no engine back
 from __future__ import annotations
 
 from hybridflow.errors import HybridflowError
-from hybridflow.registry import Registry
+from hybridflow.registries import Registry
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 Stability: public. Hooks are always called with keyword arguments (pluggy matches them by name, so the
 specs list plain parameters; an implementation may accept a subset). Registration hooks are ``historic=True``: a plugin
 registered after the call still receives it, so the order in which plugins load never matters. Each receives one
-:class:`~hybridflow.registry.Registry` and adds entries to it; return values are ignored. Duplicate names across
+:class:`~hybridflow.registries.Registry` and adds entries to it; return values are ignored. Duplicate names across
 plugins raise :class:`~hybridflow.errors.DuplicateNameError` naming both owners.
 
 This module defines the contracts only; :mod:`hybridflow.plugins` loads plugins and calls the hooks, and
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from hybridflow.registry import Registry
+    from hybridflow.registries import Registry
 
 __all__ = ["hookspec", "hookimpl", "PROJECT_NAME"]
 

@@ -17,7 +17,7 @@ import pytest
 
 from hybridflow import plugins, registries
 from hybridflow.errors import DuplicateNameError, PluginLoadError, UnknownNameError
-from hybridflow.registry import Registry
+from hybridflow.registries import Registry
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

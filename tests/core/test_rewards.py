@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.algorithms.base import Runtime
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.config import load_config
 from hybridflow.data import PromptDataset
 from hybridflow.errors import ConfigError, DatasetError, RewardError

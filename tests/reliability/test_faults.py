@@ -92,6 +92,15 @@ def test_fault_fires_once_per_run(tmp_path: Path) -> None:
     assert FaultPlan.from_json(plan.to_json()) == plan
 
 
+def test_plans_are_scoped_to_their_owner(tmp_path: Path) -> None:
+    """Two runs in one process: a fault of one run's plan never fires at the same point of the other's."""
+    mine = FaultPlan.from_sources(["critic.values@1:raise"], tmp_path / "mine", environ={})
+    other = FaultPlan.from_sources([], tmp_path / "other", environ={})
+    assert maybe_fail("critic.values", iteration=1, rank=0, plan=other) is None
+    with pytest.raises(InjectedFault):
+        maybe_fail("critic.values", iteration=1, rank=0, plan=mine)
+
+
 def test_driver_point_hands_the_kill_to_the_caller(tmp_path: Path) -> None:
     plan = FaultPlan.from_sources(["generate.before_consume@0:kill:rank=1"], tmp_path, environ={})
     spec = maybe_fail("generate.before_consume", iteration=0, plan=plan)
@@ -100,8 +109,8 @@ def test_driver_point_hands_the_kill_to_the_caller(tmp_path: Path) -> None:
 
 def test_kill_is_a_hard_exit_that_leaves_the_marker(tmp_path: Path) -> None:
     plan = FaultPlan.from_sources(["actor.update@0"], tmp_path, environ={})
-    code = ("import sys; from hybridflow.reliability.faults import FaultPlan, arm, maybe_fail; "
-            "arm(sys.argv[1]); maybe_fail('actor.update', iteration=0, rank=0); print('survived')")
+    code = ("import sys; from hybridflow.reliability.faults import FaultPlan, maybe_fail; "
+            "maybe_fail('actor.update', iteration=0, rank=0, plan=FaultPlan.from_json(sys.argv[1])); print('survived')")
     done = subprocess.run([sys.executable, "-c", code, plan.to_json()], capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 17 and "survived" not in done.stdout and "Traceback" not in done.stderr

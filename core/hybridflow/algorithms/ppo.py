@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_gae, whiten
-from hybridflow.algorithms.base import Runtime, build_kl_state, fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.coefficients import build_kl_state
+from hybridflow.algorithms.helpers import fill_old_log_probs, mean_over_ranks
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful, critic_role, policy_roles
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 
 __all__ = ["PPO"]

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.algorithms.advantages import compute_rloo_advantages
-from hybridflow.algorithms.base import Runtime, build_kl_state, mean_over_ranks
+from hybridflow.algorithms.coefficients import build_kl_state
+from hybridflow.algorithms.helpers import mean_over_ranks
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful, policy_roles
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 
 __all__ = ["RLOO"]

@@ -10,9 +10,10 @@ from typing import Any
 
 from hybridflow.algorithms.advantages import build_token_level_rewards, combine_reward_and_cost_advantages, compute_gae
 from hybridflow.algorithms.advantages import whiten as whiten_advantages
-from hybridflow.algorithms.base import Runtime, build_kl_state, mean_over_ranks
-from hybridflow.algorithms.controllers import LagrangeMultiplier
+from hybridflow.algorithms.coefficients import LagrangeMultiplier, build_kl_state
+from hybridflow.algorithms.helpers import mean_over_ranks
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful, critic_role, policy_roles
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 

@@ -11,7 +11,7 @@ from hybridflow.controller.decorator import DISPATCH_ATTRIBUTE, Dispatch, dispat
 from hybridflow.controller.future import BatchFuture
 from hybridflow.controller.group import BoundMethod, RoleHandle, WorkerGroup
 from hybridflow.controller.pool import ResourcePool
-from hybridflow.controller.records import CallObserver, CallRecord, add_call_observer, remove_call_observer
+from hybridflow.controller.records import CallObserver, CallRecord
 from hybridflow.controller.runtime import DEFAULT_OBJECT_STORE_BYTES, init_ray, shutdown_ray
 from hybridflow.controller.worker import Worker, WorkerContext, current_context
 
@@ -33,6 +33,4 @@ __all__ = [
     "BatchFuture",
     "CallRecord",
     "CallObserver",
-    "add_call_observer",
-    "remove_call_observer",
 ]

@@ -7,7 +7,7 @@ only their shard. The worker group (:mod:`hybridflow.controller.group`) creates 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,7 +16,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from hybridflow.batch import check_versions
 from hybridflow.controller.host import FetchArg, RankResult
-from hybridflow.controller.records import CallRecord, notify_observers
+from hybridflow.controller.records import CallObserver, CallRecord, notify_observers
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.errors import ConfigError, WorkerError
 from hybridflow.transfer.concat import concat_batches
@@ -44,7 +44,7 @@ class CallHandle:
     deadline_s: float
     world_size: int
     stack_dump_dir: str | None = None
-    observer: Callable[[CallRecord], None] | None = None
+    observers: Sequence[CallObserver] = ()
     rank_zero_only: bool = False
     results: dict[int, RankResult] | None = None
     failure: BaseException | None = None
@@ -131,7 +131,7 @@ class CallHandle:
             ok=ok,
             counters_per_rank=tuple(results[r].counters if r in results else {} for r in range(self.world_size)),
         )
-        notify_observers(record, self.observer)
+        notify_observers(record, self.observers)
 
     def fetch_outputs(self, ranks: list[int], timeout: float | None) -> list[Any]:
         self.resolve(timeout, with_outputs=ranks if self.results is None else None)

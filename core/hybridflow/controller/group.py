@@ -22,7 +22,7 @@ from hybridflow.controller.decorator import Dispatch, dispatch_of
 from hybridflow.controller.future import BatchFuture, CallHandle
 from hybridflow.controller.host import FetchArg, RankPayload, WorkerHost
 from hybridflow.controller.pool import ResourcePool
-from hybridflow.controller.records import CallRecord
+from hybridflow.controller.records import CallObserver
 from hybridflow.controller.runtime import is_local_ray
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.engines import MeshInfo
@@ -113,7 +113,9 @@ class WorkerGroup:
         init_kwargs: keyword arguments of each role's constructor, ``{role: {...}}`` (or ``{...}`` for one class).
         name: shown in errors and call records.
         deadline_s: default deadline of every call (``@register(deadline_s=...)`` and ``with_deadline`` override).
-        observer: called with a :class:`CallRecord` when each call's result is collected.
+        observers: called with a :class:`CallRecord` when each call's result is collected. The group keeps this very
+            list (not a copy): its owner adds and removes observers later, and a trainer shares one list among its
+            groups. Only these observers hear the group's calls; there is no process-wide list.
         stack_dump_dir: where the watchdog writes stuck workers' stacks (also in the error message).
         protocols: ``{role: {method: protocol name}}`` replacing the protocol a method declares with ``@register``
             (its other dispatch settings stay); the trainer fills it from ``<role section>.protocols`` in the config.
@@ -128,7 +130,7 @@ class WorkerGroup:
         name: str | None = None,
         deadline_s: float = 600.0,
         setup_deadline_s: float | None = None,
-        observer: Callable[[CallRecord], None] | None = None,
+        observers: list[CallObserver] | None = None,
         stack_dump_dir: str | None = None,
         protocols: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
@@ -159,7 +161,7 @@ class WorkerGroup:
         self.init_kwargs = kwargs
         self.deadline_s = float(deadline_s)
         self.setup_deadline_s = float(setup_deadline_s or deadline_s)
-        self.observer = observer
+        self.observers: list[CallObserver] = [] if observers is None else observers
         self.stack_dump_dir = stack_dump_dir
         self._hosts: list[Any] = []
         self._pids: dict[int, int] = {}
@@ -385,7 +387,7 @@ class WorkerGroup:
             group=self.name, role=role, method=method, protocol_name=dispatch.protocol, protocol=protocol,
             context=context, hosts=dict(enumerate(self._hosts)), pids=dict(self._pids), data_refs=data_refs,
             info_refs=info_refs, collect_ranks=collect_ranks, started_at=started, deadline_s=limit,
-            world_size=self.world_size, stack_dump_dir=self.stack_dump_dir, observer=self.observer,
+            world_size=self.world_size, stack_dump_dir=self.stack_dump_dir, observers=self.observers,
             rank_zero_only=dispatch.execute == "rank_zero",
         )
         future = BatchFuture(handle)

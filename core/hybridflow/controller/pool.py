@@ -6,6 +6,7 @@ What runs on the slots is the worker group's business.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,7 +34,8 @@ class ResourcePool:
     """Device slots on one or more nodes, reserved as a Ray placement group. Stability: public.
 
     Args:
-        name: unique name (also the placement group's name).
+        name: the pool's name (shown in errors; the placement group is ``hybridflow-<name>-<8 hex>``, unique per
+            pool, so two runs in one Ray session may both have a pool "main").
         devices_per_node: slots per node, e.g. ``[4]`` or ``[8, 8]``; the world size is their sum.
         device: ``"cpu"`` (fractional CPUs, so a 2-core box holds 4+ workers) or ``"cuda"`` (one GPU per slot).
         cpus_per_worker: CPUs reserved per slot.
@@ -73,7 +75,7 @@ class ResourcePool:
             bundle["GPU"] = 1.0
         strategy = "PACK" if len(counts) == 1 else "SPREAD"
         self.placement_group: PlacementGroup = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                                               strategy=strategy, name=f"hybridflow-{name}")
+                                                               strategy=strategy, name=_placement_group_name(name))
         ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
         if not ready:
             available = ray.available_resources()  # type: ignore[no-untyped-call]  # unannotated in ray
@@ -115,3 +117,8 @@ class ResourcePool:
 
     def __repr__(self) -> str:
         return f"ResourcePool({self.name!r}, devices_per_node={list(self.devices_per_node)}, device={self.device!r})"
+
+
+def _placement_group_name(pool: str) -> str:
+    """A Ray placement-group name for ``pool``, unique in the session (Ray's named groups are session-wide)."""
+    return f"hybridflow-{pool}-{uuid.uuid4().hex[:8]}"

@@ -1,15 +1,15 @@
-"""Per-call records (time per node, bytes per edge) and the observers that receive them.
+"""Per-call records (time per node, bytes per edge) and how they reach observers.
 
-Only the record type and the observer list live here; the worker group fills records, the ledger consumes them.
+There is no process-wide observer list: each worker group carries its own (``WorkerGroup(observers=...)``), so two
+runs in one process never hear each other's calls. The worker group fills records, the ledger consumes them.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CallRecord", "CallObserver", "add_call_observer", "remove_call_observer", "notify_observers"]
+__all__ = ["CallRecord", "CallObserver", "notify_observers"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,28 +38,8 @@ class CallRecord:
 
 CallObserver = Callable[[CallRecord], None]
 
-_lock = threading.Lock()
-_observers: list[CallObserver] = []
 
-
-def add_call_observer(observer: CallObserver) -> CallObserver:
-    """Call ``observer(record)`` for every group call in this process once its result is collected."""
-    with _lock:
-        _observers.append(observer)
-    return observer
-
-
-def remove_call_observer(observer: CallObserver) -> None:
-    with _lock:
-        if observer in _observers:
-            _observers.remove(observer)
-
-
-def notify_observers(record: CallRecord, extra: CallObserver | None = None) -> None:
-    """Deliver ``record`` to the module observers and ``extra`` (a group's own observer)."""
-    with _lock:
-        observers = list(_observers)
-    if extra is not None:
-        observers.append(extra)
-    for observer in observers:
+def notify_observers(record: CallRecord, observers: Sequence[CallObserver]) -> None:
+    """Deliver ``record`` to ``observers`` (a group's list: whoever owns the group owns who hears its calls)."""
+    for observer in list(observers):  # a copy: an observer may add or remove observers
         observer(record)

@@ -16,6 +16,8 @@ from hybridflow.reliability.faults import (
     parse_fault_specs,
 )
 from hybridflow.reliability.recovery import RecoveryPolicy, RunStoppedError, Supervisor, attach_fault_plan
+from hybridflow.reliability.supervised import RestartableGroup, Supervised, SupervisedGroups
 
 __all__ = ["ENV_VAR", "FAULT_POINTS", "FaultPlan", "FaultSpec", "InjectedFault", "maybe_fail", "parse_fault_specs",
-           "RecoveryPolicy", "RunStoppedError", "Supervisor", "attach_fault_plan", "RunAudit", "audit_ledger"]
+           "RecoveryPolicy", "RunStoppedError", "Supervisor", "attach_fault_plan", "RunAudit", "audit_ledger",
+           "Supervised", "SupervisedGroups", "RestartableGroup"]

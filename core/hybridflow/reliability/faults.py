@@ -17,8 +17,8 @@ from typing import Literal, cast
 
 from hybridflow.errors import ConfigError, HybridflowError
 
-__all__ = ["FAULT_POINTS", "ENV_VAR", "FaultSpec", "FaultPlan", "InjectedFault", "parse_fault_specs", "arm",
-           "armed_plan", "maybe_fail", "iteration_of_checkpoint"]
+__all__ = ["FAULT_POINTS", "ENV_VAR", "FaultSpec", "FaultPlan", "InjectedFault", "parse_fault_specs", "maybe_fail",
+           "iteration_of_checkpoint"]
 
 #: the environment variable read by the driver (never needed in workers: the plan travels in the role specs)
 ENV_VAR = "HYBRIDFLOW_FAULTS"
@@ -159,32 +159,14 @@ class FaultPlan:
             os.fsync(handle.fileno())
 
 
-_armed: FaultPlan = FaultPlan()
+def maybe_fail(point: str, *, iteration: int | None, plan: FaultPlan, rank: int | None = None) -> FaultSpec | None:
+    """Fire ``point`` if ``plan`` has a fault due there: ``kill`` exits this process at once, ``hang`` sleeps,
+    ``raise`` raises.
 
-
-def arm(plan: FaultPlan | str | None) -> FaultPlan:
-    """Set this process's plan (workers call it with the JSON from their role spec); returns it."""
-    global _armed
-    if plan is None:
-        _armed = FaultPlan()
-    elif isinstance(plan, str):
-        _armed = FaultPlan.from_json(plan)
-    else:
-        _armed = plan
-    return _armed
-
-
-def armed_plan() -> FaultPlan:
-    return _armed
-
-
-def maybe_fail(point: str, *, iteration: int | None, rank: int | None = None,
-               plan: FaultPlan | None = None) -> FaultSpec | None:
-    """Fire ``point`` if a fault is due: ``kill`` exits this process at once, ``hang`` sleeps, ``raise`` raises.
-
-    Returns the spec only for driver points whose action the caller carries out (killing a worker rank).
+    ``plan`` is its owner's (a worker role's, from its spec; the supervisor's, in the driver): there is no
+    process-wide plan, so two runs in one process never fire each other's faults. Returns the spec only for driver
+    points whose action the caller carries out (killing a worker rank).
     """
-    plan = _armed if plan is None else plan
     if not plan.active or iteration is None:
         return None
     spec = plan.due(point, iteration=iteration, rank=rank)

@@ -12,16 +12,14 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from hybridflow.errors import DeadlineExceededError, HybridflowError, WorkerError
 from hybridflow.ledger import IterationRecord
 from hybridflow.reliability.audit import uids_of, versions_of
 from hybridflow.reliability.faults import FaultPlan, InjectedFault, maybe_fail
 from hybridflow.reliability.journal import CallEntry, Journal
-
-if TYPE_CHECKING:
-    from hybridflow.trainer.loop import Trainer
+from hybridflow.reliability.supervised import Supervised, SupervisedGroups
 
 __all__ = ["RecoveryPolicy", "RunStoppedError", "Supervisor", "attach_fault_plan", "RECOVERY_LOG"]
 
@@ -69,9 +67,13 @@ def _is_failure(exc: BaseException) -> bool:
 
 
 class Supervisor:
-    """Runs the trainer's iterations and checkpoints under the recovery policy. Stability: developer."""
+    """Runs a run's iterations and checkpoints under the recovery policy. Stability: developer.
 
-    def __init__(self, trainer: Trainer, *, policy: RecoveryPolicy, faults: FaultPlan) -> None:
+    ``trainer`` is anything :class:`~hybridflow.reliability.supervised.Supervised` (the Trainer is); recovery logs
+    go to ``run_dir/recovery.jsonl``.
+    """
+
+    def __init__(self, trainer: Supervised, *, policy: RecoveryPolicy, faults: FaultPlan, run_dir: str | Path) -> None:
         self.trainer = trainer
         self.policy = policy
         self.faults = faults
@@ -80,11 +82,10 @@ class Supervisor:
         self.events: list[dict[str, Any]] = []
         self._failed_groups: set[str] = set()
         self._iteration_events: list[dict[str, Any]] = []
-        self.log_path = Path(trainer.run_dir) / RECOVERY_LOG
+        self.log_path = Path(run_dir) / RECOVERY_LOG
 
-    def _groups(self) -> Any:
-        assert self.trainer.groups is not None, "start() the trainer first"
-        return self.trainer.groups
+    def _groups(self) -> SupervisedGroups:
+        return self.trainer.worker_groups()
 
     # --- hooks the trainer calls --------------------------------------------------------------------------
     def observe(self, record: Any) -> None:
@@ -94,7 +95,7 @@ class Supervisor:
 
     def wrap_runtime(self, runtime: Any) -> Any:
         """The runtime with every role handle going through the journal."""
-        self.journal.begin_attempt(self.trainer.step)
+        self.journal.begin_attempt(self.trainer.current_step())
         deadlines = self.policy.deadlines
         runtime.roles = {role: self.journal.wrap(role, handle, deadlines) for role, handle in runtime.roles.items()}
         return runtime
@@ -123,8 +124,8 @@ class Supervisor:
     def run_iteration(self) -> dict[str, float]:
         """``trainer.train_step()`` until it succeeds or the policy stops the run."""
         trainer = self.trainer
-        iteration = trainer.step
-        snapshot = trainer._trainer_state()
+        iteration = trainer.current_step()
+        snapshot = trainer.trainer_state()
         attempt = 0
         while True:
             self._failed_groups = set()
@@ -134,12 +135,12 @@ class Supervisor:
                 break
             except Exception as exc:
                 if not _is_failure(exc):
-                    trainer._record = None
+                    trainer.abandon_iteration()
                     raise
                 attempt += 1
                 self._decide(exc, attempt, what=f"iteration {iteration}")
                 event = self._recover(exc, what=f"iteration {iteration}", failed_at=started)
-                trainer._load_trainer_state(snapshot)
+                trainer.load_trainer_state(snapshot)
                 self._iteration_events.append(event)
         self._between_nodes(iteration)
         return metrics
@@ -157,8 +158,9 @@ class Supervisor:
                 if not _is_failure(exc):
                     raise
                 attempt += 1
-                self._decide(exc, attempt, what=f"checkpoint of step {self.trainer.step}")
-                self._recover(exc, what=f"checkpoint of step {self.trainer.step}", failed_at=started)
+                what = f"checkpoint of step {self.trainer.current_step()}"
+                self._decide(exc, attempt, what=what)
+                self._recover(exc, what=what, failed_at=started)
         self.journal.checkpointed()
         return path
 
@@ -167,13 +169,13 @@ class Supervisor:
         hang = isinstance(exc, DeadlineExceededError)
         choice = self.policy.on_hang if hang else self.policy.on_worker_failure
         if choice == "stop":
-            self.trainer._record = None
+            self.trainer.abandon_iteration()
             raise exc
         if attempt > self.policy.max_retries:
-            self.trainer._record = None
+            self.trainer.abandon_iteration()
             raise RunStoppedError(
                 f"{what} failed {attempt} times (reliability.max_retries={self.policy.max_retries}); stopping. The "
-                f"last checkpoint ({self.trainer.checkpoints.latest() or 'none yet'}) is intact: rerun with "
+                f"last checkpoint ({self.trainer.latest_checkpoint() or 'none yet'}) is intact: rerun with "
                 f"trainer.resume=auto after fixing the cause. Last error: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
@@ -187,9 +189,8 @@ class Supervisor:
             groups.by_pool[pool].restart()
             self.journal.restarted(pool)
         restarted = time.time()
-        latest = self.trainer.checkpoints.latest()
+        latest = self.trainer.latest_checkpoint(verify=True)  # a corrupted checkpoint is refused, naming the file
         if latest is not None:
-            self.trainer.checkpoints.verify(latest)  # a corrupted checkpoint is refused, naming the file
             for role, pool in groups.role_pool.items():
                 if pool in pools:
                     groups.role(role).load_checkpoint(str(latest))

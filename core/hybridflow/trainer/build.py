@@ -44,23 +44,20 @@ def build_model_spec(model: ModelConfig, *, seed: int, head: str | None = None) 
         return ModelSpec(path=model.path, dtype=model.dtype, seed=seed)
     if model.config is not None:
         return ModelSpec(config=dict(model.config), dtype=model.dtype, seed=seed)
-    from hybridflow.testing.fixtures import tiny_model_config
+    from hybridflow.presets import preset_model_config
 
-    presets: dict[str, dict[str, Any]] = {
-        "tiny-qwen2": {},
-        "tiny-qwen2-h16": {"num_heads": 4, "num_kv_heads": 2},
-        "tiny-llama": {"architecture": "llama"},
-    }
-    assert model.preset is not None
-    return ModelSpec(config=tiny_model_config(**presets[model.preset]), dtype=model.dtype, seed=seed)
+    if model.preset is None:
+        raise ConfigError("model needs one of path, config or preset; got none of them")
+    return ModelSpec(config=preset_model_config(model.preset), dtype=model.dtype, seed=seed)
 
 
 def build_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer of ``model``: the HF tokenizer saved with ``model.path``, else the presets' char tokenizer."""
     if model.path is not None:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model.path)
-    from hybridflow.testing.fixtures import build_char_tokenizer
+    from hybridflow.char_tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -217,8 +214,12 @@ class Groups:
 
 #: config section of each built-in role whose name differs from it (``<section>.protocols`` overrides the
 #: protocols of its worker methods)
-def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None) -> Groups:
-    """Create one resource pool per configured pool in use and one worker group per pool."""
+def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, stack_dump_dir: str | None,
+                 observers: list[Any] | None = None) -> Groups:
+    """Create one resource pool per configured pool in use and one worker group per pool.
+
+    ``observers``: the call observers every group shares (the very list: the run's owner adds and removes them).
+    """
     from hybridflow.controller import ResourcePool, WorkerGroup
 
     groups = Groups()
@@ -238,7 +239,7 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
         protocols = {plan.role: plan.protocols for plan in pool_plans}
         groups.by_pool[pool_name] = WorkerGroup(pool, classes, init_kwargs=init_kwargs, name=pool_name,
                                                 deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
-                                                protocols=protocols)
+                                                protocols=protocols, observers=observers)
         for plan in pool_plans:
             groups.role_pool[plan.role] = pool_name
     return groups

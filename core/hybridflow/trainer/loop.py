@@ -10,15 +10,15 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow import registries
-from hybridflow.algorithms.base import Runtime
 from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows, make_task_rows
-from hybridflow.errors import CheckpointError
+from hybridflow.errors import CheckpointError, HybridflowError
 from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
@@ -28,6 +28,9 @@ from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
 from hybridflow.trainer.validation import Validation, build_validation
+
+if TYPE_CHECKING:
+    from hybridflow.controller import CallObserver
 
 __all__ = ["Trainer"]
 
@@ -86,11 +89,15 @@ class Trainer:
         self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
         self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
         self._last_step_end: float | None = None
-        self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults)
+        self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults,
+                                     run_dir=self.run_dir)
+        #: the observers of this run's group calls (shared by its groups; append to watch them): the ledger's and
+        #: recovery's. Another trainer in the process has its own list and never hears these calls.
+        self.call_observers: list[CallObserver] = [self._observe, self.supervisor.observe]
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from hybridflow.controller import add_call_observer, init_ray
+        from hybridflow.controller import init_ray
 
         self._copy_plan()
         ray_config = self.config.ray
@@ -99,10 +106,8 @@ class Trainer:
         else:
             init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
-                                   stack_dump_dir=str(self.run_dir / "stacks"))
+                                   stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
         self.groups.group_of("actor").before_block = self._submit_generation_ahead
-        add_call_observer(self._observe)
-        add_call_observer(self.supervisor.observe)
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
                             "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
@@ -143,17 +148,37 @@ class Trainer:
                        timeout_s=self.config.trainer.deadline_s)
 
     def close(self) -> None:
-        from hybridflow.controller import remove_call_observer
-
-        remove_call_observer(self._observe)
-        remove_call_observer(self.supervisor.observe)
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
         self.writer.close()
 
+    # --- what the Supervisor drives (hybridflow.reliability.Supervised) ------------------------------------
+    def current_step(self) -> int:
+        """The iteration the next :meth:`train_step` runs (the number of iterations done)."""
+        return self.step
+
+    def worker_groups(self) -> Groups:
+        """The run's worker groups (after :meth:`start`)."""
+        if self.groups is None:
+            raise HybridflowError("the trainer has no worker groups yet: expected a started run. Fix: call start() "
+                                  "(or fit()) first")
+        return self.groups
+
+    def latest_checkpoint(self, *, verify: bool = False) -> Path | None:
+        """The newest published checkpoint, or None; with ``verify``, a corrupted one raises naming the file."""
+        latest = self.checkpoints.latest()
+        if latest is not None and verify:
+            self.checkpoints.verify(latest)
+        return latest
+
+    def abandon_iteration(self) -> None:
+        """Forget the iteration in flight: its ledger row (kept across retries) is not written."""
+        self._record = None
+
     # --- checkpoints --------------------------------------------------------------------------------------
-    def _trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self) -> dict[str, Any]:
+        """The driver-side state: the data loader's position and the algorithm's state."""
         return {"loader": self.loader.state_dict(),
                 "algorithm": {name: item.state_dict() for name, item in self.algorithm_state.items()}}
 
@@ -167,10 +192,11 @@ class Trainer:
                 assert handle is not None  # role_pool lists the hosted roles
                 handle.save_checkpoint(path)
 
-        return self.checkpoints.save(self.step, write_workers, self._trainer_state(),
+        return self.checkpoints.save(self.step, write_workers, self.trainer_state(),
                                      before_publish=self.supervisor.before_publish(self.step))
 
-    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`trainer_state` returned (or a checkpoint's ``trainer_state.json``)."""
         self.loader.load_state_dict(state["loader"])
         load_algorithm_state(self.algorithm.name, self.algorithm_state, state)
 
@@ -189,7 +215,7 @@ class Trainer:
             handle = self.groups.role(role)
             assert handle is not None  # role_pool lists the hosted roles
             handle.load_checkpoint(str(latest))
-        self._load_trainer_state(state)
+        self.load_trainer_state(state)
         self.step = int(state["step"])
         self.ledger.truncate_after(self.step - 1)
         self.writer.truncate_after(self.step - 1)

@@ -31,7 +31,7 @@ from hybridflow.engines import (
     TrainingEngineConfig,
 )
 from hybridflow.errors import EngineError, VersionMismatchError
-from hybridflow.reliability.faults import arm, iteration_of_checkpoint, maybe_fail
+from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
 
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
 
@@ -88,8 +88,8 @@ class _TrainingRole(Worker):
     def __init__(self, spec: RoleSpec) -> None:
         super().__init__()
         self.spec = spec
-        if spec.extra.get("faults"):
-            arm(spec.extra["faults"])  # fault injection (tests, bench/faults.py); off unless configured
+        # fault injection (tests, bench/faults.py), off unless configured: this role's own plan, from its spec
+        self.faults = FaultPlan.from_json(spec.extra["faults"]) if spec.extra.get("faults") else FaultPlan()
         self.engine = _build_training_engine(spec)
         self.policy_version = 0
 
@@ -100,7 +100,8 @@ class _TrainingRole(Worker):
     def save_checkpoint(self, path: str) -> None:
         target = Path(path) / (self.spec.name or self.spec.role)
         self.engine.save_checkpoint(str(target))
-        maybe_fail("checkpoint.worker_write", iteration=iteration_of_checkpoint(path), rank=self.rank)
+        maybe_fail("checkpoint.worker_write", iteration=iteration_of_checkpoint(path), rank=self.rank,
+                   plan=self.faults)
         if self.rank == 0:
             (target / "worker_state.json").write_text(json.dumps({"policy_version": self.policy_version}))
 
@@ -161,7 +162,7 @@ class ActorRolloutWorker(_TrainingRole):
         start = time.perf_counter()
         if self._asleep:  # only what this worker put to sleep is woken (engines may refuse waking an awake engine)
             self.rollout.wake()
-        maybe_fail("actor.handover", iteration=iteration, rank=self.rank)
+        maybe_fail("actor.handover", iteration=iteration, rank=self.rank, plan=self.faults)
         target = getattr(self.rollout, "weights_target", "hf")
         self.rollout.update_weights(self.engine.generation_weights(target=target), version=self.policy_version)
         stats = getattr(self.engine, "last_handover_stats", None)
@@ -187,7 +188,7 @@ class ActorRolloutWorker(_TrainingRole):
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + self.rank)
         out = self.rollout.generate(prompts, sampling)
-        maybe_fail("actor.generate", iteration=_iteration(prompts), rank=self.rank)
+        maybe_fail("actor.generate", iteration=_iteration(prompts), rank=self.rank, plan=self.faults)
         if out.meta.get("policy_version") != self.policy_version:
             raise VersionMismatchError(
                 f"rollout engine produced policy_version {out.meta.get('policy_version')} but the actor weights are "
@@ -202,7 +203,7 @@ class ActorRolloutWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:
         self._check_version(batch, "compute_log_probs")
-        maybe_fail("actor.log_probs", iteration=_iteration(batch), rank=self.rank)
+        maybe_fail("actor.log_probs", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return _only(self.engine.compute_log_probs(batch), batch, old_log_probs="log_probs")
 
     @register(protocol="mesh", blocking=True, idempotent=False)
@@ -211,7 +212,8 @@ class ActorRolloutWorker(_TrainingRole):
         metrics: dict[str, float] = {}
         for _ in range(self.spec.epochs):
             metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
-            maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank)  # weights already stepped
+            # weights already stepped
+            maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         self.policy_version += 1
         metrics["actor/policy_version"] = float(self.policy_version)
         return metrics
@@ -234,7 +236,7 @@ class CriticWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_values(self, batch: Batch) -> Batch:
         output = _only(self.engine.compute_values(batch), batch, **{self.spec.output_key or "values": "values"})
-        maybe_fail("critic.values", iteration=_iteration(batch), rank=self.rank)
+        maybe_fail("critic.values", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return output
 
     @register(protocol="mesh", blocking=True, idempotent=False)
@@ -242,7 +244,8 @@ class CriticWorker(_TrainingRole):
         metrics: dict[str, float] = {}
         for _ in range(self.spec.epochs):
             metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
-            maybe_fail("critic.update", iteration=_iteration(batch), rank=self.rank)  # weights already stepped
+            # weights already stepped
+            maybe_fail("critic.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return metrics
 
 
@@ -250,7 +253,7 @@ class ReferenceWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         output = _only(self.engine.compute_log_probs(batch), batch, ref_log_probs="log_probs")
-        maybe_fail("reference.log_probs", iteration=_iteration(batch), rank=self.rank)
+        maybe_fail("reference.log_probs", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return output
 
 
@@ -258,7 +261,7 @@ class RewardModelWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_scores(self, batch: Batch) -> Batch:
         output = _only(self.engine.compute_scores(batch), batch, **{self.spec.output_key or "scores": "scores"})
-        maybe_fail("reward_model.scores", iteration=_iteration(batch), rank=self.rank)
+        maybe_fail("reward_model.scores", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return output
 
 

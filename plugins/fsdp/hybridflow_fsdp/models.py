@@ -39,7 +39,7 @@ def build_hf_config(spec: ModelSpec, *, role: str, attn_implementation: str = "s
         if not model_type:
             raise ConfigError(
                 f"model.config needs a `model_type` key (e.g. \"qwen2\"); got keys {sorted(values)}. "
-                "Use hybridflow.testing.fixtures.tiny_model_config() for a complete example."
+                "Use hybridflow.presets.tiny_model_config() for a complete example."
             )
         values.pop("torch_dtype", None)
         config = AutoConfig.for_model(model_type, **values)

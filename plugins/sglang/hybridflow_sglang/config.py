@@ -114,7 +114,7 @@ def build_server_args(config: RolloutEngineConfig, options: SGLangOptions, *, de
     if path is None:
         raise ConfigError(
             'rollout engine "sglang" loads an HF model directory: expected model.path, got only model.config and no '
-            "materialised directory. Save the model first (e.g. hybridflow.testing.save_tiny_model or "
+            "materialised directory. Save the model first (e.g. hybridflow.presets.save_tiny_model or "
             "model.save_pretrained) and pass its path."
         )
     args: dict[str, Any] = {

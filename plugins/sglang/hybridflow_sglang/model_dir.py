@@ -29,7 +29,7 @@ def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirector
     if model_type is None:
         raise ConfigError(
             f"model.config needs a model_type (e.g. 'qwen2') for sglang to load it; got keys {sorted(config_dict)}. "
-            "Use hybridflow.testing.fixtures.tiny_model_config() for a complete example, or set model.path."
+            "Use hybridflow.presets.tiny_model_config() for a complete example, or set model.path."
         )
     config = AutoConfig.for_model(model_type, **config_dict)
     holder = tempfile.TemporaryDirectory(prefix="hybridflow-sglang-model-")

@@ -1,7 +1,7 @@
 """Turn a :class:`hybridflow.engines.ModelSpec` into the Hugging Face directory vLLM loads.
 
 A ``path`` is used as is. A ``config`` (random init) is written to a temporary directory with the spec's seed,
-the same way :func:`hybridflow.testing.fixtures.save_tiny_model` writes one; the caller owns its cleanup.
+the same way :func:`hybridflow.presets.save_tiny_model` writes one; the caller owns its cleanup.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def prepare_model_dir(spec: ModelSpec) -> tuple[Path, tempfile.TemporaryDirector
     if model_type is None:
         raise ConfigError(
             f"model.config needs a model_type (e.g. 'qwen2'); got keys {sorted(config_dict)}. "
-            "Use hybridflow.testing.fixtures.tiny_model_config() for a complete example."
+            "Use hybridflow.presets.tiny_model_config() for a complete example."
         )
     config = AutoConfig.for_model(model_type, **config_dict)
     holder = tempfile.TemporaryDirectory(prefix="hybridflow-vllm-model-")

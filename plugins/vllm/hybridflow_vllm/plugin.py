@@ -9,7 +9,7 @@ from typing import Any
 
 from hybridflow.engines import RolloutEngineConfig
 from hybridflow.hookspecs import hookimpl
-from hybridflow.registry import Registry
+from hybridflow.registries import Registry
 
 
 def build_vllm_rollout_engine(*, config: RolloutEngineConfig, device: str = "cpu") -> Any:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms.base import Runtime, decode_batch
+from hybridflow.algorithms.helpers import decode_batch
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID, build_char_tokenizer
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms.advantages import build_token_level_rewards
-from hybridflow.algorithms.base import Runtime
-from hybridflow.algorithms.controllers import FixedKLController, LagrangeMultiplier
+from hybridflow.algorithms.coefficients import FixedKLController, LagrangeMultiplier
 from hybridflow.algorithms.grpo import GRPO
 from hybridflow.algorithms.losses import kl_penalty
 from hybridflow.algorithms.ppo import PPO
@@ -15,6 +14,7 @@ from hybridflow.algorithms.reinforce_pp import ReinforcePlusPlus
 from hybridflow.algorithms.remax import ReMax
 from hybridflow.algorithms.rloo import RLOO
 from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
+from hybridflow.algorithms.runtime import Runtime
 from hybridflow.algorithms.safe_rlhf import SafeRLHF
 from hybridflow.batch import Batch
 from hybridflow.config import Config, load_config

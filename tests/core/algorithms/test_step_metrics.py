@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms.advantages import compute_grpo_advantages
-from hybridflow.algorithms.base import Runtime, compute_response_length_metrics, compute_zero_advantage_metrics
+from hybridflow.algorithms.runtime import Runtime, compute_response_length_metrics, compute_zero_advantage_metrics
 from hybridflow.algorithms.losses import PolicyLossConfig, make_actor_loss_fn
 from hybridflow.batch import Batch
 

@@ -21,9 +21,7 @@ from hybridflow.controller import (
     ResourcePool,
     Worker,
     WorkerGroup,
-    add_call_observer,
     register,
-    remove_call_observer,
 )
 from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError, UnknownNameError, VersionMismatchError, WorkerError
@@ -127,9 +125,9 @@ def groups(ray_session: None, records: list[CallRecord]) -> Iterator[dict[str, W
     wide_pool = ResourcePool("wide", [4], cpus_per_worker=CPUS)
     narrow_pool = ResourcePool("narrow", [2], cpus_per_worker=CPUS)
     wide = WorkerGroup(wide_pool, {"actor": Actor, "reference": Reference}, init_kwargs={"actor": {"offset": 0}},
-                       name="wide", deadline_s=60, observer=records.append)
+                       name="wide", deadline_s=60, observers=[records.append])
     narrow = WorkerGroup(narrow_pool, {"actor": Actor}, init_kwargs={"actor": {"offset": 0}}, name="narrow",
-                         deadline_s=60, observer=records.append)
+                         deadline_s=60, observers=[records.append])
     yield {"wide": wide, "narrow": narrow}
     wide.shutdown()
     narrow.shutdown()
@@ -224,16 +222,25 @@ def test_unknown_protocol_fails_at_construction(ray_session: None) -> None:
         WorkerGroup(object.__new__(ResourcePool), BadProtocolWorker)  # type: ignore[arg-type]
 
 
-def test_module_observer_sees_calls(groups: dict[str, WorkerGroup]) -> None:
-    seen: list[CallRecord] = []
-    observer = add_call_observer(seen.append)
+def test_a_group_observer_sees_its_group_calls_only(groups: dict[str, WorkerGroup]) -> None:
+    """Observers are scoped to the group (its owner's list), not the process: the other group's calls stay unheard."""
+    seen_narrow: list[CallRecord] = []
+    seen_wide: list[CallRecord] = []
+    groups["narrow"].observers.append(seen_narrow.append)
+    groups["wide"].observers.append(seen_wide.append)
     try:
         started = time.time()
         groups["narrow"].actor.row_sums(make(2))
+        groups["wide"].reference.row_sums(make(4))
     finally:
-        remove_call_observer(observer)
-    assert [(r.group, r.role, r.method, r.protocol) for r in seen] == [("narrow", "actor", "row_sums", "dp_compute")]
-    assert seen[0].started_at >= started - 1 and seen[0].finished_at >= seen[0].started_at
+        groups["narrow"].observers.remove(seen_narrow.append)
+        groups["wide"].observers.remove(seen_wide.append)
+    assert [(r.group, r.role, r.method, r.protocol) for r in seen_narrow] == [("narrow", "actor", "row_sums",
+                                                                               "dp_compute")]
+    assert [(r.group, r.role, r.method) for r in seen_wide] == [("wide", "reference", "row_sums")]
+    assert seen_narrow[0].started_at >= started - 1 and seen_narrow[0].finished_at >= seen_narrow[0].started_at
+    groups["narrow"].actor.row_sums(make(2))  # removed: no longer called
+    assert len(seen_narrow) == 1
 
 
 def test_padded_future_edge_spans_producers_and_pads_lazily(groups: dict[str, WorkerGroup],

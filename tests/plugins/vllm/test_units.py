@@ -105,7 +105,7 @@ def test_plugin_registers_engine_and_layout_without_importing_vllm() -> None:
 
     script = (
         "import sys\n"
-        "from hybridflow.registry import Registry\n"
+        "from hybridflow.registries import Registry\n"
         "from hybridflow_vllm import plugin\n"
         "engines, layouts = Registry('rollout engine'), Registry('layout')\n"
         "plugin.hybridflow_register_rollout_engines(registry=engines)\n"

@@ -1,4 +1,5 @@
-"""Scalar controllers an RL driver updates once per iteration: KL coefficients and the Safe-RLHF Lagrange multiplier.
+"""Scalar coefficients an RL driver updates once per iteration: KL coefficient controllers and the Safe-RLHF Lagrange
+multiplier (and :func:`build_kl_state`, the KL controller state an algorithm declares).
 
 Plain Python floats, so ``state_dict()`` → JSON → ``load_state_dict()`` resumes bit for bit; measuring the KL or
 the episode cost and saving the state with the checkpoint are left to the driver. Stability: public.
@@ -10,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from hybridflow.algorithms.roles import Stateful
 from hybridflow.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "LagrangeMultiplier",
     "KLController",
     "build_kl_controller",
+    "build_kl_state",
 ]
 
 
@@ -163,3 +166,18 @@ class LagrangeMultiplier:
         self.value, self.cost_limit, self.lr = float(loaded["value"]), float(loaded["cost_limit"]), float(loaded["lr"])
         self.max_value = None if loaded["max_value"] is None else float(loaded["max_value"])
         self.update_delay, self.steps = int(loaded["update_delay"]), int(loaded["steps"])
+
+
+def build_kl_state(config: Any) -> dict[str, Stateful]:
+    """``{"kl_controller": ...}`` for an algorithm with the in-reward KL penalty when ``algorithm.kl_coef > 0``
+    (adaptive with ``algorithm.adaptive_kl_target``, else fixed); ``{}`` when the penalty is off."""
+    algorithm = config.algorithm
+    if algorithm.kl_coef <= 0:
+        if algorithm.adaptive_kl_target is not None:
+            raise ConfigError(f"algorithm.adaptive_kl_target={algorithm.adaptive_kl_target} adapts the in-reward KL "
+                              "coefficient, but algorithm.kl_coef is 0 (off); set algorithm.kl_coef > 0 (its starting "
+                              "value) or remove adaptive_kl_target")
+        return {}
+    controller = build_kl_controller("adaptive" if algorithm.adaptive_kl_target else "fixed",
+                                     kl_coef=algorithm.kl_coef, target_kl=algorithm.adaptive_kl_target, horizon=10_000)
+    return {"kl_controller": controller}

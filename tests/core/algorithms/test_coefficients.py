@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridflow.algorithms.controllers import (
+from hybridflow.algorithms.coefficients import (
     AdaptiveKLController,
     FixedKLController,
     LagrangeMultiplier,

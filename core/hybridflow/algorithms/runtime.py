@@ -1,4 +1,4 @@
-"""What a driver sees: the :class:`Algorithm` protocol and the :class:`Runtime` of handles it calls.
+"""What a driver's ``step`` gets: the :class:`Runtime` of role handles it calls, its state and driver-side helpers.
 
 A driver is one ``step(runtime, prompts)`` function over role handles (``runtime.actor.generate(...)``) plus the
 shared math; building groups, checkpoints and logging are the trainer's business.
@@ -7,37 +7,17 @@ shared math; building groups, checkpoints and logging are the trainer's business
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from hybridflow.algorithms.advantages import build_token_level_rewards, masked_mean, masked_sum
-from hybridflow.algorithms.roles import RoleDeclaration, Stateful
+from hybridflow.algorithms.helpers import decode_batch, fill_old_log_probs
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
 
-__all__ = ["Algorithm", "Runtime", "build_kl_state", "mean_over_ranks", "fill_old_log_probs", "decode_batch",
-           "compute_response_length_metrics", "compute_zero_advantage_metrics"]
-
-
-class Algorithm(Protocol):
-    """An RL algorithm: the roles and state it declares, and one step of dataflow. Stability: public.
-
-    ``roles(config)`` lists the model roles to build for this config (the actor first; a role left out is not
-    built), ``build_state(config)`` the objects it keeps across steps (checkpointed by name), and ``step`` one
-    iteration over the handles. Both may raise :class:`~hybridflow.errors.ConfigError` for keys the algorithm
-    cannot honour. ``extra_keys`` names the ``algorithm.extra`` options it reads (any other is refused).
-    """
-
-    name: str
-    extra_keys: tuple[str, ...]
-
-    def roles(self, config: Any) -> list[RoleDeclaration]: ...
-
-    def build_state(self, config: Any) -> dict[str, Stateful]: ...
-
-    def step(self, runtime: Runtime, prompts: Batch) -> dict[str, float]: ...
+__all__ = ["Runtime", "compute_response_length_metrics", "compute_zero_advantage_metrics"]
 
 
 @dataclass(slots=True)
@@ -217,47 +197,3 @@ def compute_zero_advantage_metrics(advantages: torch.Tensor, response_mask: torc
         "critic/advantages/zero_adv_ratio": sum(zero_rows) / max(len(zero_rows), 1),
         "critic/zero_adv_group_ratio": sum(groups.values()) / max(len(groups), 1),
     }
-
-
-def build_kl_state(config: Any) -> dict[str, Stateful]:
-    """``{"kl_controller": ...}`` for an algorithm with the in-reward KL penalty when ``algorithm.kl_coef > 0``
-    (adaptive with ``algorithm.adaptive_kl_target``, else fixed); ``{}`` when the penalty is off."""
-    from hybridflow.algorithms.controllers import build_kl_controller
-
-    algorithm = config.algorithm
-    if algorithm.kl_coef <= 0:
-        if algorithm.adaptive_kl_target is not None:
-            raise ConfigError(f"algorithm.adaptive_kl_target={algorithm.adaptive_kl_target} adapts the in-reward KL "
-                              "coefficient, but algorithm.kl_coef is 0 (off); set algorithm.kl_coef > 0 (its starting "
-                              "value) or remove adaptive_kl_target")
-        return {}
-    controller = build_kl_controller("adaptive" if algorithm.adaptive_kl_target else "fixed",
-                                     kl_coef=algorithm.kl_coef, target_kl=algorithm.adaptive_kl_target, horizon=10_000)
-    return {"kl_controller": controller}
-
-
-def decode_batch(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
-    """``tokenizer.batch_decode(sequences, skip_special_tokens=True)``; for a fast tokenizer without clean-up, the
-    same text straight from its ``backend_tokenizer`` (skipping transformers' per-element input conversion, which
-    costs more than the decoding)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode_batch") and not getattr(
-            tokenizer, "clean_up_tokenization_spaces", True):
-        return list(backend.decode_batch(sequences, skip_special_tokens=True))
-    return list(tokenizer.batch_decode(sequences, skip_special_tokens=True))
-
-
-def fill_old_log_probs(batch: Batch) -> Batch:
-    """Use the rollout's log-probs as π_old when the actor did not recompute them (one on-policy pass)."""
-    if "old_log_probs" not in batch:
-        batch["old_log_probs"] = batch["rollout_log_probs"].detach().clone()
-    return batch
-
-
-def mean_over_ranks(metrics: Any) -> dict[str, float]:
-    """Average per-rank metric dicts (a blocking data-parallel call returns one per rank)."""
-    if isinstance(metrics, dict):
-        return {k: float(v) for k, v in metrics.items()}
-    rows = [m for m in metrics if m]
-    keys = sorted({k for m in rows for k in m})
-    return {k: sum(float(m[k]) for m in rows if k in m) / sum(1 for m in rows if k in m) for k in keys}
