@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hybridflow.algorithms.advantages import compute_grpo_advantages
-from hybridflow.algorithms.runtime import Runtime, compute_response_length_metrics, compute_zero_advantage_metrics
 from hybridflow.algorithms.losses import PolicyLossConfig, make_actor_loss_fn
+from hybridflow.algorithms.runtime import Runtime, compute_response_length_metrics, compute_zero_advantage_metrics
 from hybridflow.batch import Batch
 
 
