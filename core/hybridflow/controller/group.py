@@ -170,6 +170,7 @@ class WorkerGroup:
         return self.pool.world_size
 
     def _start(self) -> None:
+        self.pool.wait_placed()  # after a node died: its bundles re-reserved elsewhere, or PlacementError saying so
         slots = self.pool.slots()
         self._hosts = [WorkerHost.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
                        for slot in slots]
@@ -236,6 +237,17 @@ class WorkerGroup:
     @property
     def process_ids(self) -> dict[int, int]:
         return dict(self._pids)
+
+    @property
+    def node_ids(self) -> dict[int, str]:
+        """Rank → the Ray node id its worker process reported from inside (``get_runtime_context().get_node_id()``)."""
+        return dict(self._nodes)
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each rank runs: ``[{"rank", "node_index", "local_rank", "node_id", "pid"}]`` (the manifest's
+        ``placement`` section; ``node_index`` is the rank's ``devices_per_node`` entry)."""
+        return [{"rank": slot.rank, "node_index": slot.node_index, "local_rank": slot.local_rank,
+                 "node_id": self._nodes.get(slot.rank), "pid": self._pids.get(slot.rank)} for slot in self.pool.slots()]
 
     def local_process_ids(self) -> dict[int, int] | None:
         """Rank → pid when every rank runs on the driver's Ray node (their /proc is readable here), else None."""
