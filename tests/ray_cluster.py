@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hybridflow.controller.security import LOOPBACK_ENV
+
 BIN = Path(sys.executable).parent
 
 #: faster node-death detection than Ray's defaults (~15 s), so a killed raylet is noticed within a few seconds
@@ -114,11 +116,16 @@ class LoopbackCluster:
     port: int
     env: dict[str, str]
     head: RayNode
+    token_dir: Path
     workers: list[RayNode] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def driver_env(self) -> dict[str, str]:
+        """This process's environment with the cluster's token settings (any other RAY_AUTH_* dropped)."""
+        return {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **self.env}
 
     def add_node(self, *, num_cpus: int = 2, resources: dict[str, float] | None = None,
                  object_store_bytes: int = 100_000_000, timeout_s: float = 90.0) -> RayNode:
@@ -143,8 +150,8 @@ class LoopbackCluster:
         code = (f"import json, ray; ray.init(address={self.address!r}, include_dashboard=False, log_to_driver=False)\n"
                 "print('NODES=' + json.dumps([{k: n[k] for k in ('NodeID', 'Alive', 'Resources')} "
                 "for n in ray.nodes()]))")
-        result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **self.env}, capture_output=True,
-                                text=True, timeout=120, check=False)
+        result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True, text=True,
+                                timeout=120, check=False)
         for line in result.stdout.splitlines():
             if line.startswith("NODES="):
                 nodes: list[dict[str, Any]] = json.loads(line[len("NODES="):])
@@ -166,12 +173,17 @@ class LoopbackCluster:
             stop_process_group(node.process)
             node.log.close()
             shutil.rmtree(node.temp_dir, ignore_errors=True)
+        shutil.rmtree(self.token_dir, ignore_errors=True)
 
 
 def _start_node(join: list[str], token_env: dict[str, str], *, num_cpus: int, resources: dict[str, float],
                 object_store_bytes: int, head: bool, extra_env: dict[str, str] | None = None) -> RayNode:
     temp_dir = Path(tempfile.mkdtemp(prefix="hf-ray-", dir="/tmp"))  # short: Ray's socket paths must stay < 108
-    env = {**os.environ, **token_env, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
+    env = {**inherited, **token_env, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
+    # hybridflow.controller (imported by the tests' conftest) sets this to 0 so a local Ray stays on loopback; a
+    # `ray start` inheriting it would refuse to join as a second node ("not supported on Windows and OSX")
+    env.pop(LOOPBACK_ENV, None)
     command = [str(BIN / "ray"), "start", *join, "--block", "--node-ip-address", "127.0.0.1", "--num-cpus",
                str(num_cpus), "--object-store-memory", str(object_store_bytes), "--disable-usage-stats",
                "--temp-dir", str(temp_dir), *_port_flags(head)]
@@ -187,12 +199,21 @@ def _start_node(join: list[str], token_env: dict[str, str], *, num_cpus: int, re
 def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
                object_store_bytes: int = 200_000_000, extra_env: dict[str, str] | None = None,
                timeout_s: float = 90.0) -> LoopbackCluster:
-    """``ray start --head`` on loopback with token authentication (a fresh token); stop it with ``.stop()``."""
+    """``ray start --head`` on loopback with token authentication; stop it with ``.stop()``.
+
+    The token is a fresh one in a file of its own (``RAY_AUTH_TOKEN_PATH``, what a real cluster copies to every
+    machine, see docs/operations.md); the head, every added node and every driver get ``RAY_AUTH_MODE=token`` and
+    that path.
+    """
     port = free_port()
-    token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    token_dir = Path(tempfile.mkdtemp(prefix="hf-token-", dir="/tmp"))
+    token_file = token_dir / "auth_token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
+    token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
     node = _start_node(["--head", "--port", str(port)], token_env, num_cpus=num_cpus, resources=resources or {},
                        object_store_bytes=object_store_bytes, head=True, extra_env=extra_env)
-    cluster = LoopbackCluster(port=port, env=token_env, head=node)
+    cluster = LoopbackCluster(port=port, env=token_env, head=node, token_dir=token_dir)
     deadline = time.time() + timeout_s
     while not list(node.temp_dir.glob("session_*/logs/raylet.out")) or not accepts(port):
         if node.process.poll() is not None or time.time() > deadline:

@@ -38,7 +38,7 @@ def test_train_joins_the_cluster_named_by_ray_address(tmp_path: Path, ray_head: 
     command = [str(BIN / "hybridflow"), "train", str(EXAMPLE), f"ray.address={ray_head.address}",
                "trainer.total_steps=2", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",
                "trainer.tensorboard=false", "trainer.resume=never", "--no-progress"]
-    result = subprocess.run(command, check=False, env={**os.environ, **ray_head.env}, capture_output=True, text=True,
+    result = subprocess.run(command, check=False, env=ray_head.driver_env(), capture_output=True, text=True,
                             timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "done: 2 steps" in result.stdout
