@@ -37,10 +37,10 @@ def _ray_cluster(config: Config) -> dict[str, Any] | None:
 
 
 def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any],
-                   placement: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+                   placement: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Manifest dict; ``protocols`` maps ``role.method`` → protocol name, ``mapping`` role → pool and sizes,
-    ``placement`` pool → where each rank runs (rank, ``devices_per_node`` entry, Ray node id, pid), as reported by
-    the workers themselves (:meth:`hybridflow.controller.WorkerGroup.placement`)."""
+    ``placement`` pool → its torch.distributed rendezvous and where each rank runs (rank, ``devices_per_node`` entry,
+    Ray node id, pid), as reported by the workers themselves (:meth:`hybridflow.controller.WorkerGroup.placement`)."""
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "algorithm": config.algorithm.name,

@@ -85,7 +85,9 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
     assert replacement.process.poll() is None
 
     # one rank per node, as each worker saw it from inside; the rendezvous spanned both (the run trained)
-    placement = manifest["placement"]["main"]
+    assert manifest["placement"]["main"]["local_ray"] is False  # the joined-cluster path: rank 0's node IP
+    assert manifest["placement"]["main"]["rendezvous"].startswith("127.0.0.1:")  # (on loopback, that is 127.0.0.1)
+    placement = manifest["placement"]["main"]["ranks"]
     assert [(p["rank"], p["node_index"]) for p in placement] == [(0, 0), (1, 1)], placement
     node_of = {p["rank"]: p["node_id"] for p in placement}
     assert sorted(node_of.values()) == sorted(nodes.values()), (placement, nodes)
@@ -100,7 +102,7 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
     assert event["error"] == "WorkerError", event
     assert event["checkpoint"] and event["checkpoint"].endswith("step-2"), event
     # the rank of the dead node came back on the replacement node, the other rank stayed on the head
-    assert {p["rank"]: p["node_id"] for p in event["placement"]["main"]} == {**node_of, on_b: new_b}, event
+    assert {p["rank"]: p["node_id"] for p in event["placement"]["main"]["ranks"]} == {**node_of, on_b: new_b}, event
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(STEPS)), metrics

@@ -1,10 +1,11 @@
 """``ResourcePool``: a named set of device slots backed by Ray placement groups, one per node it spans.
 
 Groups built on the same pool are colocated (they share its bundles); disjoint pools give split placement.
-``devices_per_node=[a, b]`` reserves ``a`` slots on one node and ``b`` on another: each entry is its own
-``STRICT_PACK`` placement group whose bundles may only land on a node no earlier entry holds (a label selector on
-``ray.io/node-id``), so a two-entry pool never collapses onto one machine and, when a node dies, its entry is
-re-reserved only on a node the pool does not already use. What runs on the slots is the worker group's business.
+``devices_per_node=[a, b]`` reserves ``a`` slots on one node and ``b`` on another: a ``STRICT_SPREAD`` probe picks
+distinct nodes with room, then each entry is its own ``STRICT_PACK`` placement group aimed at its node, whose bundles
+may not land on a node another entry was given (a label selector on ``ray.io/node-id``). So a multi-node pool never
+collapses onto one machine and, when a node dies, Ray re-reserves its entry only on a node the other entries do not
+hold (a replacement). What runs on the slots is the worker group's business.
 """
 
 from __future__ import annotations
@@ -89,16 +90,45 @@ class ResourcePool:
                                                              name=f"hybridflow-{name}"))
                 self._wait_ready(0, self.ready_timeout_s)
             else:
+                nodes = self._pick_nodes()
                 for index, count in enumerate(counts):
-                    taken = self.node_ids()  # the nodes of entries 0..index-1, each placed before this one
-                    selector = [{NODE_ID_LABEL_KEY: f"!in({','.join(taken)})"} for _ in range(count)] if taken else None
+                    # never on a node another entry was given (also when Ray re-reserves it after its node died)
+                    others = ",".join(node for other, node in enumerate(nodes) if other != index)
                     self.placement_groups.append(placement_group(
                         [dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
-                        name=f"hybridflow-{name}-node{index}", bundle_label_selector=selector))
+                        name=f"hybridflow-{name}-node{index}", _soft_target_node_id=nodes[index],
+                        bundle_label_selector=[{NODE_ID_LABEL_KEY: f"!in({others})"} for _ in range(count)]))
+                for index in range(len(counts)):
                     self._wait_ready(index, self.ready_timeout_s)
+                if len(set(self.node_ids())) != len(counts):  # another job took a picked node meanwhile
+                    raise PlacementError(f'ResourcePool "{name}": its {len(counts)} node entries landed on nodes '
+                                         f"{self.node_ids()}, expected distinct ones. Fix: retry, or free the nodes")
         except BaseException:
             self.release()
             raise
+
+    def _pick_nodes(self) -> list[str]:
+        """Distinct nodes with room for each entry: a ``STRICT_SPREAD`` probe of one bundle per entry (the entry's
+        whole need), removed once Ray has chosen."""
+        probe = placement_group([{key: value * count for key, value in self.bundle.items()}
+                                 for count in self.devices_per_node], strategy="STRICT_SPREAD",
+                                name=f"hybridflow-{self.name}-probe")
+        try:
+            ready, _ = ray.wait([probe.ready()], timeout=self.ready_timeout_s)
+            if not ready:
+                alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
+                nodes = len(self.devices_per_node)
+                raise PlacementError(
+                    f'ResourcePool "{self.name}": devices_per_node={list(self.devices_per_node)} names {nodes} nodes, '
+                    f"holding {list(self.devices_per_node)} bundles of {self.bundle} respectively; expected {nodes} distinct nodes with "
+                    f"that room within {self.ready_timeout_s}s, got none (alive nodes: {len(alive)}). Fix: add nodes "
+                    f"to the cluster (`ray start --address=HEAD:PORT` on each of the {nodes} machines), lower "
+                    f"cpus_per_worker, or list fewer nodes"
+                )
+            placed = placement_group_table(probe)["bundles_to_node_id"]
+            return [str(placed[index]) for index in range(len(self.devices_per_node))]
+        finally:
+            remove_placement_group(probe)
 
     @property
     def placement_group(self) -> PlacementGroup:
@@ -110,13 +140,16 @@ class ResourcePool:
         if ready:
             return
         count, nodes = self.devices_per_node[index], len(self.devices_per_node)
-        alive = [node for node in ray.nodes() if node.get("Alive")]
+        alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
+        state = placement_group_table(self.placement_groups[index]).get("state")
+        lost = (f"the node holding entry {index} of devices_per_node left the cluster and its bundles could not be "
+                f"reserved again: " if state == "RESCHEDULING" else "")
         spread = "" if nodes == 1 else (
-            f" on a node of its own (devices_per_node={list(self.devices_per_node)} names {nodes} nodes; node entry "
-            f"{index} must not share a node with entries 0..{index - 1}, which hold {self.node_ids()[:index]})")
+            f" on a node of its own (devices_per_node={list(self.devices_per_node)} names {nodes} nodes; entry "
+            f"{index} may not share a node with the other entries, on {self.node_ids()})")
         raise PlacementError(
-            f'ResourcePool "{self.name}": expected {count} bundles of {self.bundle}{spread} within {timeout_s}s, got '
-            f"none (alive nodes: {len(alive)}; available now: {ray.available_resources()}). Fix: lower "
+            f'ResourcePool "{self.name}": {lost}expected {count} bundles of {self.bundle}{spread} within {timeout_s}s, got '
+            f"none (alive nodes: {len(alive)}; available now: {ray.available_resources()}). Fix: lower "  # type: ignore[no-untyped-call]
             f"cpus_per_worker/world size, free other pools (pool.release()), start Ray with more num_cpus"
             + ("" if nodes == 1 else f", or add nodes to the cluster (`ray start --address=HEAD:PORT` on each of "
                                      f"the {nodes} machines)")

@@ -22,7 +22,7 @@ def test_two_node_pool_on_one_node_is_a_placement_error_naming_the_fix() -> None
     message = str(info.value)
     assert "devices_per_node=[1, 1] names 2 nodes" in message and "ray start --address" in message, message
     assert "alive nodes: 1" in message, message
-    # nothing stays reserved: both node placement groups were removed
+    # nothing stays reserved: the probe placement group was removed
     states = [entry["state"] for entry in list(placement_group_table().values())[before:]]
     assert states and all(state == "REMOVED" for state in states), states
 
