@@ -57,12 +57,13 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
     addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in two_nodes.alive_nodes()}
     assert nodes["node_a"] != nodes["node_b"]
     run_dir = tmp_path / "run"
-    # both ranks hang inside their update of iteration 2 (a deterministic moment mid-run, and the rank left alive
+    # both ranks hang inside their update of iteration 3 (a deterministic moment mid-run, and the rank left alive
     # stays busy, as a peer blocked in a collective would); the test then kills the second node's raylet
     command = [str(BIN / "hybridflow"), "train", str(EXAMPLE), f"ray.address={two_nodes.address}",
                "resource_pools.main.devices_per_node=[1,1]", f"trainer.total_steps={STEPS}",
                "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}", "trainer.tensorboard=false",
-               "trainer.resume=never", "trainer.deadline_s=120", 'reliability.faults=["actor.update@2:hang:rank=0","actor.update@2:hang:rank=1"]',
+               "trainer.resume=never", "trainer.deadline_s=120",
+               'reliability.faults=["actor.update@3:hang:rank=0","actor.update@3:hang:rank=1"]',
                "--no-progress"]
     log_path = tmp_path / "train.log"
     with log_path.open("w") as log:
@@ -70,7 +71,7 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
                                    text=True, cwd=REPO, start_new_session=True)
     try:
         for rank in (0, 1):
-            _wait_for(run_dir / "faults" / f"actor.update@2.hang.rank{rank}.fired", process, timeout_s=300)
+            _wait_for(run_dir / "faults" / f"actor.update@3.hang.rank{rank}.fired", process, timeout_s=300)
         manifest = json.loads((run_dir / "manifest.json").read_text())
         kill_process_group(two_nodes.workers[0].process)  # the second machine dies: raylet, store, workers
         replacement = two_nodes.add_node(num_cpus=2, resources={"node_b": 1})
@@ -99,14 +100,16 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
     on_b = next(rank for rank, node in node_of.items() if node == nodes["node_b"])
     assert manifest["ray"]["address"] == two_nodes.address
 
-    # the node's death was detected as a dead worker and recovered: group restarted, checkpoint restored, replayed
+    # the node's death was detected as a dead worker and recovered: group restarted, checkpoint of step 2 restored,
+    # iteration 2's update replayed, iteration 3 retried
     events = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert len(events) == 1, events
     event = events[0]
-    assert event["pools_restarted"] == ["main"] and event["what"] == "iteration 2", event
+    assert event["pools_restarted"] == ["main"] and event["what"] == "iteration 3", event
     assert event["error"] == "WorkerError" and "died" in event["message"], event  # not the 120 s deadline
     assert event["seconds_failed_attempt"] < 60, event
     assert event["checkpoint"] and event["checkpoint"].endswith("step-2"), event
+    assert event["updates_replayed"] == ["actor.update_policy@2"], event  # iteration 2's update, from the driver
     # the rank of the dead node came back on the replacement node, the other rank stayed on the head
     assert {p["rank"]: p["node_id"] for p in event["placement"]["main"]["ranks"]} == {**node_of, on_b: new_b}, event
 
