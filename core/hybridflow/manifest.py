@@ -36,8 +36,11 @@ def _ray_cluster(config: Config) -> dict[str, Any] | None:
     return {"address": config.ray.address, "gcs_address": context.gcs_address, "driver_node_id": context.get_node_id()}
 
 
-def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any]) -> dict[str, Any]:
-    """Manifest dict; ``protocols`` maps ``role.method`` → protocol name, ``mapping`` role → pool and sizes."""
+def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any],
+                   placement: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Manifest dict; ``protocols`` maps ``role.method`` → protocol name, ``mapping`` role → pool and sizes,
+    ``placement`` pool → its torch.distributed rendezvous and where each rank runs (rank, ``devices_per_node`` entry,
+    Ray node id, pid), as reported by the workers themselves (:meth:`hybridflow.controller.WorkerGroup.placement`)."""
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "algorithm": config.algorithm.name,
@@ -45,6 +48,7 @@ def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[s
         "seeds": {"trainer": config.trainer.seed, "task": config.data.task.seed if config.data.task else None},
         "protocols": protocols,
         "mapping": mapping,
+        "placement": placement or {},
         "ray": _ray_cluster(config),
         "engines": {"actor": config.actor.engine, "rollout": config.rollout.engine},
         "plugins": [

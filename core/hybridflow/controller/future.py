@@ -75,9 +75,12 @@ class CallHandle:
                 self.fetched = dict(zip(with_outputs or [], values[len(refs):]))
             ready = refs
         except (GetTimeoutError, RayActorError, RayError):
-            # out of time, or a rank died: wait out the others (what is left of the time), then sort ranks out below
-            left = max(0.0, waited_from + wait_s - time.time())
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=left)
+            # out of time, or a rank died: wait out the others (what is left of the time), then sort ranks out below;
+            # a dead rank ends the wait at once (its peers may be blocked in a collective with it until the deadline,
+            # e.g. when its node died)
+            ready, dead = self._wait_unless_dead(refs, until=waited_from + wait_s)
+            if dead:
+                return self._fail_dead(dead, ready)
         if len(ready) < len(refs):
             ready_set = set(ready)
             stuck = [rank for rank, ref in self.info_refs.items() if ref not in ready_set]
@@ -116,6 +119,46 @@ class CallHandle:
             )
             raise self.failure
         return results
+
+    def _wait_unless_dead(self, refs: list[Any], *, until: float) -> tuple[list[Any], dict[int, str]]:
+        """Wait until every report is in or ``until``; stop early once a rank's process is found dead."""
+        ready: list[Any] = []
+        pending = list(refs)
+        dead: dict[int, str] = {}
+        rank_of = {ref: rank for rank, ref in self.info_refs.items()}
+        while True:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(1.0, until - time.time())))
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except (RayActorError, RayError) as exc:  # a raised error is a dead process (code errors come back)
+                    dead[rank_of[ref]] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ready.extend(done)
+            if dead or not pending or time.time() >= until:
+                return ready, dead
+
+    def _fail_dead(self, dead: dict[int, str], ready: list[Any]) -> dict[int, RankResult]:
+        """The call failed because ranks died: report them (others still running are abandoned) and raise."""
+        ready_set = set(ready)
+        results: dict[int, RankResult] = {}
+        for rank, ref in self.info_refs.items():
+            if rank in dead:
+                results[rank] = RankResult(rank=rank, ok=False, remote_traceback=dead[rank], finished_at=time.time(),
+                                           error=f"worker process died ({dead[rank]})")
+            elif ref in ready_set:
+                results[rank] = ray.get(ref, timeout=10.0)
+        self.results = results
+        self._emit(results, ok=False)
+        first = min(dead)
+        running = sorted(set(self.info_refs) - set(results))
+        self.failure = WorkerError(
+            f"{self.node}.{self.method} failed: rank {first} of {self.world_size} died"
+            f"{f' (dead ranks: {sorted(dead)})' if len(dead) > 1 else ''} ({dead[first]})"
+            f"{f'; ranks {running} were still running and are abandoned' if running else ''}. A dead worker "
+            f"process or Ray node (OOM kill, crash, machine lost); the supervisor restarts the group.",
+            rank=first, method=f"{self.role}.{self.method}", remote_traceback=dead[first],
+        )
+        raise self.failure
 
     def _emit(self, results: dict[int, RankResult], *, ok: bool) -> None:
         finished = max((result.finished_at for result in results.values()), default=time.time())

@@ -166,6 +166,7 @@ class WorkerGroup:
         self._hosts: list[Any] = []
         self._pids: dict[int, int] = {}
         self._nodes: dict[int, str] = {}
+        self._rendezvous: tuple[str, int, bool] | None = None  # (MASTER_ADDR, MASTER_PORT, local Ray?)
         self._ahead: dict[tuple[str, str], tuple[tuple[Any, ...], BatchFuture]] = {}
         #: called with (role, method) after a blocking call is dispatched, before the driver waits for it
         self.before_block: Callable[[str, str], None] | None = None
@@ -178,6 +179,7 @@ class WorkerGroup:
         return self.pool.world_size
 
     def _start(self) -> None:
+        self.pool.wait_placed()  # after a node died: its bundles re-reserved elsewhere, or PlacementError saying so
         slots = self.pool.slots()
         actor_class = cast("ActorClass[WorkerHost]", WorkerHost)  # @ray.remote made it one; mypy keeps the class
         self._hosts = [actor_class.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
@@ -186,8 +188,10 @@ class WorkerGroup:
         started = time.time()
         hosts = dict(enumerate(self._hosts))
         try:
-            master_addr, master_port = ray.get(self._hosts[0].reserve_master_address.remote(is_local_ray()),
+            local = is_local_ray()  # joined cluster: rank 0's node IP, reachable from the other nodes
+            master_addr, master_port = ray.get(self._hosts[0].reserve_master_address.remote(local),
                                                timeout=self.setup_deadline_s)
+            self._rendezvous = (str(master_addr), int(master_port), local)
             setups = {rank: host.setup.remote(master_addr, master_port, self.roles, self.init_kwargs)
                       for rank, host in hosts.items()}
             ready, _ = ray.wait(list(setups.values()), num_returns=len(setups),
@@ -243,6 +247,21 @@ class WorkerGroup:
     @property
     def process_ids(self) -> dict[int, int]:
         return dict(self._pids)
+
+    @property
+    def node_ids(self) -> dict[int, str]:
+        """Rank → the Ray node id its worker process reported from inside (``get_runtime_context().get_node_id()``)."""
+        return dict(self._nodes)
+
+    def placement(self) -> dict[str, Any]:
+        """Where the ranks run (the manifest's ``placement`` section): ``{"rendezvous": "MASTER_ADDR:PORT",
+        "local_ray": bool, "ranks": [{"rank", "node_index", "local_rank", "node_id", "pid"}]}``; ``node_index`` is
+        the rank's ``devices_per_node`` entry, ``node_id`` the Ray node its process reported from inside."""
+        addr, port, local = self._rendezvous or ("", 0, False)
+        return {"rendezvous": f"{addr}:{port}" if addr else None, "local_ray": local,
+                "ranks": [{"rank": slot.rank, "node_index": slot.node_index, "local_rank": slot.local_rank,
+                           "node_id": self._nodes.get(slot.rank), "pid": self._pids.get(slot.rank)}
+                          for slot in self.pool.slots()]}
 
     def local_process_ids(self) -> dict[int, int] | None:
         """Rank → pid when every rank runs on the driver's Ray node (their /proc is readable here), else None."""

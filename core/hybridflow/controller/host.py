@@ -102,6 +102,15 @@ def value_nbytes(value: Any) -> int:
     return 0
 
 
+def node_ip_address() -> str:
+    """The address the Ray node of this process registered with the cluster (its ``NodeManagerAddress``)."""
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
+        if node.get("NodeID") == here:
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # pragma: no cover
+
+
 def _is_user_frame(filename: str) -> bool:
     """False for frames inside Ray or the standard library's threading machinery."""
     ignored = (f"{os.sep}ray{os.sep}", "threading.py", f"concurrent{os.sep}futures", "queue.py", "selectors.py")
@@ -157,8 +166,13 @@ class WorkerHost:
             pass
 
     def reserve_master_address(self, loopback: bool) -> tuple[str, int]:
-        """This node's IP (127.0.0.1 on a single-machine Ray) and a free TCP port, for rank 0's rendezvous."""
-        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # ray
+        """This node's IP (127.0.0.1 on a single-machine Ray) and a free TCP port, for rank 0's rendezvous.
+
+        On a cluster it is the address this node registered with Ray (``ray start --node-ip-address``, what the
+        other nodes reach it at), not ``ray.util.get_node_ip_address()``, which in a worker process guesses from
+        the default route (e.g. a public interface while the cluster runs on a private network or on loopback).
+        """
+        address = "127.0.0.1" if loopback else node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((address, 0))
             return address, int(sock.getsockname()[1])

@@ -1,7 +1,11 @@
-"""``ResourcePool``: a named set of device slots backed by one Ray placement group.
+"""``ResourcePool``: a named set of device slots backed by Ray placement groups, one per node it spans.
 
 Groups built on the same pool are colocated (they share its bundles); disjoint pools give split placement.
-What runs on the slots is the worker group's business.
+``devices_per_node=[a, b]`` reserves ``a`` slots on one node and ``b`` on another: a ``STRICT_SPREAD`` probe picks
+distinct nodes with room, then each entry is its own ``STRICT_PACK`` placement group aimed at its node, whose bundles
+may not land on a node another entry was given (a label selector on ``ray.io/node-id``). So a multi-node pool never
+collapses onto one machine and, when a node dies, Ray re-reserves its entry only on a node the other entries do not
+hold (a replacement). What runs on the slots is the worker group's business.
 """
 
 from __future__ import annotations
@@ -12,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.errors import ConfigError, PlacementError
@@ -73,26 +83,104 @@ class ResourcePool:
         bundle: dict[str, float] = {"CPU": self.cpus_per_worker}
         if device == "cuda":
             bundle["GPU"] = 1.0
-        strategy = "PACK" if len(counts) == 1 else "SPREAD"
-        self.placement_group: PlacementGroup = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                                               strategy=strategy, name=_placement_group_name(name))
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
-        if not ready:
-            available = ray.available_resources()  # type: ignore[no-untyped-call]  # unannotated in ray
-            remove_placement_group(self.placement_group)
-            raise PlacementError(
-                f'ResourcePool "{name}": expected {self.world_size} bundles of {bundle} within {ready_timeout_s}s, got '
-                f"none (available now: {available}). Fix: lower cpus_per_worker/world size, free other pools "
-                f"(pool.release()) or start Ray with more num_cpus"
-            )
+        self.bundle = bundle
+        self.ready_timeout_s = float(ready_timeout_s)
+        #: one placement group per ``devices_per_node`` entry (a single one for a one-node pool)
+        self.placement_groups: list[PlacementGroup] = []
         self._released = False
+        try:
+            if len(counts) == 1:
+                self.placement_groups.append(placement_group([dict(bundle) for _ in range(counts[0])], strategy="PACK",
+                                                             name=_placement_group_name(name)))
+                self._wait_ready(0, self.ready_timeout_s)
+            else:
+                nodes = self._pick_nodes()
+                for index, count in enumerate(counts):
+                    # never on a node another entry was given (also when Ray re-reserves it after its node died)
+                    others = ",".join(node for other, node in enumerate(nodes) if other != index)
+                    self.placement_groups.append(placement_group(
+                        [dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
+                        name=f"{_placement_group_name(name)}-node{index}", _soft_target_node_id=nodes[index],
+                        bundle_label_selector=[{NODE_ID_LABEL_KEY: f"!in({others})"} for _ in range(count)]))
+                for index in range(len(counts)):
+                    self._wait_ready(index, self.ready_timeout_s)
+                if len(set(self.node_ids())) != len(counts):  # another job took a picked node meanwhile
+                    raise PlacementError(f'ResourcePool "{name}": its {len(counts)} node entries landed on nodes '
+                                         f"{self.node_ids()}, expected distinct ones. Fix: retry, or free the nodes")
+        except BaseException:
+            self.release()
+            raise
+
+    def _pick_nodes(self) -> list[str]:
+        """Distinct nodes with room for each entry: a ``STRICT_SPREAD`` probe of one bundle per entry (the entry's
+        whole need), removed once Ray has chosen."""
+        probe = placement_group([{key: value * count for key, value in self.bundle.items()}
+                                 for count in self.devices_per_node], strategy="STRICT_SPREAD",
+                                name=f"{_placement_group_name(self.name)}-probe")
+        try:
+            ready, _ = ray.wait([probe.ready()], timeout=self.ready_timeout_s)
+            if not ready:
+                alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
+                nodes = len(self.devices_per_node)
+                raise PlacementError(
+                    f'ResourcePool "{self.name}": devices_per_node={list(self.devices_per_node)} names {nodes} nodes, '
+                    f"holding {list(self.devices_per_node)} bundles of {self.bundle} respectively; expected {nodes} distinct nodes with "
+                    f"that room within {self.ready_timeout_s}s, got none (alive nodes: {len(alive)}). Fix: add nodes "
+                    f"to the cluster (`ray start --address=HEAD:PORT` on each of the {nodes} machines), lower "
+                    f"cpus_per_worker, or list fewer nodes"
+                )
+            placed = placement_group_table(probe)["bundles_to_node_id"]
+            return [str(placed[index]) for index in range(len(self.devices_per_node))]
+        finally:
+            remove_placement_group(probe)
+
+    @property
+    def placement_group(self) -> PlacementGroup:
+        """The first node's placement group (the only one of a one-node pool)."""
+        return self.placement_groups[0]
+
+    def _wait_ready(self, index: int, timeout_s: float) -> None:
+        ready, _ = ray.wait([self.placement_groups[index].ready()], timeout=timeout_s)
+        if ready:
+            return
+        count, nodes = self.devices_per_node[index], len(self.devices_per_node)
+        alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
+        state = placement_group_table(self.placement_groups[index]).get("state")
+        lost = (f"the node holding entry {index} of devices_per_node left the cluster and its bundles could not be "
+                f"reserved again: " if state == "RESCHEDULING" else "")
+        spread = "" if nodes == 1 else (
+            f" on a node of its own (devices_per_node={list(self.devices_per_node)} names {nodes} nodes; entry "
+            f"{index} may not share a node with the other entries, on {self.node_ids()})")
+        raise PlacementError(
+            f'ResourcePool "{self.name}": {lost}expected {count} bundles of {self.bundle}{spread} within {timeout_s}s, got '
+            f"none (alive nodes: {len(alive)}; available now: {ray.available_resources()}). Fix: lower "  # type: ignore[no-untyped-call]
+            f"cpus_per_worker/world size, free other pools (pool.release()), start Ray with more num_cpus"
+            + ("" if nodes == 1 else f", or add nodes to the cluster (`ray start --address=HEAD:PORT` on each of "
+                                     f"the {nodes} machines)")
+        )
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id each ``devices_per_node`` entry is reserved on (of the entries placed so far)."""
+        out = []
+        for group in self.placement_groups:
+            table = placement_group_table(group)
+            ids = sorted({node for node in table.get("bundles_to_node_id", {}).values() if node})
+            out.extend(ids[:1])
+        return out
+
+    def wait_placed(self, timeout_s: float | None = None) -> None:
+        """Block until every node's bundles are reserved (again, after a node died and Ray re-reserves them);
+        :class:`PlacementError` naming the node entry that found no node otherwise."""
+        limit = self.ready_timeout_s if timeout_s is None else timeout_s
+        for index in range(len(self.placement_groups)):
+            self._wait_ready(index, limit)
 
     @property
     def world_size(self) -> int:
         return sum(self.devices_per_node)
 
     def slots(self) -> list[SlotOptions]:
-        """Per-rank actor options: bundle index, fractional CPU (and GPU) share, node-local rank."""
+        """Per-rank actor options: the node's placement group and bundle, fractional CPU (and GPU) share."""
         out: list[SlotOptions] = []
         rank = 0
         for node_index, count in enumerate(self.devices_per_node):
@@ -100,7 +188,7 @@ class ResourcePool:
                 options: dict[str, Any] = {
                     "num_cpus": self.cpus_per_worker / self.max_colocated,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=self.placement_group, placement_group_bundle_index=rank
+                        placement_group=self.placement_groups[node_index], placement_group_bundle_index=local_rank
                     ),
                 }
                 if self.device == "cuda":
@@ -110,10 +198,11 @@ class ResourcePool:
         return out
 
     def release(self) -> None:
-        """Free the placement group (kill the groups on it first)."""
+        """Free the placement groups (kill the groups on them first)."""
         if not self._released:
             self._released = True
-            remove_placement_group(self.placement_group)
+            for group in self.placement_groups:
+                remove_placement_group(group)
 
     def __repr__(self) -> str:
         return f"ResourcePool({self.name!r}, devices_per_node={list(self.devices_per_node)}, device={self.device!r})"

@@ -205,6 +205,7 @@ class Supervisor:
             "seconds_failed_attempt": detected - failed_at, "seconds_restart": restarted - detected,
             "seconds_restore": time.time() - restarted, "seconds_lost": time.time() - failed_at,
             "faults_fired": self.faults.fired(),
+            "placement": {pool: groups.by_pool[pool].placement() for pool in sorted(pools)},  # ranks' nodes now
         }
         self.events.append(event)
         with self.log_path.open("a", encoding="utf-8") as handle:

@@ -115,7 +115,9 @@ class Trainer:
                    for p in self.plans}  # the roles the algorithm declared for this config, as built
         mapping["rollout"] = {"engine": self.config.rollout.engine, "pool": self.config.actor.pool,
                               "tensor_parallel_size": self.config.rollout.tensor_parallel_size}
-        write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping))
+        placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
+        write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
+                                                    placement=placement))
         self._maybe_resume()
 
     def _copy_plan(self) -> None:

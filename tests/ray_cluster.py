@@ -1,0 +1,224 @@
+"""Real Ray clusters on loopback for tests: a head (``ray start --head --block``) and extra raylets
+(``ray start --address --block``), each in its own session (process group), temp dir and free ports, with token
+authentication on. Stopping kills exactly those process groups; nothing else on the machine is touched (never a
+global ``ray stop``: other Ray clusters may run on the same box).
+
+Used by ``tests/e2e/test_ray_address.py`` and ``tests/e2e/test_multinode.py``; importable as ``ray_cluster`` because
+pytest puts ``tests/`` (the rootdir conftest's folder) on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from hybridflow.controller.security import LOOPBACK_ENV
+
+BIN = Path(sys.executable).parent
+
+#: faster node-death detection than Ray's defaults (~15 s), so a killed raylet is noticed within a few seconds
+FAST_FAILURE_DETECTION = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+                          "RAY_health_check_failure_threshold": "4"}
+
+
+def free_port() -> int:
+    with socket.socket() as handle:
+        handle.bind(("127.0.0.1", 0))
+        return int(handle.getsockname()[1])
+
+
+def accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group (``ray start --block`` stops its raylet/GCS), SIGKILL what lingers."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        deadline = time.time() + wait_s
+        while time.time() < deadline:  # children (gcs_server, raylet, workers) share the group; wait until none left
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def kill_process_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the whole group at once (a machine dying: raylet, object store and workers gone, no goodbye)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    process.wait(timeout=10.0)
+    deadline = time.time() + 10.0
+    while time.time() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
+def _port_flags(head: bool) -> list[str]:
+    flags = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+             "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+             "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port())]
+    if head:
+        flags += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+    return flags
+
+
+@dataclass
+class RayNode:
+    """One ``ray start --block`` process group."""
+
+    process: subprocess.Popen[bytes]
+    temp_dir: Path
+    log: IO[bytes]
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        return (self.temp_dir / "ray-start.log").read_text(errors="replace")[-3000:]
+
+    @property
+    def session_logs(self) -> Path:
+        return next(self.temp_dir.glob("session_*/logs"))
+
+
+@dataclass
+class LoopbackCluster:
+    """A Ray head on 127.0.0.1 plus any raylets added; ``env`` is what a driver needs to join (the token)."""
+
+    port: int
+    env: dict[str, str]
+    head: RayNode
+    token_dir: Path
+    workers: list[RayNode] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def driver_env(self) -> dict[str, str]:
+        """This process's environment with the cluster's token settings (any other RAY_AUTH_* dropped)."""
+        return {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **self.env}
+
+    def add_node(self, *, num_cpus: int = 2, resources: dict[str, float] | None = None,
+                 object_store_bytes: int = 100_000_000, timeout_s: float = 90.0) -> RayNode:
+        """``ray start --address HEAD`` as a second raylet in its own process group; returns once it joined."""
+        alive_before = len(self.alive_nodes())
+        node = _start_node(["--address", self.address], self.env, num_cpus=num_cpus, resources=resources or {},
+                           object_store_bytes=object_store_bytes, head=False)
+        self.workers.append(node)
+        deadline = time.time() + timeout_s
+        while not list(node.temp_dir.glob("session_*/logs/raylet.out")):
+            if node.process.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"ray start --address did not start a raylet: {node.log_tail()}")
+            time.sleep(0.5)
+        while len(self.alive_nodes()) <= alive_before:  # registered with the head's GCS
+            if node.process.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"ray start --address did not join: {node.log_tail()}")
+            time.sleep(1.0)
+        return node
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """``ray.nodes()`` of the cluster, read by a short-lived driver (this process may have its own Ray)."""
+        code = (f"import json, ray; ray.init(address={self.address!r}, include_dashboard=False, log_to_driver=False)\n"
+                "print('NODES=' + json.dumps([{k: n[k] for k in ('NodeID', 'Alive', 'Resources', 'NodeManagerAddress')} "
+                "for n in ray.nodes()]))")
+        result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True, text=True,
+                                timeout=120, check=False)
+        for line in result.stdout.splitlines():
+            if line.startswith("NODES="):
+                nodes: list[dict[str, Any]] = json.loads(line[len("NODES="):])
+                return nodes
+        raise RuntimeError(f"could not list the cluster's nodes: {result.stderr[-3000:]}")
+
+    def alive_nodes(self) -> list[dict[str, Any]]:
+        return [node for node in self.nodes() if node["Alive"]]
+
+    def node_id_with(self, resource: str) -> str:
+        """The id of the live node offering the custom ``resource``."""
+        ids = [node["NodeID"] for node in self.alive_nodes() if resource in node["Resources"]]
+        if len(ids) != 1:
+            raise RuntimeError(f"expected one live node with resource {resource!r}, got {ids}")
+        return str(ids[0])
+
+    def stop(self) -> None:
+        for node in [*self.workers, self.head]:
+            stop_process_group(node.process)
+            node.log.close()
+            shutil.rmtree(node.temp_dir, ignore_errors=True)
+        shutil.rmtree(self.token_dir, ignore_errors=True)
+
+
+def _start_node(join: list[str], token_env: dict[str, str], *, num_cpus: int, resources: dict[str, float],
+                object_store_bytes: int, head: bool, extra_env: dict[str, str] | None = None) -> RayNode:
+    temp_dir = Path(tempfile.mkdtemp(prefix="hf-ray-", dir="/tmp"))  # short: Ray's socket paths must stay < 108
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
+    env = {**inherited, **token_env, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
+    # hybridflow.controller (imported by the tests' conftest) sets this to 0 so a local Ray stays on loopback; a
+    # `ray start` inheriting it would refuse to join as a second node ("not supported on Windows and OSX")
+    env.pop(LOOPBACK_ENV, None)
+    command = [str(BIN / "ray"), "start", *join, "--block", "--node-ip-address", "127.0.0.1", "--num-cpus",
+               str(num_cpus), "--object-store-memory", str(object_store_bytes), "--disable-usage-stats",
+               "--temp-dir", str(temp_dir), *_port_flags(head)]
+    if head:
+        command.append("--include-dashboard=false")
+    if resources:
+        command += ["--resources", json.dumps(resources)]
+    log = (temp_dir / "ray-start.log").open("wb")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return RayNode(process=process, temp_dir=temp_dir, log=log, resources=dict(resources))
+
+
+def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
+               object_store_bytes: int = 200_000_000, extra_env: dict[str, str] | None = None,
+               timeout_s: float = 90.0) -> LoopbackCluster:
+    """``ray start --head`` on loopback with token authentication; stop it with ``.stop()``.
+
+    The token is a fresh one in a file of its own (``RAY_AUTH_TOKEN_PATH``, what a real cluster copies to every
+    machine, see docs/operations.md); the head, every added node and every driver get ``RAY_AUTH_MODE=token`` and
+    that path.
+    """
+    port = free_port()
+    token_dir = Path(tempfile.mkdtemp(prefix="hf-token-", dir="/tmp"))
+    token_file = token_dir / "auth_token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
+    token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+    node = _start_node(["--head", "--port", str(port)], token_env, num_cpus=num_cpus, resources=resources or {},
+                       object_store_bytes=object_store_bytes, head=True, extra_env=extra_env)
+    cluster = LoopbackCluster(port=port, env=token_env, head=node, token_dir=token_dir)
+    deadline = time.time() + timeout_s
+    while not list(node.temp_dir.glob("session_*/logs/raylet.out")) or not accepts(port):
+        if node.process.poll() is not None or time.time() > deadline:
+            tail = node.log_tail()
+            cluster.stop()
+            raise RuntimeError(f"ray start --head did not come up: {tail}")
+        time.sleep(0.5)
+    return cluster
