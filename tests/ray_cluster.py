@@ -148,8 +148,8 @@ class LoopbackCluster:
     def nodes(self) -> list[dict[str, Any]]:
         """``ray.nodes()`` of the cluster, read by a short-lived driver (this process may have its own Ray)."""
         code = (f"import json, ray; ray.init(address={self.address!r}, include_dashboard=False, log_to_driver=False)\n"
-                "print('NODES=' + json.dumps([{k: n[k] for k in ('NodeID', 'Alive', 'Resources', 'NodeManagerAddress')} "
-                "for n in ray.nodes()]))")
+                "keys = ('NodeID', 'Alive', 'Resources', 'NodeManagerAddress')\n"
+                "print('NODES=' + json.dumps([{k: n[k] for k in keys} for n in ray.nodes()]))")
         result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True, text=True,
                                 timeout=120, check=False)
         for line in result.stdout.splitlines():

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ray_cluster import BIN, FAST_FAILURE_DETECTION, LoopbackCluster, kill_process_group, start_head
 
 REPO = Path(__file__).resolve().parents[2]

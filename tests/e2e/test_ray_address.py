@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ray_cluster import BIN, LoopbackCluster, start_head
 
 REPO = Path(__file__).resolve().parents[2]

@@ -124,9 +124,9 @@ class ResourcePool:
                 nodes = len(self.devices_per_node)
                 raise PlacementError(
                     f'ResourcePool "{self.name}": devices_per_node={list(self.devices_per_node)} names {nodes} nodes, '
-                    f"holding {list(self.devices_per_node)} bundles of {self.bundle} respectively; expected {nodes} distinct nodes with "
-                    f"that room within {self.ready_timeout_s}s, got none (alive nodes: {len(alive)}). Fix: add nodes "
-                    f"to the cluster (`ray start --address=HEAD:PORT` on each of the {nodes} machines), lower "
+                    f"holding {list(self.devices_per_node)} bundles of {self.bundle} respectively; expected {nodes} "
+                    f"distinct nodes with that room within {self.ready_timeout_s}s, got none (alive nodes: "
+                    f"{len(alive)}). Fix: add nodes to the cluster (`ray start --address=HEAD:PORT` on each of the {nodes} machines), lower "
                     f"cpus_per_worker, or list fewer nodes"
                 )
             placed = placement_group_table(probe)["bundles_to_node_id"]
@@ -148,12 +148,13 @@ class ResourcePool:
         state = placement_group_table(self.placement_groups[index]).get("state")
         lost = (f"the node holding entry {index} of devices_per_node left the cluster and its bundles could not be "
                 f"reserved again: " if state == "RESCHEDULING" else "")
+        available = ray.available_resources()  # type: ignore[no-untyped-call]  # unannotated in ray
         spread = "" if nodes == 1 else (
             f" on a node of its own (devices_per_node={list(self.devices_per_node)} names {nodes} nodes; entry "
             f"{index} may not share a node with the other entries, on {self.node_ids()})")
         raise PlacementError(
-            f'ResourcePool "{self.name}": {lost}expected {count} bundles of {self.bundle}{spread} within {timeout_s}s, got '
-            f"none (alive nodes: {len(alive)}; available now: {ray.available_resources()}). Fix: lower "  # type: ignore[no-untyped-call]
+            f'ResourcePool "{self.name}": {lost}expected {count} bundles of {self.bundle}{spread} within '
+            f"{timeout_s}s, got none (alive nodes: {len(alive)}; available now: {available}). Fix: lower "
             f"cpus_per_worker/world size, free other pools (pool.release()), start Ray with more num_cpus"
             + ("" if nodes == 1 else f", or add nodes to the cluster (`ray start --address=HEAD:PORT` on each of "
                                      f"the {nodes} machines)")

@@ -25,6 +25,9 @@ class RestartableGroup(Protocol):
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (driver-side fault points)."""
 
+    def placement(self) -> dict[str, Any]:
+        """Where the ranks run now: rendezvous and, per rank, its node (recorded with each recovery)."""
+
 
 class SupervisedGroups(Protocol):
     """The worker groups of a run: by pool, which pool hosts each role, and each role's handle."""

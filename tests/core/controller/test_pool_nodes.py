@@ -7,9 +7,10 @@ import time
 
 import pytest
 import ray
+from ray.util.placement_group import placement_group_table
+
 from hybridflow.controller import ResourcePool
 from hybridflow.errors import PlacementError
-from ray.util.placement_group import placement_group_table
 
 
 @pytest.mark.usefixtures("ray_session")
