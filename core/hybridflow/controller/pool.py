@@ -126,8 +126,8 @@ class ResourcePool:
                     f'ResourcePool "{self.name}": devices_per_node={list(self.devices_per_node)} names {nodes} nodes, '
                     f"holding {list(self.devices_per_node)} bundles of {self.bundle} respectively; expected {nodes} "
                     f"distinct nodes with that room within {self.ready_timeout_s}s, got none (alive nodes: "
-                    f"{len(alive)}). Fix: add nodes to the cluster (`ray start --address=HEAD:PORT` on each of the {nodes} machines), lower "
-                    f"cpus_per_worker, or list fewer nodes"
+                    f"{len(alive)}). Fix: add nodes to the cluster (`ray start --address=HEAD:PORT` on each of the "
+                    f"{nodes} machines), lower cpus_per_worker, or list fewer nodes"
                 )
             placed = placement_group_table(probe)["bundles_to_node_id"]
             return [str(placed[index]) for index in range(len(self.devices_per_node))]
