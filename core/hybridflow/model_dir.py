@@ -1,0 +1,54 @@
+"""Write the Hugging Face directory a rollout engine loads from a :class:`~hybridflow.engines.ModelSpec` given as a
+config (random init with the spec's seed and dtype: the trainer's presets and ``model.config``).
+
+Engines that load weights from disk (vLLM, SGLang) use it; what they check of a ``path`` is theirs. Stability:
+developer.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hybridflow.engines import ModelSpec
+from hybridflow.errors import ConfigError
+
+__all__ = ["write_random_init_model_dir"]
+
+
+def write_random_init_model_dir(spec: ModelSpec, *, prefix: str,
+                                engine: str) -> tuple[Path, tempfile.TemporaryDirectory[str]]:
+    """config.json plus safetensors weights of ``spec.config`` in a new temporary directory (no tokenizer: engines
+    are sent token ids); returns the path and the directory object, whose cleanup the caller owns. The global torch
+    RNG is left as it was."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(spec.config or {})
+    model_type = config_dict.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(
+            f"model.config needs a model_type (e.g. 'qwen2') for {engine} to load it; got keys {sorted(config_dict)}. "
+            "Use hybridflow.presets.tiny_model_config() for a complete example, or set model.path."
+        )
+    config = AutoConfig.for_model(model_type, **config_dict)
+    holder = tempfile.TemporaryDirectory(prefix=prefix)
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed)
+        dtype = getattr(torch, spec.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]  # untyped in HF
+        # not model.save_pretrained: under torch.distributed it writes on rank 0 only, and every rank starts its own
+        # engine from its own directory
+        config.save_pretrained(holder.name)
+        tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)  # shares embed_tokens' storage; safetensors refuses shared tensors
+        save_file(tensors, str(Path(holder.name) / "model.safetensors"), metadata={"format": "pt"})
+    except BaseException:
+        holder.cleanup()
+        raise
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return Path(holder.name), holder
