@@ -65,7 +65,7 @@ def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
         "rollout.engine=hf", f"rollout.n={SAMPLES}", "rollout.temperature=1.0", f"rollout.max_new_tokens={NEW_TOKENS}",
         f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",
         "trainer.progress=false", "trainer.tensorboard=false", "trainer.threads_per_worker=1",
-        f"trainer.seed={args.seed}", "trainer.resume=never", *args.set,
+        f"trainer.seed={args.seed}", "trainer.resume=never", "trainer.val_every=0", *args.set,
     ]
     config = load_config(None, overrides)
     trainer = Trainer(config, progress=False)

@@ -54,6 +54,7 @@ def build_overrides(run_dir: Path, workload: str, *, steps: int, every: int, fau
                     deadline_s: float, resume: str = "never") -> list[str]:
     return [f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false",
             f"trainer.resume={resume}", f"trainer.total_steps={steps}", f"trainer.checkpoint_every={every}",
+            "trainer.val_every=0",
             f"reliability.faults={json.dumps(faults)}", f"reliability.deadlines={json.dumps(_deadlines(deadline_s))}",
             *WORKLOADS[workload]]
 

@@ -115,7 +115,8 @@ def trainer_overrides(run_dir: Path, placement: Placement, devices: tuple[int, .
              for i, n in enumerate(devices)}
     roles = [f"{role}.pool=pool{i}" for i, group in enumerate(placement) for role in group]
     return [f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false",
-            "trainer.resume=never", "trainer.checkpoint_every=0", f"trainer.total_steps={args.warmup + args.steps}",
+            "trainer.resume=never", "trainer.val_every=0", "trainer.checkpoint_every=0",
+            f"trainer.total_steps={args.warmup + args.steps}",
             "trainer.deadline_s=300", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
             "actor.recompute_log_probs=true", "reward.model={preset: tiny-qwen2}", f"data.batch_size={args.batch}",
             f"rollout.n={args.samples}", f"rollout.max_new_tokens={args.response_length}",

@@ -39,6 +39,7 @@ BASE = [
     "critic.model.preset=tiny-qwen2", "reference.model.preset=tiny-qwen2", "reward.model.preset=tiny-qwen2",
     "cost.model.preset=tiny-qwen2", "resource_pools.main.devices_per_node=[2]",
     "resource_pools.other.devices_per_node=[2]", "trainer.total_steps=40", "trainer.checkpoint_every=10",
+    "trainer.val_every=5", "data.task.num_val_prompts=4",
 ]
 #: keys read only inside an algorithm's ``step`` (no driver runs here): the source that must read each
 STEP_READS = {
@@ -180,6 +181,9 @@ class RecordingGroup:
     def __init__(self, pool: Any, classes: dict[str, type], **kwargs: Any) -> None:
         CALLS.append(("group", pool.name, sorted(classes), _describe(kwargs)))
         self._overrides: dict[str, dict[str, str]] = kwargs.get("protocols") or {}
+
+    def placement(self) -> dict[str, Any]:
+        return {}
 
     def protocols(self) -> dict[str, str]:
         return {f"{role}.{method}": name for role, methods in self._overrides.items() for method, name in

@@ -63,7 +63,7 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
     command = [str(BIN / "hybridflow"), "train", str(EXAMPLE), f"ray.address={two_nodes.address}",
                "resource_pools.main.devices_per_node=[1,1]", f"trainer.total_steps={STEPS}",
                "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}", "trainer.tensorboard=false",
-               "trainer.resume=never", "trainer.deadline_s=120",
+               "trainer.resume=never", "trainer.deadline_s=120", "trainer.val_every=0",
                'reliability.faults=["actor.update@3:hang:rank=0","actor.update@3:hang:rank=1"]',
                "--no-progress"]
     log_path = tmp_path / "train.log"

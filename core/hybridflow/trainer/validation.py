@@ -145,10 +145,8 @@ def build_validation(config: Config, tokenizer: Any, held_out_rows: list[dict[st
     """The run's validation from ``data.val_files`` (or the task's held-out rows) and ``trainer.val_*``; None when
     there are no validation prompts. ConfigError for a schedule without prompts or a ``val_n`` it cannot honour."""
     data, trainer = config.data, config.trainer
-    if trainer.val_n > 1 and not trainer.val_every:
-        raise ConfigError(f"trainer.val_n={trainer.val_n} samples validation prompts, but validation is off "
-                          "(trainer.val_every=0); set trainer.val_every (and data.val_files or "
-                          "data.task.num_val_prompts), or drop trainer.val_n")
+    # trainer.val_every=0 is the one switch that turns validation off: trainer.val_n and the held-out prompts stay
+    # configured for when it is turned back on (the held-out prompts are still kept out of training)
     rows: list[dict[str, Any]] = []
     for file in data.val_files:
         rows.extend(load_rows(file))
