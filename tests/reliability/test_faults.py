@@ -40,8 +40,12 @@ def test_points_fire_in_their_nodes_and_the_run_recovers(tmp_path: Path) -> None
         "actor.generate@3:raise:rank=1": "actor.generate",
         "critic.update@3:raise": "critic.update_critic",
     }  # in the order the run reaches them
-    trainer = run_and_export(short_config(tmp_path / "faulty", *ppo, faults=list(faults)), tmp_path / "w_faulty")
-    labels = [parse_fault_specs(f)[0].label for f in faults]
+    # these nodes run collectives over both ranks (weight gathers, FSDP forward/backward): a fault on rank 0 alone
+    # leaves rank 1 waiting in the collective until the deadline, so each fires on both ranks (one failure per node)
+    both_ranks = [f"{fault}:rank=1" for fault in faults if ":rank=" not in fault]
+    trainer = run_and_export(short_config(tmp_path / "faulty", *ppo, faults=[*faults, *both_ranks]),
+                             tmp_path / "w_faulty")
+    labels = [parse_fault_specs(f)[0].label for f in [*faults, *both_ranks]]
     assert sorted(trainer.faults.fired()) == sorted(labels)
     events = trainer.supervisor.events
     assert [e["what"] for e in events] == ["iteration 0", "iteration 1", "iteration 1", "checkpoint of step 2",
