@@ -130,7 +130,7 @@ class LoopbackCluster:
     def add_node(self, *, num_cpus: int = 2, resources: dict[str, float] | None = None,
                  object_store_bytes: int = 100_000_000, timeout_s: float = 90.0) -> RayNode:
         """``ray start --address HEAD`` as a second raylet in its own process group; returns once it joined."""
-        alive_before = len(self.alive_nodes())
+        known_before = {node["NodeID"] for node in self.nodes()}  # a node just killed may still read as alive
         node = _start_node(["--address", self.address], self.env, num_cpus=num_cpus, resources=resources or {},
                            object_store_bytes=object_store_bytes, head=False)
         self.workers.append(node)
@@ -139,7 +139,7 @@ class LoopbackCluster:
             if node.process.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"ray start --address did not start a raylet: {node.log_tail()}")
             time.sleep(0.5)
-        while len(self.alive_nodes()) <= alive_before:  # registered with the head's GCS
+        while not [n for n in self.alive_nodes() if n["NodeID"] not in known_before]:  # registered with the GCS
             if node.process.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"ray start --address did not join: {node.log_tail()}")
             time.sleep(1.0)
