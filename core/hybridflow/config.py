@@ -70,7 +70,7 @@ class PoolConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = None
     config: dict[str, Any] | None = None
-    preset: Literal["tiny-qwen2", "tiny-qwen2-h16", "tiny-llama"] | None = None
+    preset: Literal["tiny-qwen2", "tiny-qwen2-h16", "tiny-llama", "tiny-qwen2-4h"] | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @model_validator(mode="after")

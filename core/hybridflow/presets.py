@@ -19,6 +19,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": {},
     "tiny-qwen2-h16": {"num_heads": 4, "num_kv_heads": 2},
     "tiny-llama": {"architecture": "llama"},
+    # 4 heads / 2 KV heads, vocabulary padded to 48 (ids past the 45 characters decode to nothing): shards over tg = 2
+    "tiny-qwen2-4h": {"num_heads": 4, "num_kv_heads": 2, "vocab_size": 48},
 }
 
 
@@ -39,19 +41,23 @@ def tiny_model_config(
     num_kv_heads: int = 1,
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 256,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """An HF config dict for a tiny causal LM over :data:`~hybridflow.char_tokenizer.CHAR_VOCAB`.
 
     The default (2 heads of 32) loads in every engine, vLLM's CPU attention included (head size 32 or more);
-    ``num_heads=4, num_kv_heads=2`` gives the head-16 fixture used for the TRL comparison.
+    ``num_heads=4, num_kv_heads=2`` gives the head-16 fixture used for the TRL comparison. ``vocab_size`` pads the
+    embedding past the character vocabulary (e.g. to a multiple of the generation tensor-parallel size).
     """
+    if vocab_size is not None and vocab_size < len(CHAR_VOCAB):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the character vocabulary ({len(CHAR_VOCAB)})")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden {hidden_size}, heads {num_heads}, kv heads {num_kv_heads} do not divide")
     model_type = {"qwen2": "qwen2", "llama": "llama"}[architecture]
     return {
         "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
         "model_type": model_type,
-        "vocab_size": len(CHAR_VOCAB),
+        "vocab_size": vocab_size or len(CHAR_VOCAB),
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,

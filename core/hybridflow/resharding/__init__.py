@@ -34,6 +34,7 @@ from hybridflow.resharding.planner import (
     lower_bound_bytes,
     plan_reshard,
 )
+from hybridflow.resharding.resident import count_storage_bytes
 from hybridflow.resharding.specs import Box, FusedLayout, ModelLayout, ParamShardSpec, Piece
 
 __all__ = [
@@ -43,5 +44,5 @@ __all__ = [
     "named_shapes_of", "tiny_llama_shapes",
     "Strategy", "STRATEGIES", "Transfer", "CollectiveOp", "Bucket", "ReshardPlan", "plan_reshard",
     "lower_bound_bytes",
-    "ReshardStats", "execute_reshard",
+    "ReshardStats", "execute_reshard", "count_storage_bytes",
 ]

@@ -29,6 +29,8 @@ class ReshardStats:
 
     ``peak_extra_bytes`` is the peak of (live source shards + live target/staging tensors + communication buffers)
     minus the larger of the rank's source and target footprints, i.e. what the transition costs on top.
+    ``aliased_bytes`` counts target shards returned as views of source shards (``views=True``): bytes neither
+    moved nor copied, whose storage the source keeps.
     """
 
     rank: int
@@ -39,6 +41,7 @@ class ReshardStats:
     source_bytes: int
     target_bytes: int
     buckets: int
+    aliased_bytes: int = 0
 
 
 class _Memory:
@@ -100,6 +103,7 @@ def execute_reshard(
     *,
     rank: int,
     group: Any = None,
+    views: bool = False,
 ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
     """Move this rank's training shards to its generation shards; every rank of ``group`` must call it with the
     same plan.
@@ -107,6 +111,10 @@ def execute_reshard(
     ``local_shards`` holds this rank's source shards by source parameter name; it is consumed: entries are popped
     as soon as the plan no longer reads them, so drop other references to let the memory go. Plan rank ``i`` is
     rank ``i`` of ``group`` (default: the default process group, which may be absent for a one-rank plan).
+
+    ``views=True``: a target shard whose whole box this rank already holds inside one source shard (e.g. FSDP
+    shards that are the tensor-parallel shards, d == tg) is returned as a view of that source shard instead of a
+    copy (contiguous views only, never for the baselines' staged tensors); the caller must then not write into it.
 
     Returns:
         The target shards by target parameter name, and the measured :class:`ReshardStats`.
@@ -136,15 +144,25 @@ def execute_reshard(
             _subgroup(group, ranks)
     staging: dict[str, torch.Tensor] = {}
     targets: dict[str, torch.Tensor] = {}
-    sent = received = 0
+    sent = received = aliased = 0
+    kept: set[str] = set()  # source shards some target views: their storage stays after release
     for bucket in plan.buckets:
+        viewed: set[str] = set()
         for name in bucket.params:
             shape = plan.staging.params[name].local_shape(plan.staging.mesh, rank)
-            if shape is not None:
-                staging[name] = torch.empty(shape, dtype=plan.staging.params[name].dtype, device=device)
-                memory.add(_nbytes(staging[name]))
+            if shape is None:
+                continue
+            view = _local_view(plan, bucket, name, rank, local_shards, src_index) if views and not staged_mode else None
+            if view is not None:
+                staging[name], source_name = view
+                viewed.add(name)
+                kept.add(source_name)
+                aliased += _nbytes(view[0])
+                continue
+            staging[name] = torch.empty(shape, dtype=plan.staging.params[name].dtype, device=device)
+            memory.add(_nbytes(staging[name]))
         for t in bucket.local:
-            if t.target_rank == rank:
+            if t.target_rank == rank and stage_index.locate(t.canonical, t.box)[0] not in viewed:
                 src_name, src_slices = src_index.locate(t.canonical, t.box)
                 dst_name, dst_slices = stage_index.locate(t.canonical, t.box)
                 staging[dst_name][dst_slices] = local_shards[src_name][src_slices]
@@ -155,9 +173,9 @@ def execute_reshard(
         ]
         for name in bucket.release:  # everything this bucket sends is packed: the training copy can go
             tensor = local_shards.pop(name, None)
-            if tensor is not None:
+            if tensor is not None and name not in kept:
                 memory.sub(_nbytes(tensor))
-                del tensor
+            del tensor
         for prepared in pending:
             s, r = prepared.communicate(rank, staging, stage_index, group, memory, device)
             sent, received = sent + s, received + r
@@ -166,14 +184,39 @@ def execute_reshard(
         else:
             targets.update({name: staging.pop(name) for name in bucket.params if name in staging})
     for name in list(local_shards):
-        memory.sub(_nbytes(local_shards.pop(name)))
+        tensor = local_shards.pop(name)
+        if name not in kept:
+            memory.sub(_nbytes(tensor))
     target_bytes = sum(_nbytes(t) for t in targets.values())
     stats = ReshardStats(
         rank=rank, bytes_sent=sent, bytes_received=received, peak_bytes=memory.peak,
         peak_extra_bytes=max(0, memory.peak - max(source_bytes, target_bytes)), source_bytes=source_bytes,
-        target_bytes=target_bytes, buckets=len(plan.buckets),
+        target_bytes=target_bytes, buckets=len(plan.buckets), aliased_bytes=aliased,
     )
     return targets, stats
+
+
+def _local_view(plan: ReshardPlan, bucket: Any, name: str, rank: int, shards: MutableMapping[str, torch.Tensor],
+                src: _Index) -> tuple[torch.Tensor, str] | None:
+    """A contiguous view of the source shard holding target ``name``'s whole (single, unfused) piece on ``rank``,
+    with that source's name; None when the piece is not held whole locally or any byte of it arrives remotely."""
+    spec = plan.staging.params[name]
+    pieces = spec.pieces(plan.staging.mesh, rank)
+    if spec.fused is not None or len(pieces) != 1 or pieces[0].canonical != name:
+        return None
+    piece = pieces[0]
+    if any(t.target_rank == rank and t.source_rank != rank and t.canonical == name
+           for op in bucket.ops for t in op.transfers):
+        return None
+    try:
+        source_name, slices = src.locate(name, piece.box)
+    except ReshardError:
+        return None
+    view = shards[source_name][slices]
+    expected = spec.local_shape(plan.staging.mesh, rank)
+    if tuple(view.shape) != expected or not view.is_contiguous():
+        return None
+    return view, source_name
 
 
 def _check_shards(layout: ModelLayout, shards: MutableMapping[str, torch.Tensor], rank: int) -> None:

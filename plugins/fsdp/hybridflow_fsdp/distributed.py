@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -58,8 +59,11 @@ def build_data_parallel_mesh(device: str, world_size: int) -> Any:
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
 
 
-def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_after_forward: bool = True) -> nn.Module:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head) — in place."""
+def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_after_forward: bool = True,
+               shard_placement_fn: Callable[[nn.Parameter], Any] | None = None) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head) — in place.
+
+    ``shard_placement_fn`` (FSDP2's): a parameter's ``Shard(dim)``, None for the default dim 0."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mixed_precision == "bf16":
@@ -69,8 +73,10 @@ def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_aft
     else:
         raise ConfigError(f'mixed_precision must be "none" or "bf16", got {mixed_precision!r}')
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=shard_placement_fn)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=shard_placement_fn)
     return model
 
 

@@ -1,13 +1,15 @@
-"""Train → generate weight handover of the FSDP engine: full tensors for a tg=1 generation engine, produced from the
-dim-0 shards one parameter at a time, with the bytes each rank received counted.
+"""Train → generate weight handover of the FSDP engine: this rank's generation shards, from its FSDP shards, with
+the bytes it sent and received counted.
 
 Two paths, chosen by the training engine's ``extra["handover"]``:
 
-- ``"stream"`` (default): one ``DTensor.full_tensor`` per parameter, so only one gathered parameter is alive at a time;
-  bytes received are the payload each rank lacked (for dim-0 shards → tg = 1 that is the planner's lower bound).
-- ``"reshard"``: the 3D-HybridEngine planner and executor (:mod:`hybridflow.resharding`): the plan is built once and
-  reused, bytes are measured from the collectives actually run, in bounded buckets; the whole generation model is
-  produced before the first tensor is yielded.
+- ``"reshard"`` (default): the 3D-HybridEngine planner and executor (:mod:`hybridflow.resharding`) from the FSDP
+  layout (d ranks) to the generation layout (pg = 1, tg; micro-DP d / tg, stride grouping): the plan is built once
+  and reused, bytes are counted from the buffers the executor actually sent and received (in bounded buckets), next
+  to the plan's lower bound, and generation shards that coincide with the FSDP shard are views of it. The whole
+  generation model is produced before the first tensor is yielded.
+- ``"stream"`` (tg = 1 only): one ``DTensor.full_tensor`` per parameter, so only one gathered parameter is alive at a
+  time; bytes received are computed as the payload each rank lacked (full − shard), not counted from buffers.
 """
 
 from __future__ import annotations
@@ -20,23 +22,30 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.errors import EngineError
+from hybridflow.resharding.planner import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
+    from hybridflow.resharding import ReshardPlan
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
-__all__ = ["HandoverStats", "stream_generation_weights", "reshard_generation_weights", "TARGETS", "PATHS"]
+__all__ = ["HandoverStats", "stream_generation_weights", "reshard_generation_weights", "handover_plan",
+           "fsdp_shard_dims", "TARGETS", "PATHS", "DEFAULT_PATH"]
 
 TARGETS = ("hf",)
-PATHS = ("stream", "reshard")
+PATHS = ("reshard", "stream")
+DEFAULT_PATH = "reshard"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HandoverStats:
     """What one handover moved on this rank.
 
-    ``bytes_received`` counts the payload this rank lacked (full tensor − its own shard), which for FSDP dim-0
-    shards → tg=1 equals the per-rank lower bound of :func:`hybridflow.resharding.planner.lower_bound_bytes`.
-    ``peak_gathered_bytes`` is the largest full tensor alive at once (the handover's transient memory).
+    ``path="reshard"``: ``bytes_received``/``bytes_sent`` are the executor's counts of the buffers it received and
+    sent, ``lower_bound_bytes`` what this rank had to receive at least (its generation shards minus what it held),
+    ``aliased_bytes`` the generation shards handed over as views of the training storage, ``peak_gathered_bytes``
+    the executor's memory high-water mark above max(source, target) footprint. ``path="stream"``:
+    ``bytes_received`` is computed (full tensor − own shard per parameter), ``peak_gathered_bytes`` the largest full
+    tensor alive at once.
     """
 
     rank: int
@@ -48,6 +57,10 @@ class HandoverStats:
     peak_gathered_bytes: int
     seconds: float
     path: str = "stream"
+    bytes_sent: int | None = None
+    lower_bound_bytes: int | None = None
+    aliased_bytes: int = 0
+    tensor_parallel_size: int = 1
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -87,36 +100,65 @@ def stream_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf")
     )
 
 
-def reshard_generation_weights(engine: FSDPTrainingEngine, *,
-                               target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf name, full tensor)`` produced by the reshard planner's plan (FSDP dim-0 shards over d ranks →
-    tg = 1 on every rank); a collective: every rank must consume the whole iterator."""
+def fsdp_shard_dims(engine: FSDPTrainingEngine) -> dict[str, int]:
+    """Tensor dim each parameter is FSDP-sharded along, read from its DTensor placement (0 for plain tensors)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dims = {}
+    for name, parameter in engine.model.named_parameters():
+        placement = parameter.placements[0] if isinstance(parameter, DTensor) else None
+        dims[name] = placement.dim if isinstance(placement, Shard) else 0
+    return dims
+
+
+def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan:
+    """The ``hybridflow`` plan from the engine's FSDP shards to generation layout (pg = 1, tg = ``tensor``), built on
+    first use and cached per ``tensor``."""
+    from hybridflow.resharding import plan_reshard
+    from hybridflow_fsdp.layouts import build_fsdp_training_layout, build_hf_generation_layout
+
+    plans = engine._handover_plans
+    if tensor not in plans:
+        parameters = dict(engine.model.named_parameters())
+        shapes = {name: tuple(p.shape) for name, p in parameters.items()}
+        dtype = next(iter(parameters.values())).dtype
+        source = build_fsdp_training_layout(shapes, data=engine.world_size, dtype=dtype,
+                                            shard_dims=fsdp_shard_dims(engine))
+        target = build_hf_generation_layout(shapes, data=engine.world_size, tensor=tensor, dtype=dtype)
+        bucket = int(engine.config.extra.get("handover_bucket_bytes", DEFAULT_BUCKET_BYTES))
+        plans[tensor] = plan_reshard(source, target, strategy="hybridflow", bucket_bytes=bucket)
+    return plans[tensor]
+
+
+def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf",
+                               tensor: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf name, this rank's generation shard)`` for generation layout (pg = 1, tg = ``tensor``), moved by the
+    reshard planner's cached plan (stride grouping: only the micro-DP group's pieces travel); a collective: every
+    rank must consume the whole iterator.
+
+    Shards whose box this rank's FSDP shard already is (column/vocab weights at d == tg, row weights too when the
+    engine shards them along dim 1) are views of the training storage, not copies: the consumer must not write
+    into them. ``last_handover_stats`` gets the executor's counts and the plan's lower bound.
+    """
     from torch.distributed.tensor import DTensor
 
-    from hybridflow.resharding import execute_reshard, plan_reshard
-    from hybridflow_fsdp.layouts import build_fsdp_training_layout, build_hf_rollout_layout
+    from hybridflow.resharding import execute_reshard
 
     if target not in TARGETS:
         raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
     started = time.perf_counter()
     engine.last_handover_stats = None
     parameters = dict(engine.model.named_parameters())
-    plan = getattr(engine, "_handover_plan", None)
-    if plan is None:
-        shapes = {name: tuple(p.shape) for name, p in parameters.items()}
-        dtype = next(iter(parameters.values())).dtype
-        plan = plan_reshard(build_fsdp_training_layout(shapes, data=engine.world_size, dtype=dtype),
-                            build_hf_rollout_layout(shapes, data=engine.world_size, dtype=dtype),
-                            strategy="hybridflow", bucket_bytes=int(engine.config.extra.get("handover_bucket_bytes",
-                                                                                             64 << 20)))
-        engine._handover_plan = plan
+    plan = handover_plan(engine, tensor=tensor)
     with torch.no_grad():
         local = {name: (p.to_local() if isinstance(p, DTensor) else p).detach() for name, p in parameters.items()}
-        full, stats = execute_reshard(plan, local, rank=engine.rank)
+        shards, stats = execute_reshard(plan, local, rank=engine.rank, views=True)
     engine.last_handover_stats = HandoverStats(
         rank=engine.rank, world_size=engine.world_size, parameters=len(parameters), bytes_total=stats.target_bytes,
         bytes_local=stats.source_bytes, bytes_received=stats.bytes_received, peak_gathered_bytes=stats.peak_extra_bytes,
-        seconds=time.perf_counter() - started, path="reshard",
+        seconds=time.perf_counter() - started, path="reshard", bytes_sent=stats.bytes_sent,
+        lower_bound_bytes=plan.lower_bound_bytes(engine.rank), aliased_bytes=stats.aliased_bytes,
+        tensor_parallel_size=tensor,
     )
     for name in parameters:
-        yield name, full.pop(name)
+        yield name, shards.pop(name)

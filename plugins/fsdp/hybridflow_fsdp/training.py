@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hybridflow.batch import Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
+from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_fsdp import checkpoint, forward, handover
 from hybridflow_fsdp.distributed import (
     apply_fsdp,
@@ -81,9 +82,14 @@ class FSDPTrainingEngine:
         model.to(self.device)
         # one rank in full precision: nothing to shard, so the plain module runs without FSDP's per-op DTensor cost
         self.sharded = self.world_size > 1 or config.mixed_precision != "none" or bool(config.extra.get("fsdp_always"))
-        self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision) if self.sharded
-                      else model)
-        self._handover_plan: ReshardPlan | None = None  # built by handover.reshard_generation_weights on first use
+        # generating at tg > 1: shard row-parallel weights along dim 1, as the generation layout splits them, so each
+        # FSDP shard lies inside (at d == tg: is) its tensor-parallel shard and the handover hands it over as a view
+        self.generation_tensor_parallel_size = int(config.extra.get("generation_tensor_parallel_size", 1))
+        placement = (_row_dim_one_placement(model) if self.generation_tensor_parallel_size > 1 and role == "actor"
+                     else None)
+        self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision,
+                                 shard_placement_fn=placement) if self.sharded else model)
+        self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
         self.lean = None
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
@@ -261,6 +267,10 @@ class FSDPTrainingEngine:
     def mesh_info(self) -> MeshInfo:
         return MeshInfo(dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
 
+    def parallel_layout(self) -> ParallelLayout:
+        """The training mesh the reshard planner sees: ``d`` data-sharded ranks (FSDP)."""
+        return ParallelLayout(data=self.world_size, data_sharded=True)
+
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, scheduler, step and RNG state of every rank, written atomically under ``path``."""
         checkpoint.save(self, path)
@@ -273,16 +283,26 @@ class FSDPTrainingEngine:
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
         checkpoint.export_hf(self, path)
 
-    def generation_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights for a tg=1 generation engine, gathered one parameter at a time (a collective: every rank
-        must consume the whole iterator). Bytes received are in ``last_handover_stats`` once it is exhausted."""
+    def generation_weights(self, *, target: str = "hf",
+                           tensor_parallel_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights of generation layout (pg = 1, tg = ``tensor_parallel_size``), HF-named: full tensors
+        at tg = 1, tensor-parallel shards (column/vocab dim 0, row dim 1, norms whole) above. A collective: every
+        rank must consume the whole iterator. Default path ``reshard`` (the planner; shards that coincide with the
+        FSDP shard are views of it); ``extra.handover=stream`` gathers full tensors one by one (tg = 1 only). Bytes
+        are in ``last_handover_stats`` once it is exhausted."""
         self._check_role("generation_weights", ("actor", "reference"))
-        path = self.config.extra.get("handover", "stream")
+        path = self.config.extra.get("handover", handover.DEFAULT_PATH)
         if path not in handover.PATHS:
             raise ConfigError(f"actor.extra.handover must be one of {handover.PATHS}, got {path!r}")
-        if path == "reshard" and self.world_size > 1:
-            return handover.reshard_generation_weights(self, target=target)
-        return handover.stream_generation_weights(self, target=target)
+        if self.world_size % tensor_parallel_size:
+            raise ConfigError(f"generation tensor_parallel_size {tensor_parallel_size} must divide the fsdp engine's "
+                              f"{self.world_size} ranks; pick one of the divisors of {self.world_size}")
+        if path == "stream":
+            if tensor_parallel_size != 1:
+                raise ConfigError(f"actor.extra.handover=stream gathers full weights (tg = 1) but generation asks "
+                                  f"for tg = {tensor_parallel_size}; remove actor.extra.handover (default reshard)")
+            return handover.stream_generation_weights(self, target=target)
+        return handover.reshard_generation_weights(self, target=target, tensor=tensor_parallel_size)
 
     def release(self) -> None:
         """Drop the model and optimizer (the process group stays, it belongs to the worker)."""
@@ -291,6 +311,21 @@ class FSDPTrainingEngine:
         self.lean = None
         self.optimizer = None
         self.scheduler = None
+
+
+def _row_dim_one_placement(model: torch.nn.Module) -> Callable[[torch.nn.Parameter], Any]:
+    """FSDP2 ``shard_placement_fn``: ``Shard(1)`` for row-parallel weights (o_proj, down_proj), default elsewhere."""
+    from torch.distributed.tensor import Shard
+
+    from hybridflow_fsdp.layouts import row_parallel_names
+
+    names = dict(model.named_parameters())
+    rows = {id(names[name]) for name in row_parallel_names(list(names))}
+
+    def placement(parameter: torch.nn.Parameter) -> Any:
+        return Shard(1) if id(parameter) in rows else None
+
+    return placement
 
 
 def build_fsdp_training_engine(*, role: str, config: TrainingEngineConfig, device: str = "cpu") -> FSDPTrainingEngine:

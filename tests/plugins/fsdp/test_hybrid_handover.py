@@ -24,8 +24,10 @@ def _hybrid_rank(rank: int, world_size: int, model_path: str, workdir: str) -> N
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
     spec = ModelSpec(path=model_path)
+    # the default handover (the reshard planner) in buckets of 32 KiB: an eighth of this model at most in flight
     actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
-        model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2), device="cpu")
+        model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, extra={"handover_bucket_bytes": 32 << 10}),
+        device="cpu")
     rollout = HFRolloutEngine(config=RolloutEngineConfig(model=spec, pad_token_id=PAD_ID, eos_token_id=EOS_ID))
     batch = build_training_batch(rows=8).chunk(world_size)[rank]
     actor.train_step(batch, loss_fn=sequence_mean_nll)
@@ -58,7 +60,8 @@ def test_hybrid_engine_handover_on_two_ranks(tmp_path: Path) -> None:
     model_bytes = results[0]["awake_bytes"]
     for rank, result in enumerate(results):
         stats = result["stats"]
-        assert stats.bytes_received == result["lower_bound"] > 0, (stats, result["lower_bound"])
+        assert stats.path == "reshard"  # the default
+        assert stats.bytes_received == result["lower_bound"] == stats.lower_bound_bytes > 0, stats
         assert stats.bytes_total == model_bytes and stats.bytes_local + stats.bytes_received == model_bytes
         assert stats.peak_gathered_bytes < model_bytes / 2, "the handover must not gather the whole model at once"
         assert result["asleep_bytes"] == 0, f"rank {rank} kept {result['asleep_bytes']} weight bytes while asleep"

@@ -1,0 +1,26 @@
+"""Resident weight bytes counted from storages: the distinct ``untyped_storage()`` buffers a set of tensors lives
+in, each counted once at its full size, so views and aliases of one buffer are never counted twice.
+
+It counts what it is given; which tensors a phase holds is the caller's business. Stability: public.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["count_storage_bytes"]
+
+
+def count_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Σ ``nbytes`` over the distinct storages (by device and data pointer) behind ``tensors``; empty storages
+    (freed parameters) count 0. DTensors count their local shard."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        seen[(str(local.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())

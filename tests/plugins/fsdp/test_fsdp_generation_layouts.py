@@ -1,0 +1,82 @@
+"""The FSDP engine's default handover on real gloo ranks: FSDP d ranks → generation (pg = 1, tg) through the reshard
+planner, for d = 2, 4 and every tg dividing d. Each rank's generation shards equal the slices of the full weights
+the tensor-parallel layout names, the bytes the executor counted equal the lower bound, and at d == tg every
+sharded weight is a view of the FSDP shard (resident weight bytes, counted from storages, do not grow beyond the
+gathered norms)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.engines import ModelSpec, OptimConfig, TrainingEngineConfig
+from hybridflow.presets import preset_model_config
+from hybridflow.testing.contracts.spawn import run_rank_groups
+
+
+def _generation_rank(rank: int, world_size: int, tensors: list[int], workdir: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from hybridflow.resharding import count_storage_bytes
+    from hybridflow_fsdp.layouts import build_hf_generation_layout
+    from hybridflow_fsdp.training import FSDPTrainingEngine
+
+    spec = ModelSpec(config=preset_model_config("tiny-qwen2-4h"), seed=3)
+    # row weights FSDP-sharded along dim 1 (as for tg = max(tensors)); every tg is planned from the same shards
+    engine = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
+        model=spec, optim=OptimConfig(lr=1e-2), extra={"generation_tensor_parallel_size": max(tensors)}),
+        device="cpu")
+    training = list(engine.model.parameters())
+    full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in engine.model.named_parameters()}
+    shapes = {name: tuple(t.shape) for name, t in full.items()}
+    results = {}
+    for tensor in tensors:
+        shards = dict(engine.generation_weights(tensor_parallel_size=tensor))
+        expected = build_hf_generation_layout(shapes, data=world_size, tensor=tensor).extract_shards(full, rank)
+        results[tensor] = {
+            "stats": engine.last_handover_stats,
+            "mismatched": sorted(name for name in expected if not torch.equal(expected[name], shards[name])),
+            "training_bytes": count_storage_bytes(training),
+            "generation_bytes": count_storage_bytes([*training, *shards.values()]),
+            "model_bytes": sum(t.numel() * 4 for t in full.values()),
+            "target_bytes": sum(t.numel() * 4 for t in expected.values()),
+            "replicated_bytes": sum(t.numel() * 4 for name, t in full.items() if "norm" in name)}
+        del shards
+    torch.save(results, f"{workdir}/rank{rank}.pt")
+
+
+def _check(data: int, tensor: int, results: list[dict[str, object]]) -> None:
+    for rank, by_tensor in enumerate(results):
+        result = by_tensor[tensor]  # type: ignore[index]
+        stats = result["stats"]
+        assert stats.path == "reshard" and stats.tensor_parallel_size == tensor
+        assert not result["mismatched"], f"rank {rank}: wrong generation shards {result['mismatched'][:4]}"
+        assert stats.bytes_received == stats.lower_bound_bytes > 0, stats
+        model = result["model_bytes"]
+        # the generation phase holds the training shard plus only what the micro-DP group gathered
+        new = result["generation_bytes"] - result["training_bytes"]
+        assert new == result["target_bytes"] - stats.aliased_bytes, (rank, new, stats)
+        if data == tensor:
+            # every weight but the (replicated) norms is a view of the FSDP shard: the generation phase holds M/tg
+            # (the training shards) plus the full norms, nothing else
+            assert result["training_bytes"] == model // tensor
+            assert stats.aliased_bytes == model // tensor - result["replicated_bytes"] // tensor, stats
+            assert result["generation_bytes"] == model // tensor + result["replicated_bytes"], result
+
+
+def test_default_handover_reaches_the_lower_bound_on_two_ranks(tmp_path: Path) -> None:
+    run_rank_groups([(_generation_rank, 2, ([1, 2], str(tmp_path)))], workdir=tmp_path, timeout_s=240)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    _check(2, 1, results)
+    _check(2, 2, results)
+
+
+@pytest.mark.slow
+def test_default_handover_reaches_the_lower_bound_on_four_ranks(tmp_path: Path) -> None:
+    run_rank_groups([(_generation_rank, 4, ([1, 2, 4], str(tmp_path)))], workdir=tmp_path, timeout_s=400)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
+    for tensor in (1, 2, 4):
+        _check(4, tensor, results)
