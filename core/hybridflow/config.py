@@ -333,11 +333,55 @@ class Config(_Section):
         if self.data.batch_size % (world // model_parallel):
             raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the actor's "
                              f"data-parallel size {world // model_parallel} (prompts are split over its ranks)")
+        self._check_generation_layout(world)
         return self
+
+    def _check_generation_layout(self, world: int) -> None:
+        """``rollout.tensor_parallel_size = tg``: the actor generates at (pg = 1, tg) on its own ranks, so tg must
+        divide them, the prompts must split over the world / tg generation replicas, and the model's heads, KV heads,
+        intermediate size and vocabulary must split over tg (the training engine's own mesh is checked when the
+        actor starts)."""
+        tensor = self.rollout.tensor_parallel_size
+        if world % tensor:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(f"rollout.tensor_parallel_size = {tensor} must divide the actor's {world} ranks (pool "
+                             f"{self.actor.pool!r}): generation runs on the actor's ranks, tg ranks per replica. "
+                             f"Fix: pick one of {divisors}")
+        if self.data.batch_size % (world // tensor):
+            raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the "
+                             f"{world // tensor} generation replicas (actor ranks {world} / rollout."
+                             f"tensor_parallel_size {tensor})")
+        if tensor == 1:
+            return
+        hf_config = _hf_config_of(self.role_model(self.actor))
+        if hf_config is None:
+            return
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            value = hf_config.get(key)
+            if isinstance(value, int) and value % tensor:
+                raise ValueError(f"rollout.tensor_parallel_size = {tensor} must divide the actor model's {key} = "
+                                 f"{value} (tensor-parallel generation splits it over the tensor ranks). Fix: pick a "
+                                 f"size dividing it, or a model whose {key} it divides (model.preset=tiny-qwen2-4h "
+                                 "shards over 2)")
 
     def role_model(self, section: Any) -> ModelConfig:
         """The model of a role (its own ``model`` or the top-level one)."""
         return section.model if section.model is not None else self.model
+
+
+def _hf_config_of(model: ModelConfig) -> dict[str, Any] | None:
+    """The HF config dict of a model section (a preset's, the inline one, or ``path/config.json``), None if unread."""
+    if model.config is not None:
+        return dict(model.config)
+    if model.preset is not None:
+        from hybridflow.presets import preset_model_config
+
+        return preset_model_config(model.preset)
+    config_file = Path(str(model.path)) / "config.json"
+    if not config_file.is_file():
+        return None
+    loaded = json.loads(config_file.read_text(encoding="utf-8"))
+    return loaded if isinstance(loaded, dict) else None
 
 
 def _format_location(loc: tuple[Any, ...]) -> str:

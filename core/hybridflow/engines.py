@@ -195,11 +195,14 @@ class RolloutEngineConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeshInfo:
-    """Where a worker sits for the ``mesh`` transfer protocol."""
+    """Where a worker sits for the ``mesh`` transfer protocol; ``generation`` is its place in the generation mesh
+    (protocol ``generation_mesh``): ``dp_rank`` its generation replica (micro-DP group member), ``is_collect`` its
+    tensor rank 0. None: every rank is its own generation replica (tg = 1)."""
 
     dp_rank: int
     dp_size: int
     is_collect: bool
+    generation: MeshInfo | None = None
 
 
 #: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``; ``outputs`` holds ``log_probs``/``entropy`` or ``values``

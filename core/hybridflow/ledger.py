@@ -1,5 +1,6 @@
-"""The iteration ledger: per iteration, seconds per node, bytes per edge with its protocol, idle gaps and bytes
-resident per pool, appended as one JSON line to ``RUN_DIR/ledger.jsonl``.
+"""The iteration ledger: per iteration, seconds per node, bytes per edge with its protocol (and, for the weight
+reshard, the lower bound per rank), idle gaps, bytes resident per pool and the actor's resident weight bytes per rank
+in the training and generation phases, appended as one JSON line to ``RUN_DIR/ledger.jsonl``.
 
 It records what it is told; the trainer feeds it from the controller's call records and engine statistics.
 """
@@ -38,6 +39,7 @@ class EdgeRecord:
     target: str
     protocol: str
     bytes_per_rank: list[int]
+    lower_bound_bytes_per_rank: list[int] | None = None
 
     @property
     def bytes(self) -> int:
@@ -55,6 +57,8 @@ class IterationRecord:
     nodes: list[NodeRecord] = field(default_factory=list)
     edges: list[EdgeRecord] = field(default_factory=list)
     resident_bytes: dict[str, int] = field(default_factory=dict)
+    #: phase (``training``, ``generation``) → per rank, bytes of the distinct storages holding actor weights
+    weight_bytes: dict[str, list[int]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     notes: list[dict[str, Any]] = field(default_factory=list)
 
@@ -66,8 +70,11 @@ class IterationRecord:
         self.nodes.append(record)
         return record
 
-    def add_edge(self, source: str, target: str, *, protocol: str, bytes_per_rank: list[int]) -> None:
-        self.edges.append(EdgeRecord(source, target, protocol, list(bytes_per_rank)))
+    def add_edge(self, source: str, target: str, *, protocol: str, bytes_per_rank: list[int],
+                 lower_bound_bytes_per_rank: list[int] | None = None) -> None:
+        """``lower_bound_bytes_per_rank``: what each rank had to receive at least (a planned reshard's edge)."""
+        bound = None if lower_bound_bytes_per_rank is None else list(lower_bound_bytes_per_rank)
+        self.edges.append(EdgeRecord(source, target, protocol, list(bytes_per_rank), bound))
 
     def idle_gaps(self) -> dict[str, float]:
         """Per pool: seconds of this iteration during which no node ran on it (the gaps between the union of its
@@ -103,9 +110,13 @@ class IterationRecord:
             "seconds": (self.end or time.time()) - self.start,
             "nodes": nodes,
             "edges": [{"source": e.source, "target": e.target, "protocol": e.protocol, "bytes": e.bytes,
-                       "bytes_per_rank": e.bytes_per_rank} for e in self.edges],
+                       "bytes_per_rank": e.bytes_per_rank,
+                       **({} if e.lower_bound_bytes_per_rank is None else {
+                           "lower_bound_bytes": int(sum(e.lower_bound_bytes_per_rank)),
+                           "lower_bound_bytes_per_rank": e.lower_bound_bytes_per_rank})} for e in self.edges],
             "idle_seconds": self.idle_gaps(),
             "resident_bytes": self.resident_bytes,
+            "weight_bytes": self.weight_bytes,
             "metrics": self.metrics,
             "notes": self.notes,
         }

@@ -265,4 +265,8 @@ class WorkerHost:
         if report is None:
             return MeshInfo(dp_rank=self.context.rank, dp_size=self.context.world_size, is_collect=True)
         info = report()
-        return MeshInfo(dp_rank=int(info.dp_rank), dp_size=int(info.dp_size), is_collect=bool(info.is_collect))
+        generation = getattr(info, "generation", None)
+        return MeshInfo(dp_rank=int(info.dp_rank), dp_size=int(info.dp_size), is_collect=bool(info.is_collect),
+                        generation=None if generation is None else MeshInfo(
+                            dp_rank=int(generation.dp_rank), dp_size=int(generation.dp_size),
+                            is_collect=bool(generation.is_collect)))

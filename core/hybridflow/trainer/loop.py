@@ -85,6 +85,7 @@ class Trainer:
         self.step = 0
         self._record: IterationRecord | None = None
         self._handover_totals: list[int] | None = None
+        self._handover_bounds: list[int] | None = None
         self._actor_counters: tuple[dict[str, float], ...] = ()
         self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
         self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
@@ -245,12 +246,26 @@ class Trainer:
         for pool, group in self.groups.by_pool.items():
             record.resident_bytes[pool] = self._pool_rss(pool, group)
         if "actor" in self.groups.role_pool:
-            totals = [int(c.get("handover_bytes_received", 0)) for c in self._actor_counters]
+            counters = self._actor_counters
+            totals = [int(c.get("handover_bytes_received", 0)) for c in counters]
+            bounds = [int(c.get("handover_lower_bound_bytes", 0)) for c in counters]
             previous = self._handover_totals or [0] * len(totals)
-            self._handover_totals = totals
-            record.add_edge("actor.training_engine", "actor.rollout_engine", protocol="reshard",
-                            bytes_per_rank=[now - before if now >= before else now  # restarted worker
-                                            for now, before in zip(totals, previous)])
+            previous_bounds = self._handover_bounds or [0] * len(bounds)
+            self._handover_totals, self._handover_bounds = totals, bounds
+
+            def delta(now: list[int], before: list[int]) -> list[int]:
+                return [n - b if n >= b else n for n, b in zip(now, before)]  # n < b: a restarted worker
+
+            # "reshard": the planner's plan, bytes counted from the executor's buffers, next to its lower bound;
+            # "gather": full weights gathered outside the planner (no lower bound to compare with)
+            planned = bool(counters) and all(c.get("handover_planned", 0.0) for c in counters)
+            record.add_edge("actor.training_engine", "actor.rollout_engine",
+                            protocol="reshard" if planned else "gather", bytes_per_rank=delta(totals, previous),
+                            lower_bound_bytes_per_rank=delta(bounds, previous_bounds) if planned else None)
+            for phase in ("training", "generation"):
+                key = f"handover_weight_bytes_{phase}"
+                if counters and all(key in c for c in counters):
+                    record.weight_bytes[phase] = [int(c[key]) for c in counters]
 
     def _pool_rss(self, pool: str, group: Any) -> int:
         import psutil

@@ -1,5 +1,5 @@
 """The built-in transfer protocols: ``one_to_all``, ``all_to_all``, ``dp_compute``, ``dp_compute_padded``,
-``rank_zero`` and ``mesh``.
+``rank_zero``, ``mesh`` and ``generation_mesh``.
 
 Each only maps arguments to ranks and names the ranks that form the result; the controller moves the bytes.
 """
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridflow.batch import Batch
+from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError
 from hybridflow.transfer.concat import concat_batches
 from hybridflow.transfer.protocol import RankInput, TransferContext, is_row_splittable, split_rows
@@ -20,6 +21,7 @@ __all__ = [
     "DataParallelCompute",
     "RankZero",
     "Mesh",
+    "GenerationMesh",
     "BUILTIN_PROTOCOLS",
     "concat_or_list",
 ]
@@ -163,8 +165,11 @@ class Mesh:
     def __init__(self, *, pad: bool = False) -> None:
         self.pad = pad
 
+    def _infos(self, context: TransferContext) -> list[MeshInfo]:
+        return list(context.mesh)
+
     def _validated(self, context: TransferContext) -> tuple[int, list[int]]:
-        mesh = list(context.mesh)
+        mesh = self._infos(context)
         sizes = {info.dp_size for info in mesh}
         if len(mesh) != context.world_size or len(sizes) != 1:
             raise ConfigError(
@@ -185,13 +190,27 @@ class Mesh:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
     ) -> list[RankInput | None]:
         dp_size, _ = self._validated(context)
-        return _distribute_over_dp(args, kwargs, [info.dp_rank for info in context.mesh], dp_size, self.pad)
+        return _distribute_over_dp(args, kwargs, [info.dp_rank for info in self._infos(context)], dp_size, self.pad)
 
     def collect_ranks(self, context: TransferContext) -> list[int]:
         return self._validated(context)[1]
 
     def collect(self, outputs: list[Any], context: TransferContext) -> Any:
         return concat_or_list(outputs)
+
+
+class GenerationMesh(Mesh):
+    """Protocol ``mesh`` over each worker's *generation* position (``MeshInfo.generation``): rows split over the
+    generation replicas (the micro-DP groups' members of the 3D-HybridEngine), the same rows to every rank of a
+    tensor group, collected from each group's tensor rank 0. A worker reporting no generation position is its own
+    replica, so without any it is ``dp_compute``.
+    """
+
+    def _infos(self, context: TransferContext) -> list[MeshInfo]:
+        infos = list(context.mesh)
+        return [info.generation if info.generation is not None else
+                MeshInfo(dp_rank=rank, dp_size=context.world_size, is_collect=True)
+                for rank, info in enumerate(infos)]
 
 
 #: name → protocol instance registered by the core (``hybridflow.builtins``)
@@ -202,4 +221,5 @@ BUILTIN_PROTOCOLS: dict[str, Any] = {
     "dp_compute_padded": DataParallelCompute(pad=True),
     "rank_zero": RankZero(),
     "mesh": Mesh(),
+    "generation_mesh": GenerationMesh(),
 }

@@ -3,20 +3,25 @@ method declares its transfer protocol with ``@register``.
 
 A worker owns engines built from the registries inside its process; it knows nothing about which plugin supplied
 them. Training-engine methods use protocol ``mesh`` (data to data-parallel groups, replicated inside tensor and
-pipeline groups, collected from the ranks the engine marks); ``generate`` uses ``dp_compute`` because every rank is
-its own generation replica (tg = 1). The actor worker is the hybrid engine: it trains and generates on the same
-ranks and hands its weights from the training layout to the rollout engine in place before each generation.
+pipeline groups, collected from the ranks the engine marks). The actor worker is the hybrid engine: it trains and
+generates on the same ranks. With ``rollout.tensor_parallel_size = tg`` it draws the generation layout (pg = 1, tg)
+inside the training mesh (stride grouping: micro-DP groups of the training shard group), gives the rollout engine
+its tensor groups, hands the weights over with the training engine's reshard (this rank's generation shards) before
+each generation, and ``generate`` uses protocol ``generation_mesh``: one shard of the prompts per generation
+replica, the same to every rank of a tensor group, collected from tensor rank 0 (at tg = 1: ``dp_compute``).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +35,11 @@ from hybridflow.engines import (
     TrainingEngine,
     TrainingEngineConfig,
 )
-from hybridflow.errors import EngineError, VersionMismatchError
+from hybridflow.errors import ConfigError, EngineError, LayoutError, VersionMismatchError
 from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
+
+if TYPE_CHECKING:
+    from hybridflow.resharding import GenerationLayout
 
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
 
@@ -122,9 +130,11 @@ class _TrainingRole(Worker):
                 **{name: int(value) for name, value in self.counters().items()}}
 
     def counters(self) -> dict[str, float]:
-        """Cumulative counters sent back with every call's report (no extra round trip)."""
+        """Cumulative counters sent back with every call's report (no extra round trip): the weight-handover bytes
+        so far and, for the actor, the planner's lower bound so far and the latest resident weight bytes per phase."""
         handover = getattr(self, "handover", None) or {}
-        return {"handover_bytes_received": float(handover.get("bytes_received", 0))}
+        return {"handover_bytes_received": float(handover.get("bytes_received", 0)),
+                **{f"handover_{key}": float(handover[key]) for key in _HANDOVER_COUNTERS if key in handover}}
 
     def _check_version(self, batch: Batch, what: str) -> None:
         version = batch.meta.get("policy_version")
@@ -135,17 +145,44 @@ class _TrainingRole(Worker):
             )
 
 
+#: handover keys :meth:`_TrainingRole.counters` reports (prefixed ``handover_``) next to ``bytes_received``
+_HANDOVER_COUNTERS = ("bytes_sent", "lower_bound_bytes", "aliased_bytes", "planned", "weight_bytes_training",
+                      "weight_bytes_generation")
+
+
+def _weight_tensors(engine: object, *attributes: str) -> list[torch.Tensor] | None:
+    """Parameters of the first ``torch.nn.Module`` among ``engine``'s ``attributes``, None when it has none."""
+    for attribute in attributes:
+        module = getattr(engine, attribute, None)
+        if isinstance(module, torch.nn.Module):
+            return list(module.parameters())
+    return None
+
+
 class ActorRolloutWorker(_TrainingRole):
     """The hybrid engine: FSDP/Megatron training and rollout generation on the same ranks."""
 
     def __init__(self, spec: RoleSpec) -> None:
-        super().__init__(spec)
         if spec.rollout_engine is None or spec.rollout_config is None or spec.sampling is None:
             raise EngineError("the actor role needs rollout_engine, rollout_config and sampling in its RoleSpec")
+        tensor = int(spec.rollout_config.tensor_parallel_size)
+        if tensor > 1:  # the training engine may lay its shards out for that layout (fsdp: row weights on dim 1)
+            extra = {**spec.engine_config.extra, "generation_tensor_parallel_size": tensor}
+            spec = replace(spec, engine_config=replace(spec.engine_config, extra=extra))
+        super().__init__(spec)
+        assert spec.rollout_engine is not None and spec.rollout_config is not None and spec.sampling is not None
         from hybridflow import registries
 
+        self.generation_layout = self._build_generation_layout(tensor)
+        rollout_config = spec.rollout_config
+        if self.generation_layout is not None:
+            layout = self.generation_layout
+            # tensor groups in tensor-rank order; every rank creates every group, in this order
+            groups = [sorted(group, key=lambda r: layout.coords(r).tensor) for group in layout.tensor_groups()]
+            rollout_config = replace(rollout_config, extra={**rollout_config.extra, "tensor_groups": groups})
         factory = registries.rollout_engines.get(spec.rollout_engine)
-        self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
+        self.rollout: RolloutEngine = factory(config=rollout_config, device=spec.device)
+        self._bind = "bind" in inspect.signature(self.rollout.update_weights).parameters
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
         # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
@@ -154,6 +191,62 @@ class ActorRolloutWorker(_TrainingRole):
             warnings.warn(f'rollout engine "{spec.rollout_engine}" cannot seed its sampling (no "seed" capability), so '
                           "generation does not follow trainer.seed; see the engine's docs for how to turn it on",
                           stacklevel=1)
+
+    def _build_generation_layout(self, tensor: int) -> GenerationLayout | None:
+        """The generation mesh (pg = 1, tg = ``tensor``) inside the training engine's mesh; None at tg = 1."""
+        if tensor == 1:
+            return None
+        from hybridflow.resharding import GenerationLayout
+
+        describe = getattr(self.engine, "parallel_layout", None)
+        if describe is None:
+            raise ConfigError(
+                f'rollout.tensor_parallel_size={tensor} needs a training engine that reshards into a tensor-parallel '
+                f'generation layout; "{self.spec.engine}" does not describe its mesh (no parallel_layout()). Set '
+                "rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron)")
+        training = describe()
+        try:
+            return GenerationLayout(tensor=tensor, training=training)
+        except LayoutError as exc:
+            raise ConfigError(f"rollout.tensor_parallel_size={tensor} does not fit the actor's training mesh "
+                              f"{training}: {exc}") from exc
+
+    @property
+    def generation_replica(self) -> int:
+        """This rank's generation data-parallel index (its own rank at tg = 1)."""
+        if self.generation_layout is None:
+            return self.rank
+        return self.generation_layout.coords(self.rank).data
+
+    def mesh_info(self) -> MeshInfo:
+        """The training engine's mesh position, with this rank's generation position at tg > 1."""
+        info = self.engine.mesh_info()
+        layout = self.generation_layout
+        if layout is None:
+            return info
+        coords = layout.coords(self.rank)
+        return replace(info, generation=MeshInfo(dp_rank=coords.data, dp_size=layout.data,
+                                                 is_collect=coords.tensor == 0 and coords.pipeline == 0))
+
+    def _resident_weight_bytes(self, *, with_rollout: bool) -> int | None:
+        """Bytes of the distinct storages behind the training weights (and the rollout engine's), None when an engine
+        exposes no module to count."""
+        from hybridflow.resharding import count_storage_bytes
+
+        tensors = _weight_tensors(self.engine, "model", "module")
+        if tensors is None:
+            return None
+        if with_rollout:
+            rollout = _weight_tensors(self.rollout, "model")
+            if rollout is None:
+                return None
+            tensors += rollout
+        return count_storage_bytes(tensors)
+
+    def _record_resident(self, phase: str) -> None:
+        resident = self._resident_weight_bytes(with_rollout=True)
+        if resident is not None:
+            self.handover[f"weight_bytes_{phase}"] = resident
 
     def _sync_weights(self, iteration: int | None = None) -> None:
         """Reshard the training weights into the rollout engine if it holds an older version."""
@@ -164,14 +257,29 @@ class ActorRolloutWorker(_TrainingRole):
             self.rollout.wake()
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank, plan=self.faults)
         target = getattr(self.rollout, "weights_target", "hf")
-        self.rollout.update_weights(self.engine.generation_weights(target=target), version=self.policy_version)
+        layout = self.generation_layout
+        if layout is None:
+            weights = self.engine.generation_weights(target=target)
+        else:  # an engine that reshards into tensor-parallel layouts (parallel_layout() checked at start) takes tg
+            produce: Callable[..., Iterable[tuple[str, torch.Tensor]]] = self.engine.generation_weights
+            weights = produce(target=target, tensor_parallel_size=layout.tensor)
+        if self._bind:  # the handover's shards become the engine's weights: no second copy
+            self.rollout.update_weights(weights, version=self.policy_version, bind=True)  # type: ignore[call-arg]
+        else:
+            self.rollout.update_weights(weights, version=self.policy_version)
         stats = getattr(self.engine, "last_handover_stats", None)
         self.handover["seconds"] += time.perf_counter() - start
         self.handover["bytes_received"] += int(getattr(stats, "bytes_received", 0) or 0)
+        lower_bound = getattr(stats, "lower_bound_bytes", None)
+        self.handover["planned"] = float(lower_bound is not None and getattr(stats, "path", "reshard") == "reshard")
+        if self.handover["planned"]:
+            self.handover["lower_bound_bytes"] = self.handover.get("lower_bound_bytes", 0) + int(lower_bound or 0)
+            self.handover["bytes_sent"] = self.handover.get("bytes_sent", 0) + int(getattr(stats, "bytes_sent", 0) or 0)
+            self.handover["aliased_bytes"] = float(getattr(stats, "aliased_bytes", 0) or 0)
         self.handover["count"] += 1
         self._asleep = False
 
-    @register(protocol="dp_compute", blocking=False, idempotent=True)
+    @register(protocol="generation_mesh", blocking=False, idempotent=True)
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
         self._sync_weights(_iteration(prompts))
         sampling = self.spec.sampling
@@ -184,10 +292,12 @@ class ActorRolloutWorker(_TrainingRole):
         elif sampling.seed is not None:
             # a different but reproducible stream per rank and iteration
             iteration = int(prompts.meta.get("iteration") or 0)
+            # (per generation replica: every rank of a tensor group samples alike)
             sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
-                                      seed=sampling.seed + 1000 * iteration + self.rank)
+                                      seed=sampling.seed + 1000 * iteration + self.generation_replica)
         out = self.rollout.generate(prompts, sampling)
+        self._record_resident("generation")
         maybe_fail("actor.generate", iteration=_iteration(prompts), rank=self.rank, plan=self.faults)
         if out.meta.get("policy_version") != self.policy_version:
             raise VersionMismatchError(
@@ -216,6 +326,7 @@ class ActorRolloutWorker(_TrainingRole):
             maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         self.policy_version += 1
         metrics["actor/policy_version"] = float(self.policy_version)
+        self._record_resident("training")
         return metrics
 
     @register(protocol="one_to_all", idempotent=True)

@@ -383,12 +383,21 @@ class MegatronTrainingEngine:
                 continue  # the last stage's copy of the tied embedding
             yield layout_name_of(name, layer_offset=offset, value_head=self.arch.value_head), param.detach()
 
-    def generation_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights for a tg=1 generation engine on every rank (a collective over all ranks), moved by
-        the core reshard planner's cached plan; see :mod:`hybridflow_megatron.handover` (stats in
-        ``last_handover_stats``)."""
+    def generation_weights(self, *, target: str = "hf",
+                           tensor_parallel_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights of generation layout (pg = 1, tg = ``tensor_parallel_size``) on every rank: full tensors at
+        tg = 1, this rank's tensor-parallel shards above (a collective over all ranks), moved by the core reshard
+        planner's cached plan; see :mod:`hybridflow_megatron.handover` (stats in ``last_handover_stats``)."""
         self._check_role("generation_weights", ("actor", "reference"))
+        if tensor_parallel_size != 1:
+            layout = self.handover.generation_layout(tensor=tensor_parallel_size)
+            return iter(self.handover.reshard(layout, name=target).items())
         return self.handover.generation_weights(target=target)
+
+    def parallel_layout(self) -> Any:
+        """The (p, t, d) training mesh (a :class:`hybridflow.resharding.ParallelLayout`) generation layouts are
+        drawn in."""
+        return self.layout().mesh
 
     def reshard_weights(self, target: Any) -> dict[str, torch.Tensor]:
         """This rank's shards of ``target``, a ``ModelLayout`` over ``GenerationLayout(..., training=

@@ -33,7 +33,8 @@ def context(world: int, mesh: list[MeshInfo] | None = None) -> TransferContext:
 
 def test_builtins_registered_by_core_owner() -> None:
     names = protocol_names()
-    for name in ("one_to_all", "all_to_all", "dp_compute", "dp_compute_padded", "rank_zero", "mesh"):
+    for name in ("one_to_all", "all_to_all", "dp_compute", "dp_compute_padded", "rank_zero", "mesh",
+                 "generation_mesh"):
         assert name in names
         assert registries.transfer_protocols.owner(name) == CORE_OWNER
     with pytest.raises(UnknownNameError, match='Did you mean "dp_compute"'):
@@ -68,6 +69,27 @@ def test_mesh_replicates_inside_dp_groups_and_collects_one_rank_per_group() -> N
     broken = [MeshInfo(dp_rank=r // 2, dp_size=2, is_collect=True) for r in range(4)]
     with pytest.raises(ConfigError, match="exactly one collect rank per dp_rank"):
         protocol.collect_ranks(context(4, broken))
+
+
+def test_generation_mesh_follows_the_generation_positions() -> None:
+    from hybridflow.resharding import GenerationLayout, ParallelLayout
+
+    # FSDP d=4 → tg=2, stride grouping: tensor groups {0,2}, {1,3}; generation replicas (micro-DP members) 0, 1
+    layout = GenerationLayout(tensor=2, training=ParallelLayout(data=4, data_sharded=True))
+    assert layout.tensor_groups() == ((0, 2), (1, 3))
+    mesh = [MeshInfo(dp_rank=r, dp_size=4, is_collect=True, generation=MeshInfo(
+        dp_rank=layout.coords(r).data, dp_size=layout.data, is_collect=layout.coords(r).tensor == 0))
+        for r in range(4)]
+    protocol = get_protocol("generation_mesh")
+    inputs = protocol.distribute((make(4),), {}, context(4, mesh))
+    # every rank of a tensor group gets the same rows; the result is read from tensor rank 0 of each group
+    assert [i.args[0]["ids"][:, 0].tolist() for i in inputs] == [[0, 2], [4, 6], [0, 2], [4, 6]]
+    assert protocol.collect_ranks(context(4, mesh)) == [0, 1]
+    # no generation positions (tg = 1): each rank its own replica, as dp_compute
+    plain = [MeshInfo(dp_rank=0, dp_size=1, is_collect=r == 0) for r in range(4)]
+    assert [i.args[0]["ids"][:, 0].tolist() for i in protocol.distribute((make(4),), {}, context(4, plain))] == [
+        i.args[0]["ids"][:, 0].tolist() for i in get_protocol("dp_compute").distribute((make(4),), {}, context(4))]
+    assert protocol.collect_ranks(context(4, plain)) == [0, 1, 2, 3]
 
 
 def test_rank_zero_all_to_all_and_one_to_all() -> None:

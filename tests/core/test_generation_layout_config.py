@@ -1,0 +1,26 @@
+"""``rollout.tensor_parallel_size`` (the actor's generation layout) is checked when the config loads: it must divide
+the actor's ranks, the prompts must split over the generation replicas, and the model must split over it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.errors import ConfigError
+
+
+def test_generation_tensor_parallel_size_is_checked_at_load() -> None:
+    config = load_config(None, ["rollout.tensor_parallel_size=2", "model.preset=tiny-qwen2-4h"])
+    assert config.rollout.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"must divide the actor's 2 ranks .*pick one of \[1, 2\]"):
+        load_config(None, ["rollout.tensor_parallel_size=4", "model.preset=tiny-qwen2-4h"])
+    with pytest.raises(ConfigError, match="num_key_value_heads = 1"):
+        load_config(None, ["rollout.tensor_parallel_size=2", "model.preset=tiny-qwen2"])
+    with pytest.raises(ConfigError, match="vocab_size = 45"):
+        load_config(None, ["rollout.tensor_parallel_size=2", "model.preset=tiny-qwen2-h16"])
+    # megatron t=2 over 4 ranks: 2 training replicas, but 4 generation replicas at tg=1 (2 at tg=2)
+    megatron = ["actor.engine=megatron", "actor.parallel.tensor_parallel_size=2", "model.preset=tiny-qwen2-4h",
+                "resource_pools.main.devices_per_node=[4]", "data.batch_size=2"]
+    with pytest.raises(ConfigError, match="multiple of the 4 generation replicas"):
+        load_config(None, megatron)
+    assert load_config(None, [*megatron, "rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
