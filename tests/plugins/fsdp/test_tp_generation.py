@@ -17,6 +17,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.resharding.builders import build_tensor_parallel_layout
 from hybridflow.resharding.layout import GenerationLayout
 from hybridflow.resharding.local_cluster import GlooCluster
+from hybridflow_fsdp.layouts import build_hf_rollout_layout, build_hf_tensor_groups
 from hybridflow_fsdp.tensor_parallel import tensor_parallel_shapes, tensor_parallel_shard
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -111,3 +112,20 @@ def test_shard_helpers_follow_the_tensor_parallel_layout() -> None:
             assert torch.equal(tensor_parallel_shard(name, tensor, 2, rank), reference[name]), (name, rank)
     shapes = tensor_parallel_shapes({n: t.shape for n, t in full.items()}, 2)
     assert shapes == {n: tuple(t.shape) for n, t in layout.extract_shards(full, 1).items()}
+
+
+@pytest.mark.parametrize(("grouping", "expected"), [("stride", [[0, 2], [1, 3]]), ("consecutive", [[0, 1], [2, 3]])])
+def test_hf_layout_and_tensor_groups_agree_with_the_engine_shards(grouping: Any, expected: list[list[int]]) -> None:
+    """The trainer reshards into build_hf_rollout_layout(tensor=tg) and hands the engine build_hf_tensor_groups:
+    every rank's layout shard is the engine's shard at its tensor rank (its index in its group)."""
+    full = {"model.layers.0.self_attn.k_proj.weight": torch.randn(4, 6),
+            "model.layers.0.mlp.down_proj.weight": torch.randn(6, 8),
+            "model.layers.0.input_layernorm.weight": torch.randn(6),
+            "lm_head.weight": torch.randn(10, 6)}
+    groups = build_hf_tensor_groups(data=4, tensor=2, grouping=grouping)
+    assert groups == expected
+    layout = build_hf_rollout_layout({n: t.shape for n, t in full.items()}, data=4, tensor=2, grouping=grouping)
+    for rank in range(4):
+        tensor_rank = next(group.index(rank) for group in groups if rank in group)
+        for name, shard in layout.extract_shards(full, rank).items():
+            assert torch.equal(shard, tensor_parallel_shard(name, full[name], 2, tensor_rank)), (name, rank)
