@@ -304,7 +304,7 @@ class LeanDecoder:
         prompt row into ``repeats`` consecutive cache rows); logits [B, V] of the last position."""
         rows, width = input_ids.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(input_ids, self._embedding)
+        h = self._embed(input_ids)
         cos = self._cos[positions].unsqueeze(2).to(h.dtype)  # [B, W, 1, D]
         sin = self._sin[positions].unsqueeze(2).to(h.dtype)
         shape = (rows, repeats, kv_heads, self._k[0].shape[2], dim)
@@ -320,10 +320,10 @@ class LeanDecoder:
             self._v[index].view(shape)[:, :, :, :width] = v.unsqueeze(1)
             out = F.scaled_dot_product_attention(qk[:, :heads], k, v, attn_mask=mask, scale=1.0,  # q pre-scaled
                                                  enable_gqa=kv_heads != heads)
-            h = h + F.linear(out.transpose(1, 2).reshape(rows, width, heads * dim), o_weight, o_bias)
+            h = h + self._row(out.transpose(1, 2).reshape(rows, width, heads * dim), o_weight, o_bias)
             gate, up = F.linear(self._plain_norm(h), gate_up_weight, gate_up_bias).chunk(2, -1)
-            h = h + F.linear(F.silu(gate).mul_(up), down_weight, down_bias)
-        return F.linear(self._plain_norm(h[:, -1]), *self._head)
+            h = h + self._row(F.silu(gate).mul_(up), down_weight, down_bias)
+        return self._head_logits(h[:, -1])
 
     def _pack(self) -> None:
         """Per layer: q/k/v and gate/up weights concatenated (one matmul each per decode step), with the RMSNorm
@@ -356,6 +356,17 @@ class LeanDecoder:
         self._embedding = backbone.embed_tokens.weight
         self._head = joined(backbone.norm, head)
 
+    # the three places a tensor-parallel subclass communicates (hybridflow_fsdp.tensor_parallel)
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self._embedding)
+
+    def _row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The o_proj / down_proj matmul (row-parallel under tensor parallelism)."""
+        return F.linear(x, weight, bias)
+
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._plain_norm(h), *self._head)
+
     def _plain_norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (folded into the next matmul by :meth:`_pack`)."""
         if x.dtype == torch.float32:
@@ -379,9 +390,9 @@ class LeanDecoder:
         # softmax spelled out: torch.softmax over a last dim this short costs several times exp + sum + div
         weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
         out = torch.matmul(weights, values).div_(weights.sum(-1, keepdim=True)).view(rows, heads * dim)
-        h = h + F.linear(out, o_weight, o_bias)
+        h = h + self._row(out, o_weight, o_bias)
         gate, up = F.linear(self._plain_norm(h), gate_up_weight, gate_up_bias).chunk(2, -1)
-        return h + F.linear(F.silu(gate).mul_(up), down_weight, down_bias)
+        return h + self._row(F.silu(gate).mul_(up), down_weight, down_bias)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -389,7 +400,7 @@ class LeanDecoder:
         row, from the tables :meth:`prefill` made)."""
         slot = self._length
         self._length += 1
-        h = F.embedding(tokens, self._embedding)
+        h = self._embed(tokens)
         if positions is None:
             cos, sin = self._step_cos[slot - self._prompt_width], self._step_sin[slot - self._prompt_width]
         else:
@@ -397,11 +408,12 @@ class LeanDecoder:
             sin = self._sin[positions].unsqueeze(1).to(h.dtype)
         for index in range(len(self.layers)):
             h = self._decode_layer(index, h, cos, sin, slot)
-        return F.linear(self._plain_norm(h), *self._head)
+        return self._head_logits(h)
 
     def release(self) -> None:
         """Free the KV cache."""
         self._k, self._v, self._packed = [], [], []
+        self._embedding, self._head = torch.empty(0), (torch.empty(0), None)  # no reference to the weights kept
         self._bias = torch.empty(0)
         self._step_cos = self._step_sin = torch.empty(0)
 

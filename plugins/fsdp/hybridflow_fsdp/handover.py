@@ -115,7 +115,7 @@ def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan
     """The ``hybridflow`` plan from the engine's FSDP shards to generation layout (pg = 1, tg = ``tensor``), built on
     first use and cached per ``tensor``."""
     from hybridflow.resharding import plan_reshard
-    from hybridflow_fsdp.layouts import build_fsdp_training_layout, build_hf_generation_layout
+    from hybridflow_fsdp.layouts import build_fsdp_training_layout, build_hf_rollout_layout
 
     plans = engine._handover_plans
     if tensor not in plans:
@@ -124,7 +124,7 @@ def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan
         dtype = next(iter(parameters.values())).dtype
         source = build_fsdp_training_layout(shapes, data=engine.world_size, dtype=dtype,
                                             shard_dims=fsdp_shard_dims(engine))
-        target = build_hf_generation_layout(shapes, data=engine.world_size, tensor=tensor, dtype=dtype)
+        target = build_hf_rollout_layout(shapes, data=engine.world_size, tensor=tensor, dtype=dtype)
         bucket = int(engine.config.extra.get("handover_bucket_bytes", DEFAULT_BUCKET_BYTES))
         plans[tensor] = plan_reshard(source, target, strategy="hybridflow", bucket_bytes=bucket)
     return plans[tensor]

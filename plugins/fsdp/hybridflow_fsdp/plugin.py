@@ -57,8 +57,9 @@ def hybridflow_report_capabilities() -> dict[str, str]:
     return {
         "training": "FSDP2 fully_shard over data-parallel ranks (gloo on CPU, nccl on CUDA); tp = pp = 1; "
                     "unsharded on a single fp32 rank",
-        "rollout": "hf: KV-cache sampling (lean Qwen2/Llama decoder, HF forward otherwise), tg = 1; sleep frees "
-                   "weights, wake + update_weights",
+        "rollout": "hf: KV-cache sampling (lean Qwen2/Llama decoder, HF forward otherwise); tg > 1: Megatron-style "
+                   "shards over torch.distributed tensor groups (Llama/Qwen2); sleep frees weights, wake + "
+                   "update_weights (copied, or bound zero-copy with bind=True)",
         "handover": "stream: per-parameter DTensor all-gather (default); reshard: the 3D-HybridEngine planner and "
                     "executor (actor.extra.handover=reshard); bytes counted per rank",
     }

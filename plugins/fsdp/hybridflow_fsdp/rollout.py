@@ -1,5 +1,6 @@
-"""The ``hf`` rollout engine: batched KV-cache generation with an HF causal LM in this process, weights updated in
-place from any ``(name, tensor)`` stream (the colocated FSDP actor's, typically).
+"""The ``hf`` rollout engine: batched KV-cache generation with an HF causal LM in this process (or tensor-parallel over
+a torch.distributed group), weights updated in place from any ``(name, tensor)`` stream (the colocated FSDP actor's,
+typically) or bound zero-copy to tensors the caller owns.
 
 Weights only come back through :meth:`HFRolloutEngine.update_weights` after :meth:`~HFRolloutEngine.sleep` /
 :meth:`~HFRolloutEngine.wake`; producing them (and resharding) is the training engine's business. Stability: public.
@@ -15,10 +16,17 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngineConfig, SamplingParams
 from hybridflow.errors import ConfigError, EngineError
-from hybridflow_fsdp.fast_decode import build_lean_decoder
+from hybridflow_fsdp.fast_decode import LeanDecoder, build_lean_decoder, lean_decoder_unsupported_reason
 from hybridflow_fsdp.forward import require_columns
-from hybridflow_fsdp.models import build_model, compute_position_ids
+from hybridflow_fsdp.models import build_hf_config, build_model, compute_position_ids
 from hybridflow_fsdp.sampling import sample_tokens
+from hybridflow_fsdp.tensor_parallel import (
+    TensorGroup,
+    TensorParallelDecoder,
+    check_tensor_parallel_model,
+    resolve_tensor_group,
+    tensor_parallel_shard,
+)
 
 __all__ = ["HFRolloutEngine", "build_hf_rollout_engine", "CAPABILITIES"]
 
@@ -28,28 +36,47 @@ CAPABILITIES = frozenset({"sleep", "update_weights_in_memory", "log_probs", "see
 class HFRolloutEngine:
     """Generation with the model's own forward and a KV cache (stability: public).
 
-    ``sleep()`` frees the storage of every parameter (nothing of the weights stays resident between phases);
-    ``wake()`` allocates it again *uninitialised*: call ``update_weights`` with the full weights before the next
-    ``generate`` (which raises otherwise).
+    ``sleep()`` drops every parameter's storage (nothing of the weights stays resident between phases); ``wake()``
+    allocates nothing: the next ``update_weights`` must cover every parameter before ``generate`` (which raises
+    otherwise), each either copied into storage the engine allocates then or, with ``bind=True``, bound zero-copy.
+
+    With ``tensor_parallel_size = tg > 1`` the engine holds this rank's Megatron-style shards (see
+    :mod:`hybridflow_fsdp.tensor_parallel`; :meth:`weight_shapes` lists them) in the group of
+    ``extra["tensor_groups"]`` (lists of global ranks; every rank builds the engine, as ``new_group`` is collective)
+    and every rank of a group, given the same prompts and sampling, returns the same output.
     """
 
     capabilities: frozenset[str] = CAPABILITIES
 
     def __init__(self, *, config: RolloutEngineConfig, device: str = "cpu") -> None:
-        if config.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"the hf rollout engine holds the whole model on one rank (tg=1); got tensor_parallel_size="
-                f"{config.tensor_parallel_size}. Use the vllm or sglang engine for tensor-parallel generation."
-            )
+        tg = int(config.tensor_parallel_size)
+        if tg < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1; got {tg}")
         self.config = config
         self.device = torch.device(device)
-        model = build_model(config.model, role="rollout",
-                            attn_implementation=str(config.extra.get("attn_implementation", "sdpa")))
+        attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
+        self.tensor_group: TensorGroup | None = None
+        if tg > 1:  # every check before the collective new_group calls, so all ranks fail alike
+            check_tensor_parallel_model(build_hf_config(config.model, role="rollout"), tg)
+            self.tensor_group = resolve_tensor_group(tg, config.extra.get("tensor_groups"))
+        model = build_model(config.model, role="rollout", attn_implementation=attn_implementation)
         model.requires_grad_(False)
         self.model = model.to(self.device).eval()
-        # the lean forward (same logits, a fraction of the per-token overhead) unless disabled or unsupported
-        self.decoder = build_lean_decoder(self.model) if config.extra.get("lean_decoder", True) else None
+        self.decoder: LeanDecoder | None
+        if self.tensor_group is not None:
+            reason = lean_decoder_unsupported_reason(self.model)
+            if reason is not None:
+                raise ConfigError(f"tensor-parallel generation supports Llama/Qwen2-shaped models only; got {reason}")
+            for name, parameter in self.model.named_parameters():  # a tied embedding/lm_head is one parameter
+                parameter.data = tensor_parallel_shard(name, parameter.data, tg, self.tensor_group.rank).clone()
+            self.decoder = TensorParallelDecoder(self.model, self.tensor_group)
+        else:
+            # the lean forward (same logits, a fraction of the per-token overhead) unless disabled or unsupported
+            self.decoder = build_lean_decoder(self.model) if config.extra.get("lean_decoder", True) else None
         self._parameters = dict(self.model.named_parameters())
+        self._names = {id(parameter): name for name, parameter in self._parameters.items()}
+        self._bound: set[str] = set()  # parameters whose storage is a caller's tensor (update_weights(bind=True))
+        self._bind_default = bool(config.extra.get("bind_weights", False))
         self._aliases = {name: tensor for name, tensor in self.model.state_dict(keep_vars=True).items()
                          if isinstance(tensor, torch.nn.Parameter)}
         self._specs = {name: (tuple(p.shape), p.dtype) for name, p in self._parameters.items()}
@@ -63,12 +90,31 @@ class HFRolloutEngine:
     def weights_version(self) -> int:
         return self._version
 
-    def _resident_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._parameters.values())
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's index in its tensor group (0 at tg = 1)."""
+        return 0 if self.tensor_group is None else self.tensor_group.rank
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every name ``update_weights`` accepts (tied aliases included) with the shape it expects on this rank:
+        this rank's tensor-parallel shard at tg > 1 (:func:`~hybridflow_fsdp.tensor_parallel.tensor_parallel_shard`
+        cuts it from the full tensor)."""
+        return {name: self._specs[self._names[id(parameter)]][0] for name, parameter in self._aliases.items()}
+
+    def _held_bytes(self, *, owned_only: bool) -> int:
+        seen: set[tuple[int, int]] = set()
+        for name, parameter in self._parameters.items():
+            if parameter.numel() and not (owned_only and name in self._bound):
+                seen.add((parameter.data_ptr(), parameter.numel() * parameter.element_size()))
+        return sum(size for _, size in seen)
 
     def resident_weight_bytes(self) -> int:
-        """Bytes of parameter storage held now (0 while asleep)."""
-        return self._resident_bytes()
+        """Bytes of the parameters held now, bound or owned, each distinct tensor once (0 while asleep)."""
+        return self._held_bytes(owned_only=False)
+
+    def owned_weight_bytes(self) -> int:
+        """Bytes of parameter storage the engine allocated itself (0 when every parameter is bound)."""
+        return self._held_bytes(owned_only=True)
 
     # --- generation -----------------------------------------------------------------------------------------
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
@@ -116,16 +162,23 @@ class HFRolloutEngine:
         return output
 
     # --- weights --------------------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Copy each ``(HF name, full tensor)`` into the resident parameter as it arrives (streams welcome).
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       bind: bool | None = None) -> None:
+        """Load each ``(HF name, tensor)`` as it arrives (streams welcome): at tg > 1 the tensor is this rank's shard.
 
-        After ``wake()`` every parameter must be in the stream. Records ``version`` as ``weights_version``.
+        A tensor is copied into storage the engine owns (allocated now if the parameter has none, e.g. after
+        ``wake()``, or is bound), or with ``bind`` (default ``extra["bind_weights"]``, False) becomes the parameter's
+        storage without a copy when its dtype and device match: the caller then owns that memory, and changing the
+        tensor changes the engine's weight until ``sleep()`` or the next update drops the reference. A bound tensor
+        must stay valid (not be reused for another parameter) until then. After ``wake()`` every parameter must be
+        in the stream. Records ``version`` as ``weights_version``.
         """
         if self._asleep:
             raise EngineError("update_weights() on a sleeping engine: call wake() first, then update_weights(...)")
+        bind = self._bind_default if bind is None else bind
         started = time.perf_counter()
         seen: set[int] = set()
-        copied = 0
+        copied = bound = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self._aliases.get(name)
@@ -135,14 +188,28 @@ class HFRolloutEngine:
                         f"update_weights got unknown parameter {name!r}; expected Hugging Face names of "
                         f"{type(self.model).__name__} such as {known}, ... (use target='hf' on the training side)"
                     )
-                if tuple(tensor.shape) != tuple(target.shape):
+                canonical = self._names[id(target)]
+                shape, dtype = self._specs[canonical]
+                if tuple(tensor.shape) != shape:
+                    where = "" if self.tensor_group is None else (
+                        f" (this rank's tensor-parallel shard, tg={self.tensor_group.size}, tensor rank "
+                        f"{self.tensor_group.rank}: cut it with hybridflow_fsdp.tensor_parallel.tensor_parallel_shard)")
                     raise EngineError(
                         f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine expects "
-                        f"{tuple(target.shape)}; the training and rollout models differ (check both model configs)"
+                        f"{shape}{where}; the training and rollout models differ (check both model configs)"
                     )
-                target.copy_(tensor)
+                nbytes = tensor.numel() * tensor.element_size()
+                if bind and tensor.dtype == dtype and _same_device(tensor.device, self.device):
+                    target.data = tensor.detach()
+                    self._bound.add(canonical)
+                    bound += nbytes
+                else:
+                    if canonical in self._bound or tuple(target.shape) != shape:  # never write into a caller's tensor
+                        target.data = torch.empty(shape, dtype=dtype, device=self.device)
+                        self._bound.discard(canonical)
+                    target.copy_(tensor)
+                    copied += nbytes
                 seen.add(id(target))
-                copied += tensor.numel() * tensor.element_size()
         missing = [name for name, p in self._parameters.items() if id(p) not in seen]
         if not self._weights_loaded and missing:
             raise EngineError(
@@ -151,24 +218,34 @@ class HFRolloutEngine:
             )
         self._weights_loaded = True
         self._version = int(version)
-        self.last_update_stats = {"bytes_copied": float(copied), "seconds": time.perf_counter() - started,
-                                  "parameters": float(len(seen))}
+        self.last_update_stats = {"bytes_copied": float(copied), "bytes_bound": float(bound),
+                                  "seconds": time.perf_counter() - started, "parameters": float(len(seen))}
 
     def sleep(self) -> None:
-        """Free every parameter's storage (the KV cache lives only inside ``generate``)."""
+        """Drop every parameter's storage, bound tensors' references included (the KV cache lives only inside
+        ``generate``)."""
+        if self.decoder is not None:
+            self.decoder.release()
         for parameter in self._parameters.values():
             parameter.data = torch.empty(0, dtype=parameter.dtype, device=self.device)
+        self._bound.clear()
         self._asleep = True
         self._weights_loaded = False
 
     def wake(self) -> None:
-        """Allocate parameter storage again, uninitialised; ``update_weights`` must follow before ``generate``."""
-        if not self._asleep:
-            return
-        for name, parameter in self._parameters.items():
-            shape, dtype = self._specs[name]
-            parameter.data = torch.empty(shape, dtype=dtype, device=self.device)
+        """Leave sleep without allocating: the next ``update_weights`` provides every parameter (copied into storage
+        allocated then, or bound) before ``generate``."""
         self._asleep = False
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device, an index-less ``cuda`` meaning the current one."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index or a.index is None or b.index is None
 
 
 def build_hf_rollout_engine(*, config: RolloutEngineConfig, device: str = "cpu") -> HFRolloutEngine:

@@ -20,7 +20,7 @@ def _generation_rank(rank: int, world_size: int, tensors: list[int], workdir: st
     from torch.distributed.tensor import DTensor
 
     from hybridflow.resharding import count_storage_bytes
-    from hybridflow_fsdp.layouts import build_hf_generation_layout
+    from hybridflow_fsdp.layouts import build_hf_rollout_layout
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
     spec = ModelSpec(config=preset_model_config("tiny-qwen2-4h"), seed=3)
@@ -35,7 +35,7 @@ def _generation_rank(rank: int, world_size: int, tensors: list[int], workdir: st
     results = {}
     for tensor in tensors:
         shards = dict(engine.generation_weights(tensor_parallel_size=tensor))
-        expected = build_hf_generation_layout(shapes, data=world_size, tensor=tensor).extract_shards(full, rank)
+        expected = build_hf_rollout_layout(shapes, data=world_size, tensor=tensor).extract_shards(full, rank)
         results[tensor] = {
             "stats": engine.last_handover_stats,
             "mismatched": sorted(name for name in expected if not torch.equal(expected[name], shards[name])),
