@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 from hybridflow.errors import ConfigError
 from hybridflow.yaml12 import load_yaml
 
-__all__ = ["Config", "load_config", "apply_overrides", "config_hash", "check_registered_names"]
+__all__ = ["Config", "load_config", "apply_overrides", "config_hash", "check_registered_names", "check_pool_batches"]
 
 
 class _Section(BaseModel):
@@ -317,23 +317,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _pools_and_batches(self) -> Config:
-        # roles an algorithm may not use (critic, reference, reward/cost models) are checked when planned
-        for role, section in (("actor", self.actor),):
-            if section.pool not in self.resource_pools:
-                raise ValueError(f"{role}.pool is {section.pool!r}, not one of resource_pools "
-                                 f"({', '.join(self.resource_pools)})")
-        world = self.resource_pools[self.actor.pool].world_size
-        parallel = self.actor.parallel
-        model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        if world % model_parallel:
-            raise ValueError(f"actor.parallel: tensor × pipeline = {model_parallel} does not divide the "
-                             f"{world} devices of pool {self.actor.pool!r}; fix: set "
-                             f"resource_pools.{self.actor.pool}.devices_per_node to a multiple of {model_parallel} "
-                             "or lower the parallel sizes")
-        if self.data.batch_size % (world // model_parallel):
-            raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the actor's "
-                             f"data-parallel size {world // model_parallel} (prompts are split over its ranks)")
-        self._check_generation_layout(world)
+        # the actor always runs; the roles an algorithm may not use (critic, reference, reward/cost models) are
+        # checked the same way when the trainer plans them (check_pool_batches), before any worker starts
+        check_pool_batches(self, {"actor": self.actor}, error=ValueError)
+        self._check_generation_layout(self.resource_pools[self.actor.pool].world_size)
         return self
 
     def _check_generation_layout(self, world: int) -> None:
@@ -504,3 +491,40 @@ def check_registered_names(config: Config) -> None:
                 registry.get(name)
             except KeyError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
+
+
+def check_pool_batches(config: Config, sections: dict[str, Any], *, error: type[Exception] = ConfigError) -> None:
+    """Every role's batch splits evenly over its own pool: ``{key: section}`` (``key`` as the config names the
+    section, e.g. ``critic`` or ``roles.teacher``), each with ``pool`` and ``parallel``.
+
+    tensor × pipeline must divide the pool's devices; the actor's prompts (``data.batch_size``) and every role's
+    rows (``data.batch_size × rollout.n``) must be multiples of that role's data-parallel size on its pool.
+
+    Raises:
+        ``error`` (ConfigError by default): naming the section, the pool, its world size and the batch.
+    """
+    prompts, samples = config.data.batch_size, config.rollout.n
+    for key, section in sections.items():
+        pool_name = section.pool
+        pool = config.resource_pools.get(pool_name)
+        if pool is None:
+            raise error(f"{key}.pool is {pool_name!r}, not one of resource_pools ({', '.join(config.resource_pools)})"
+                        f"; add the pool or change {key}.pool")
+        world = pool.world_size
+        parallel = section.parallel
+        model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        if world % model_parallel:
+            raise error(f"{key}.parallel: tensor × pipeline = {model_parallel} does not divide the {world} devices of "
+                        f"pool {pool_name!r}; fix: set resource_pools.{pool_name}.devices_per_node to a multiple of "
+                        f"{model_parallel} or lower the parallel sizes")
+        data_parallel = world // model_parallel
+        if key == "actor" and prompts % data_parallel:
+            raise error(f"data.batch_size = {prompts} prompts must be a multiple of the actor's data-parallel size "
+                        f"{data_parallel} on pool {pool_name!r} (world size {world}; prompts are split over its "
+                        f"ranks); fix: set data.batch_size to a multiple of {data_parallel} or resize the pool")
+        rows = prompts * samples
+        if rows % data_parallel:
+            raise error(f"{key} on pool {pool_name!r} (world size {world}, data-parallel size {data_parallel}): the "
+                        f"batch of data.batch_size × rollout.n = {prompts} × {samples} = {rows} rows does not split "
+                        f"evenly over its {data_parallel} data-parallel ranks; fix: make data.batch_size × rollout.n "
+                        f"a multiple of {data_parallel}, or resize resource_pools.{pool_name}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from hybridflow.algorithms.advantages import compute_gae, whiten
 from hybridflow.algorithms.coefficients import build_kl_state
-from hybridflow.algorithms.helpers import fill_old_log_probs, mean_over_ranks
+from hybridflow.algorithms.helpers import mean_over_ranks
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful, critic_role, policy_roles
 from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
@@ -27,17 +27,14 @@ class PPO:
         return build_kl_state(config)  # the in-reward KL coefficient (fixed or adaptive)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        generated = rt.actor.generate(prompts)                          # 1. rollout
-        old = rt.old_log_probs(generated)                               # 2. score the rollout: actor,
-        ref = rt.reference.compute_ref_log_probs(generated) if "reference" in rt.roles else None   # reference,
-        values = rt.critic.compute_values(generated)                    # critic, in parallel on their pools
-        batch = rt.score(fill_old_log_probs(rt.gather(generated, old, ref, values)))    # reward
+        batch = rt.rollout(prompts, values=("critic",))    # 1-2. rollout, then π_old, π_ref, V and the reward
         mask, algorithm = batch["response_mask"], rt.config.algorithm
         advantages, batch["returns"] = compute_gae(                     # 3. advantages on r_t = score − β·KL_t
             rt.token_rewards(batch), batch["values"], mask, algorithm.gamma, algorithm.lam)
         batch["advantages"] = whiten(advantages, mask.bool()) if algorithm.whiten_advantages else advantages
-        critic_metrics = mean_over_ranks(rt.critic.update_critic(batch))                 # 4. learn
+        critic_update = rt.critic.update_critic.submit(batch)           # 4. learn: critic and actor together
         actor_metrics = mean_over_ranks(rt.actor.update_policy(batch))
+        critic_metrics = mean_over_ranks(critic_update.get())
         summary = rt.summarize(batch)
         rt.update_kl_controller(summary, len(batch))
         return {**summary, **critic_metrics, **actor_metrics}

@@ -70,8 +70,10 @@ class Runtime:
         kept = [[token for token, keep in zip(row, mask) if keep] for row, mask in zip(rows, masks)]
         return decode_batch(self.tokenizer, kept)
 
-    def score(self, batch: Batch, *, key: str = "scores", cost: bool = False) -> Batch:
-        """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model when configured."""
+    def score(self, batch: Batch, *, key: str = "scores", cost: bool = False, model_scores: Any = None) -> Batch:
+        """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model when configured.
+
+        ``model_scores``: the model's scores already dispatched (:meth:`dispatch_scores`), else it is called now."""
         function = self.cost_fn if cost else self.reward_fn
         model = self.roles.get("cost_model" if cost else "reward_model")
         if function is None and model is None:
@@ -86,10 +88,16 @@ class Runtime:
             total += torch.tensor(rule.scores, dtype=torch.float32)
             batch.meta["reward_metrics"] = {**batch.meta.get("reward_metrics", {}), **rule.metrics}
         if model is not None:
-            scored = model.compute_scores(batch).get(timeout=self.timeout_s)
-            total += scored["costs" if cost else "scores"].float()
+            future = model_scores if model_scores is not None else model.compute_scores(batch)
+            total += future.get(timeout=self.timeout_s)["costs" if cost else "scores"].float()
         batch[key] = total
         return batch
+
+    def dispatch_scores(self, generated: Any, *, cost: bool = False) -> Any:
+        """Dispatch the reward (cost) model on the rollout now, so it scores while the other roles do (its future,
+        for :meth:`score`); None without such a model."""
+        model = self.roles.get("cost_model" if cost else "reward_model")
+        return None if model is None else model.compute_scores(generated)
 
     def token_rewards(self, batch: Batch, key: str = "scores") -> torch.Tensor:
         """``batch[key]`` on each row's last response token minus β·KL(π_old ‖ π_ref) on every token (β from
@@ -119,16 +127,19 @@ class Runtime:
         return kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.config.algorithm.kl_kind,
                           response_mask=batch["response_mask"])
 
-    def rollout(self, prompts: Batch, *, values: tuple[str, ...] = ()) -> Batch:
+    def rollout(self, prompts: Batch, *, values: tuple[str, ...] = (), cost: bool = False) -> Batch:
         """Generate, then score the rollout: π_old (actor), π_ref (reference, when built), the values of the critic
-        roles named in ``values`` — concurrently, each group reading the rollout's shards directly — and the
-        reward."""
+        roles named in ``values`` and the reward (and with ``cost``, the cost) — all dispatched together, each group
+        reading the rollout's shards directly, so roles on disjoint pools compute concurrently — then gathered."""
         generated = self.actor.generate(prompts)
         old = self.old_log_probs(generated)
         reference = self.roles.get("reference")
         ref = reference.compute_ref_log_probs(generated) if reference is not None else None
         value_futures = [self.roles[critic].compute_values(generated) for critic in values]
-        return self.score(fill_old_log_probs(self.gather(generated, old, ref, *value_futures)))
+        scores = self.dispatch_scores(generated)
+        costs = self.dispatch_scores(generated, cost=True) if cost else None
+        batch = self.score(fill_old_log_probs(self.gather(generated, old, ref, *value_futures)), model_scores=scores)
+        return self.score(batch, key="costs", cost=True, model_scores=costs) if cost else batch
 
     def old_log_probs(self, generated: Any) -> Any:
         """The actor's log-probs of the sampled tokens (a future), or the rollout's own when recomputing is off."""

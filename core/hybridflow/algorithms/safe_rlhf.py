@@ -39,8 +39,7 @@ class SafeRLHF:
         return {**build_kl_state(config), "lagrange": lagrange}
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        batch = rt.rollout(prompts, values=("critic", "cost_critic"))             # samples, V_r, V_c, reward
-        batch = rt.score(batch, key="costs", cost=True)                           # cost scores
+        batch = rt.rollout(prompts, values=("critic", "cost_critic"), cost=True)  # samples, V_r, V_c, reward, cost
         mask, algorithm = batch["response_mask"], rt.config.algorithm
         reward_adv, batch["returns"] = compute_gae(rt.token_rewards(batch), batch["values"], mask, algorithm.gamma,
                                                    algorithm.lam)
@@ -51,9 +50,9 @@ class SafeRLHF:
         multiplier = rt.state["lagrange"].value
         batch["advantages"] = combine_reward_and_cost_advantages(reward_adv, cost_adv, multiplier)
         cost_view = batch | Batch({"values": batch["cost_values"], "returns": cost_returns}, meta=dict(batch.meta))
-        critic_metrics = mean_over_ranks(rt.critic.update_critic(batch))
-        cost_critic_metrics = mean_over_ranks(rt.cost_critic.update_critic(cost_view))
-        actor_metrics = mean_over_ranks(rt.actor.update_policy(batch))
+        critic_updates = rt.critic.update_critic.submit(batch), rt.cost_critic.update_critic.submit(cost_view)
+        actor_metrics = mean_over_ranks(rt.actor.update_policy(batch))            # with both critics' updates
+        critic_metrics, cost_critic_metrics = (mean_over_ranks(update.get()) for update in critic_updates)
         mean_cost = float(batch["costs"].mean())
         new_multiplier = rt.state["lagrange"].update(mean_cost)
         summary = rt.summarize(batch)

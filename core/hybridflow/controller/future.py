@@ -22,7 +22,13 @@ from hybridflow.errors import ConfigError, WorkerError
 from hybridflow.transfer.concat import concat_batches
 from hybridflow.transfer.protocol import TransferContext
 
-__all__ = ["BatchFuture", "CallHandle", "Segment"]
+__all__ = ["BatchFuture", "CallHandle", "Segment", "FAST_PATH_S", "FAILURE_GRACE_S"]
+
+#: a call first waits this long for every rank's report at once (one round trip for short calls); longer calls are
+#: then waited for rank by rank, so that one rank's failure ends the call at once
+FAST_PATH_S = 0.25
+#: after a rank reports an error, how long the others get to report theirs before the call fails without them
+FAILURE_GRACE_S = 0.5
 
 
 @dataclass(slots=True)
@@ -68,19 +74,21 @@ class CallHandle:
         results: dict[int, RankResult] = {}
         waited_from = time.time()
         wanted = [self.data_refs[rank] for rank in with_outputs or []]
-        try:  # the common case in one call: every report (and wanted output) arrives in time
-            values = ray.get(refs + wanted, timeout=wait_s)
+        try:  # the common case in one call: every report (and wanted output) arrives within the fast path
+            values = ray.get(refs + wanted, timeout=min(wait_s, FAST_PATH_S))
             results = dict(zip(self.info_refs, values[: len(refs)]))
             if wanted:
                 self.fetched = dict(zip(with_outputs or [], values[len(refs):]))
             ready = refs
         except (GetTimeoutError, RayActorError, RayError):
-            # out of time, or a rank died: wait out the others (what is left of the time), then sort ranks out below;
-            # a dead rank ends the wait at once (its peers may be blocked in a collective with it until the deadline,
-            # e.g. when its node died)
-            ready, dead = self._wait_unless_dead(refs, until=waited_from + wait_s)
+            # a longer call, out of time, or a rank died: wait rank by rank (what is left of the time), then sort
+            # ranks out below; a rank that died or raised ends the wait (its peers may be blocked in a collective
+            # with it until the deadline, e.g. when its node died or its code failed before the collective)
+            ready, dead, raised = self._wait_unless_failed(refs, until=waited_from + wait_s)
             if dead:
                 return self._fail_dead(dead, ready)
+            if raised and len(ready) < len(refs):
+                return self._fail_raised(ready)
         if len(ready) < len(refs):
             ready_set = set(ready)
             stuck = [rank for rank, ref in self.info_refs.items() if ref not in ready_set]
@@ -120,22 +128,54 @@ class CallHandle:
             raise self.failure
         return results
 
-    def _wait_unless_dead(self, refs: list[Any], *, until: float) -> tuple[list[Any], dict[int, str]]:
-        """Wait until every report is in or ``until``; stop early once a rank's process is found dead."""
+    def _wait_unless_failed(self, refs: list[Any], *, until: float) -> tuple[list[Any], dict[int, str], bool]:
+        """Wait until every report is in or ``until``; stop early once a rank's process is found dead, or (after
+        :data:`FAILURE_GRACE_S` for the other ranks' reports) once a rank reported an error.
+
+        Returns the ready refs, the dead ranks with their error, and whether a ready rank reported a failure."""
         ready: list[Any] = []
         pending = list(refs)
         dead: dict[int, str] = {}
+        failed = False
+        grace_until = float("inf")
         rank_of = {ref: rank for rank, ref in self.info_refs.items()}
-        while True:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(1.0, until - time.time())))
+        while pending:
+            limit = min(until, grace_until)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(1.0, limit - time.time())))
+            if done and pending:  # whatever else is ready by now
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                done = done + more
             for ref in done:
                 try:
-                    ray.get(ref, timeout=0)
+                    report = ray.get(ref, timeout=0)
                 except (RayActorError, RayError) as exc:  # a raised error is a dead process (code errors come back)
                     dead[rank_of[ref]] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    continue
+                if isinstance(report, RankResult) and not report.ok and not failed:
+                    failed, grace_until = True, time.time() + FAILURE_GRACE_S
             ready.extend(done)
-            if dead or not pending or time.time() >= until:
-                return ready, dead
+            if dead or time.time() >= limit:
+                break
+        return ready, dead, failed
+
+    def _fail_raised(self, ready: list[Any]) -> dict[int, RankResult]:
+        """A rank raised while others still run (blocked in a collective with it, say): report and raise now."""
+        ready_set = set(ready)
+        results = {rank: ray.get(ref, timeout=10.0) for rank, ref in self.info_refs.items() if ref in ready_set}
+        self.results = results
+        self._emit(results, ok=False)
+        failed = sorted(rank for rank, result in results.items() if not result.ok)
+        first = results[failed[0]]
+        running = sorted(set(self.info_refs) - set(results))
+        self.failure = WorkerError(
+            f"{self.node}.{self.method} failed on rank {first.rank} of {self.world_size}"
+            f"{f' (failed ranks: {failed})' if len(failed) > 1 else ''}: {first.error}; ranks {running} were still "
+            f"running (waiting for it in a collective?) and are abandoned: restart the group (the supervisor does). "
+            f"Fix the worker code; the remote traceback follows.\n--- rank {first.rank} traceback ---\n"
+            f"{first.remote_traceback}",
+            rank=first.rank, method=f"{self.role}.{self.method}", remote_traceback=first.remote_traceback,
+        )
+        raise self.failure
 
     def _fail_dead(self, dead: dict[int, str], ready: list[Any]) -> dict[int, RankResult]:
         """The call failed because ranks died: report them (others still running are abandoned) and raise."""

@@ -47,6 +47,13 @@ class BoundMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._group._invoke(self._role, self._name, self._dispatch, args, kwargs, deadline_s=self._deadline_s)
 
+    def submit(self, *args: Any, **kwargs: Any) -> BatchFuture:
+        """Dispatch now and return the call's future without waiting, even for a method declared blocking (an
+        update): ``future.get()`` later returns what calling it would have. Calls to other pools run meanwhile."""
+        future: BatchFuture = self._group._invoke(self._role, self._name, self._dispatch, args, kwargs,
+                                                  deadline_s=self._deadline_s, wait=False)
+        return future
+
     def with_deadline(self, seconds: float) -> BoundMethod:
         """The same method with its own deadline for the next calls."""
         return BoundMethod(self._group, self._role, self._name, self._dispatch, seconds)
@@ -168,7 +175,8 @@ class WorkerGroup:
         self._nodes: dict[int, str] = {}
         self._rendezvous: tuple[str, int, bool] | None = None  # (MASTER_ADDR, MASTER_PORT, local Ray?)
         self._ahead: dict[tuple[str, str], tuple[tuple[Any, ...], BatchFuture]] = {}
-        #: called with (role, method) after a blocking call is dispatched, before the driver waits for it
+        #: called with (role, method) after a call of a blocking method is dispatched (also by ``submit``), before
+        #: the driver waits for it
         self.before_block: Callable[[str, str], None] | None = None
         self._mesh: dict[str, list[MeshInfo]] = {}
         self._start()
@@ -226,6 +234,12 @@ class WorkerGroup:
         locations = ray.get([host.process_location.remote() for host in self._hosts], timeout=30.0)
         self._pids = {rank: pid for rank, (pid, _node) in zip(hosts, locations)}
         self._nodes = {rank: node for rank, (_pid, node) in zip(hosts, locations)}
+        # every role's mesh now, while the ranks are idle: asked at the first call instead, the question would queue
+        # behind calls already running there and hold up the driver dispatching calls to other pools meanwhile
+        meshes = {role: [host.mesh_info.remote(role) for host in self._hosts] for role in self.roles}
+        for role, refs in meshes.items():
+            with contextlib.suppress(RayError):  # asked again (and its error raised) when a call needs it
+                self._mesh[role] = list(ray.get(refs, timeout=self.setup_deadline_s))
 
     def shutdown(self) -> None:
         """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""
@@ -364,10 +378,11 @@ class WorkerGroup:
         return ahead[1]
 
     def _invoke(self, role: str, method: str, dispatch: Dispatch, args: tuple[Any, ...], kwargs: dict[str, Any],
-                *, deadline_s: float | None) -> Any:
+                *, deadline_s: float | None, wait: bool = True) -> Any:
+        """Dispatch one call; a blocking method's result is waited for unless ``wait=False`` (then its future)."""
         claimed = self._claim_ahead(role, method, args, kwargs) if self._ahead else None
         if claimed is not None:
-            return claimed.get() if dispatch.blocking else claimed
+            return claimed.get() if dispatch.blocking and wait else claimed
         if not self._hosts:
             raise ConfigError(f'WorkerGroup "{self.name}" is shut down; expected a running group. Fix: restart()')
         protocol = get_protocol(dispatch.protocol)
@@ -412,7 +427,7 @@ class WorkerGroup:
         future = BatchFuture(handle)
         if dispatch.blocking and self.before_block is not None:
             self.before_block(role, method)  # e.g. the trainer submitting the next iteration's first call ahead
-        return future.get() if dispatch.blocking else future
+        return future.get() if dispatch.blocking and wait else future
 
     def __repr__(self) -> str:
         return (f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, "

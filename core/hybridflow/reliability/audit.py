@@ -16,8 +16,15 @@ from hybridflow.reliability.journal import CallEntry
 __all__ = ["versions_of", "uids_of", "RunAudit", "audit_ledger"]
 
 
+def _is_future(value: Any) -> bool:
+    kind = type(value)  # the class: reading ``meta`` on a future of non-Batch outputs raises
+    return all(hasattr(kind, name) for name in ("meta", "done", "is_batch")) and not isinstance(value, Batch)
+
+
 def _meta_version(value: Any) -> int | None:
-    if isinstance(value, Batch) or (hasattr(value, "meta") and hasattr(value, "done")):
+    if _is_future(value) and not value.is_batch:  # a submitted update's future: per-rank metrics, no meta
+        return None
+    if isinstance(value, Batch) or _is_future(value):
         version = value.meta.get("policy_version")
         return None if version is None else int(version)
     return None
@@ -28,7 +35,8 @@ def versions_of(entry: CallEntry) -> list[int]:
     output = _meta_version(entry.result)
     if output is not None:
         return [output]
-    results = entry.result if isinstance(entry.result, list) else [entry.result]
+    result = entry.result.get() if _is_future(entry.result) else entry.result  # a submitted update's metrics
+    results = result if isinstance(result, list) else [result]
     updated = sorted({int(r["actor/policy_version"]) - 1 for r in results
                       if isinstance(r, dict) and "actor/policy_version" in r})
     if updated:

@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridflow.batch import Batch
 
-__all__ = ["CallEntry", "Journal", "JournaledRole"]
+__all__ = ["CallEntry", "Journal", "JournaledMethod", "JournaledRole"]
 
 
 @dataclass(slots=True)
@@ -58,6 +58,32 @@ def _still_valid(result: Any) -> bool:
         except Exception:  # noqa: BLE001 - any failure of the producing call means: redo it
             return False
     return True
+
+
+class _Resolved:
+    """A reused blocking call's result handed to a driver that submitted the call: ``get()``/``wait()`` as a future."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> _Resolved:
+        return self
+
+    def get(self, timeout: float | None = None) -> Any:
+        return self._value
+
+
+def _as_called(result: Any, *, submit: bool, blocking: bool) -> Any:
+    """A reused result in the form this call returns: the value when called, a future when submitted."""
+    future = hasattr(result, "done") and hasattr(result, "get") and not isinstance(result, (Batch, dict, list))
+    if submit and not future:
+        return _Resolved(result)
+    if not submit and future and blocking:
+        return result.get()
+    return result
 
 
 class Journal:
@@ -108,7 +134,9 @@ class Journal:
         return [u for u in self.update_log if self._pool_of_role(u.role) in pools]
 
     # --- calls ----------------------------------------------------------------------------------------------
-    def call(self, role: str, method: str, bound: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(self, role: str, method: str, bound: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             *, submit: bool = False) -> Any:
+        """Run (or reuse) the call; ``submit``: dispatch it without waiting (``bound.submit``), keeping its future."""
         index = self._counts.get((role, method), 0)
         self._counts[(role, method)] = index + 1
         key = (role, method, index)
@@ -119,13 +147,13 @@ class Journal:
                 and _still_valid(previous.result)):
             self.used[key] = previous
             self.reused.append(node)
-            return previous.result
+            return _as_called(previous.result, submit=submit, blocking=bool(bound.dispatch.blocking))
         if previous is not None:
             self.redone.append(node)
         entry = CallEntry(node=node, role=role, method=method, pool=pool, generation=self.generation.get(pool, 0),
                           idempotent=bool(bound.dispatch.idempotent), attempt=self.attempt, result=None,
                           args=args, kwargs=dict(kwargs))
-        entry.result = bound(*args, **kwargs)
+        entry.result = bound.submit(*args, **kwargs) if submit else bound(*args, **kwargs)
         self.entries[key] = entry
         self.used[key] = entry
         if self.after_call is not None:
@@ -142,16 +170,25 @@ class JournaledRole:
     def __init__(self, journal: Journal, role: str, handle: Any, deadlines: dict[str, float]) -> None:
         self._journal, self._role, self._handle, self._deadlines = journal, role, handle, deadlines
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
+    def __getattr__(self, name: str) -> JournaledMethod:
         if name.startswith("_"):
             raise AttributeError(name)
         bound = getattr(self._handle, name)
         deadline = self._deadlines.get(f"{self._role}.{name}")
         if deadline is not None:
             bound = bound.with_deadline(deadline)
+        return JournaledMethod(self._journal, self._role, name, bound)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return self._journal.call(self._role, name, bound, args, kwargs)
 
-        call.__name__ = name
-        return call
+class JournaledMethod:
+    """``role.method`` through the journal: call it (as the group would), or ``submit`` it for a future."""
+
+    def __init__(self, journal: Journal, role: str, name: str, bound: Any) -> None:
+        self._journal, self._role, self.__name__, self._bound = journal, role, name, bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._journal.call(self._role, self.__name__, self._bound, args, kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        """Dispatch without waiting, even a blocking method: returns the call's future (``.get()`` for the result)."""
+        return self._journal.call(self._role, self.__name__, self._bound, args, kwargs, submit=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.config import Config, ModelConfig, ParallelSection
+from hybridflow.config import Config, ModelConfig, ParallelSection, check_pool_batches
 from hybridflow.engines import (
     ModelSpec,
     OptimConfig,
@@ -141,16 +141,15 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                           f"declare (its roles read: {', '.join(sorted(read))}); the section would do nothing. Fix: "
                           f"remove roles.{unread[0]}, or choose the algorithm that declares it")
     seed = config.trainer.seed
-    device = config.resource_pools[config.actor.pool].device
     threads = config.trainer.threads_per_worker
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sections = {declaration.name: resolve_section(config, declaration) for declaration in declarations}
+    # each role's batch over its own pool, before any worker starts
+    check_pool_batches(config, {d.section: sections[d.name] for d in declarations})
     plans = []
     for declaration in declarations:
-        section = resolve_section(config, declaration)
-        if section.pool not in config.resource_pools:
-            raise ConfigError(f"{declaration.section}.pool is {section.pool!r}, not one of resource_pools "
-                              f"({', '.join(config.resource_pools)}); add the pool or change "
-                              f"{declaration.section}.pool")
+        section = sections[declaration.name]
+        device = config.resource_pools[section.pool].device  # each role on its own pool's device type
         kind = declaration.engine_role
         model = build_model_spec(_section_model(config, declaration, section), seed=seed + declaration.seed_offset)
         trainable = kind in ("actor", "critic")
