@@ -1,7 +1,9 @@
-"""``hybridflow report RUN_DIR``: PNG plots (reward curve, validation curve, per-step time by node) and a short text
-summary.
+"""``hybridflow report RUN_DIR``: PNG plots (reward curve, validation curve, per-step time by node), a short text
+summary with the run's capacity (policy updates per hour; samples, generated tokens and device-seconds per update),
+and ``report.html``: the plots, the numbers and a table of the decoded samples in ``rollouts.jsonl``.
 
-It reads ``metrics.jsonl`` and ``ledger.jsonl``; it never touches a running job.
+It reads ``metrics.jsonl``, ``ledger.jsonl``, ``rollouts.jsonl`` and ``manifest.json``; it never touches a running
+job.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.ledger import read_ledger
+from hybridflow.report_html import render_html
 from hybridflow.trainer.progress import read_metrics
 
-__all__ = ["main", "summarize_run", "render_plots", "split_validation_rows"]
+__all__ = ["main", "summarize_run", "render_plots", "render_html", "split_validation_rows", "compute_capacity"]
 
 VALIDATION_PREFIXES = ("val-core/", "val-aux/")
 
@@ -42,6 +45,42 @@ def _node_seconds(node: dict[str, Any]) -> float:
     includes queueing, e.g. a generation submitted ahead waiting for the update before it)."""
     busy = node.get("busy_seconds")
     return float(busy) if busy else float(node.get("seconds", 0.0))
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The config the run recorded in manifest.json (empty when the run has no manifest)."""
+    path = run_dir / "manifest.json"
+    if not path.exists():
+        return {}
+    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")).get("config", {})
+    return config
+
+
+def compute_capacity(metrics: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, float]:
+    """The capacity unit of a run: completed policy updates per hour and, per update, the samples (prompts × n),
+    generated (response) tokens and device-seconds (the devices of every resource pool held for the step's wall
+    time). Missing facts (an old run without a manifest) leave their entries out."""
+    seconds = [float(m["time/step_s"]) for m in metrics if "time/step_s" in m]
+    out: dict[str, float] = {}
+    if not seconds:
+        return out
+    per_update = sum(seconds) / len(seconds)
+    out["policy_updates_per_hour"] = 3600.0 / per_update if per_update else 0.0
+    out["seconds_per_update"] = per_update
+    samples = None
+    data, rollout = config.get("data", {}), config.get("rollout", {})
+    if "batch_size" in data and "n" in rollout:
+        samples = float(data["batch_size"]) * float(rollout["n"])
+        out["samples_per_update"] = samples
+    lengths = [float(m["response/length_mean"]) for m in metrics if "response/length_mean" in m]
+    if samples is not None and lengths:
+        out["generated_tokens_per_update"] = samples * sum(lengths) / len(lengths)
+    pools = config.get("resource_pools", {})
+    devices = sum(sum(pool.get("devices_per_node", [])) for pool in pools.values())
+    if devices:
+        out["devices"] = float(devices)
+        out["device_seconds_per_update"] = devices * per_update
+    return out
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
@@ -74,6 +113,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "node_seconds": dict(sorted(node_seconds.items(), key=lambda kv: -kv[1])),
         "bytes_moved": edge_bytes,
         "validation": _validation_summary(validation),
+        "capacity": compute_capacity(metrics, _run_config(run_dir)),
     }
 
 
@@ -148,12 +188,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow report", description="Plot and summarise a run directory.")
     parser.add_argument("run_dir")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--samples", type=int, default=200, help="most recent rollout samples in the HTML table")
     args = parser.parse_args(argv)
     from hybridflow.errors import HybridflowError
 
     try:
         summary = summarize_run(args.run_dir)
         plots = render_plots(args.run_dir)
+        page = render_html(args.run_dir, summary, plots, samples=args.samples)
     except HybridflowError as exc:
         print(f"hybridflow report: {exc}")
         return 2
@@ -169,5 +211,11 @@ def main(argv: list[str]) -> int:
         print(f"{key}: {curve['first']:.3f} (step {curve['first_step']:.0f}) → {curve['last']:.3f} "
               f"(step {curve['last_step']:.0f}), best {curve['best']:.3f}")
     print(f"bytes moved between nodes: {summary['bytes_moved'] / 1e6:.1f} MB")
+    capacity = summary["capacity"]
+    if "samples_per_update" in capacity:
+        print(f"capacity: {capacity['policy_updates_per_hour']:.0f} policy updates/hour; per update "
+              f"{capacity['samples_per_update']:.0f} samples, {capacity.get('generated_tokens_per_update', 0):.0f} "
+              f"generated tokens, {capacity.get('device_seconds_per_update', 0):.1f} device-seconds")
     print("plots: " + ", ".join(str(p) for p in plots))
+    print(f"page: {page}")
     return 0
