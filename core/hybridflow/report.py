@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridflow.ledger import read_ledger
 from hybridflow.report_html import render_html
+from hybridflow.trainer.capacity import compute_capacity, format_capacity
 from hybridflow.trainer.progress import read_metrics
 
 __all__ = ["main", "summarize_run", "render_plots", "render_html", "split_validation_rows", "compute_capacity"]
@@ -54,33 +55,6 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
         return {}
     config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")).get("config", {})
     return config
-
-
-def compute_capacity(metrics: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, float]:
-    """The capacity unit of a run: completed policy updates per hour and, per update, the samples (prompts × n),
-    generated (response) tokens and device-seconds (the devices of every resource pool held for the step's wall
-    time). Missing facts (an old run without a manifest) leave their entries out."""
-    seconds = [float(m["time/step_s"]) for m in metrics if "time/step_s" in m]
-    out: dict[str, float] = {}
-    if not seconds:
-        return out
-    per_update = sum(seconds) / len(seconds)
-    out["policy_updates_per_hour"] = 3600.0 / per_update if per_update else 0.0
-    out["seconds_per_update"] = per_update
-    samples = None
-    data, rollout = config.get("data", {}), config.get("rollout", {})
-    if "batch_size" in data and "n" in rollout:
-        samples = float(data["batch_size"]) * float(rollout["n"])
-        out["samples_per_update"] = samples
-    lengths = [float(m["response/length_mean"]) for m in metrics if "response/length_mean" in m]
-    if samples is not None and lengths:
-        out["generated_tokens_per_update"] = samples * sum(lengths) / len(lengths)
-    pools = config.get("resource_pools", {})
-    devices = sum(sum(pool.get("devices_per_node", [])) for pool in pools.values())
-    if devices:
-        out["devices"] = float(devices)
-        out["device_seconds_per_update"] = devices * per_update
-    return out
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
@@ -211,11 +185,7 @@ def main(argv: list[str]) -> int:
         print(f"{key}: {curve['first']:.3f} (step {curve['first_step']:.0f}) → {curve['last']:.3f} "
               f"(step {curve['last_step']:.0f}), best {curve['best']:.3f}")
     print(f"bytes moved between nodes: {summary['bytes_moved'] / 1e6:.1f} MB")
-    capacity = summary["capacity"]
-    if "samples_per_update" in capacity:
-        print(f"capacity: {capacity['policy_updates_per_hour']:.0f} policy updates/hour; per update "
-              f"{capacity['samples_per_update']:.0f} samples, {capacity.get('generated_tokens_per_update', 0):.0f} "
-              f"generated tokens, {capacity.get('device_seconds_per_update', 0):.1f} device-seconds")
+    print(format_capacity(summary["capacity"]))
     print("plots: " + ", ".join(str(p) for p in plots))
     print(f"page: {page}")
     return 0

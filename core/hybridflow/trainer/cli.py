@@ -41,6 +41,9 @@ def main(argv: list[str]) -> int:
         first, last = history[0], history[-1]
         print(f"done: {trainer.step} steps; reward/mean {first.get('reward/mean', 0):.3f} → "
               f"{last.get('reward/mean', 0):.3f}; run dir {config.trainer.run_dir}")
+        from hybridflow.trainer.capacity import compute_capacity, format_capacity
+
+        print(format_capacity(compute_capacity(history, config.model_dump(mode="json"))))
     validated = trainer.validation_history
     for key in sorted({k for row in validated for k in row if k.startswith("val-core/") and k.endswith("@1")}):
         points = [(int(row["step"]), row[key]) for row in validated if key in row]
