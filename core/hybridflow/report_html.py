@@ -76,6 +76,20 @@ def _validation_rows(validation: dict[str, dict[str, float]]) -> str:
     return f'<table id="validation"><thead>{head}</thead><tbody>{body}</tbody></table>'
 
 
+def _advisor_section(verdict: dict[str, Any] | None) -> str:
+    if verdict is None:
+        return "<p>No placement plan recorded (trainer.plan unset): nothing to compare the ledger with.</p>"
+    rows = [("verdict", "remap" if verdict["remap"] else "keep"), ("reason", str(verdict["reason"])),
+            ("remaining iterations weighed", str(verdict["remaining_iterations"])),
+            ("current plan", str(verdict["current_plan"]))]
+    rows += [(f"drift of {node} (observed / predicted)", f"{ratio:.2f}") for node, ratio in verdict["drift"].items()]
+    if verdict.get("new_plan"):
+        rows += [("proposed plan", str(verdict["new_plan"])),
+                 ("gain per iteration", f"{verdict['gain_per_iteration']:.3f} s"),
+                 ("transition cost", f"{verdict['transition'].get('total_seconds', 0.0):.1f} s")]
+    return _numbers_table(rows, "advisor")
+
+
 def _sample_table(samples: list[dict[str, Any]]) -> str:
     if not samples:
         return "<p>No samples: the run wrote no rollouts.jsonl (trainer.log_rollouts=0).</p>"
@@ -105,6 +119,7 @@ def render_html(run_dir: str | Path, summary: dict[str, Any], plots: list[Path],
         "<h2>Summary</h2>", _numbers_table(_summary_rows(summary), "summary"),
         "<h2>Capacity</h2>", _numbers_table(_capacity_rows(summary.get("capacity", {})), "capacity"),
         "<h2>Validation</h2>", _validation_rows(summary["validation"]),
+        "<h2>Placement advisor</h2>", _advisor_section(summary.get("advisor")),
         "<h2>Plots</h2>", *(_image(path) for path in plots),
         f"<h2>Samples ({len(rows)} most recent)</h2>", _sample_table(rows),
         "</body></html>",

@@ -1,14 +1,26 @@
-"""The capacity unit runs are compared in, from a run's per-step metrics and its config: completed policy updates per
-hour and, per update, the samples, generated tokens and device-seconds consumed.
+"""What a finished run is worth and whether its placement still fits: the capacity unit (completed policy updates per
+hour and, per update, the samples, generated tokens and device-seconds consumed) from its metrics and config, and the
+placement advisor's verdict on its own ledger.
 
-It computes; ``hybridflow train`` prints it at the end and ``hybridflow report`` shows it.
+It computes; ``hybridflow train`` prints both at the end and ``hybridflow report`` shows them.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-__all__ = ["compute_capacity", "format_capacity"]
+__all__ = ["compute_capacity", "format_capacity", "advise_placement", "format_verdict", "read_run_config"]
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The config the run recorded in manifest.json (empty when the run has no manifest)."""
+    path = run_dir / "manifest.json"
+    if not path.exists():
+        return {}
+    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")).get("config", {})
+    return config
 
 
 def compute_capacity(metrics: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, float]:
@@ -50,3 +62,26 @@ def format_capacity(capacity: dict[str, float]) -> str:
     per_update = ", ".join(part for part in parts if part)
     return (f"capacity: {capacity['policy_updates_per_hour']:.0f} policy updates/hour"
             + (f"; per update {per_update}" if per_update else ""))
+
+
+def advise_placement(run_dir: Path, remaining: int | None = None) -> dict[str, Any] | None:
+    """The remap advisor's verdict on the run's own ledger (``hybridflow plan --from-run``), when the run recorded a
+    plan (``trainer.plan``); None otherwise. ``remaining`` defaults to the run's ``trainer.total_steps``: the verdict
+    for running as long again. Nothing is written to advisor.jsonl."""
+    from hybridflow.placement.record import PLAN_FILE
+
+    if not (run_dir / PLAN_FILE).exists():
+        return None
+    from hybridflow.placement.advisor import advise_remap
+
+    if remaining is None:
+        remaining = int(read_run_config(run_dir).get("trainer", {}).get("total_steps", 0))
+    verdict: dict[str, Any] = advise_remap(run_dir, remaining, write=False).to_json()
+    return verdict
+
+
+def format_verdict(verdict: dict[str, Any]) -> str:
+    """``placement advisor: KEEP: ...`` (or REMAP) with the drifting nodes."""
+    drift = ", ".join(f"{node} ×{ratio:.2f}" for node, ratio in verdict.get("drift", {}).items())
+    return (f"placement advisor ({verdict['remaining_iterations']} iterations): "
+            f"{'REMAP' if verdict['remap'] else 'KEEP'}: {verdict['reason']}" + (f" Drift: {drift}." if drift else ""))
