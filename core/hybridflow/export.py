@@ -91,6 +91,13 @@ def _run_config(manifest: dict[str, Any], run_dir: Path) -> Config:
                               "run") from exc
 
 
+def _check_reachable(source: str | None, role: str) -> None:
+    if source is not None and not Path(source).is_dir():
+        raise CheckpointError(f"the run's {role} model came from {source!r}, which is not a directory from here "
+                              f"({Path.cwd()}); export reads its config and tokenizer from it. Fix: run export from "
+                              "the directory the run was started in, or make that path reachable")
+
+
 def _role_spec(config: Config, role: str) -> RoleSpec:
     """The spec the run built the role's engine from (same planning as the trainer, no workers)."""
     from hybridflow import registries
@@ -149,7 +156,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     CheckpointManager(run_dir).verify(step_dir)  # every file against its checksum; names a bad one
     load_plugins()
     config = _run_config(manifest, run_dir)
+    _check_reachable(config.role_model(config.actor).path, "actor")  # the tokenizer's source
     spec = _role_spec(config, role)
+    _check_reachable(spec.engine_config.model.path, role)
     engine = str(manifest.get("mapping", {}).get(role, {}).get("engine") or spec.engine)
     exporter: CheckpointExporter = registries.checkpoint_exporters.get(engine)
     if out_dir.exists() and any(out_dir.iterdir()):
