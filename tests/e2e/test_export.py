@@ -120,14 +120,18 @@ def test_fsdp_export_round_trip_and_errors(tmp_path: Path, tiny_config, capsys) 
 @pytest.mark.megatron
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core not installed (bash scripts/install_megatron.sh .venv)")
-def test_megatron_tensor_parallel_export_round_trip(tmp_path: Path, tiny_config) -> None:
-    """A tensor-parallel (t=2) megatron actor's checkpoint shards are reassembled offline into the HF model."""
+@pytest.mark.parametrize(("axis", "overrides"), [
+    ("tp", ["model.preset=tiny-qwen2-h16", "actor.parallel.tensor_parallel_size=2"]),
+    pytest.param("pp", ["actor.parallel.pipeline_parallel_size=2"], marks=pytest.mark.slow),
+])
+def test_megatron_export_round_trip(tmp_path: Path, tiny_config, axis: str, overrides: list[str]) -> None:
+    """A tensor-parallel (t=2) or pipeline-parallel (p=2) megatron actor's checkpoint shards are reassembled offline
+    into the HF model."""
     run_dir = tmp_path / "run"
-    config = tiny_config(run_dir, "actor.engine=megatron", "model.preset=tiny-qwen2-h16",
-                         "actor.parallel.tensor_parallel_size=2", "trainer.total_steps=2",
+    config = tiny_config(run_dir, "actor.engine=megatron", *overrides, "trainer.total_steps=2",
                          "trainer.checkpoint_every=2")
     engine_log_probs, batch = _train_and_probe(config, tmp_path / "trainer_export")
     out = tmp_path / "hf"
     _check_round_trip(run_dir, out, tmp_path / "trainer_export", engine_log_probs, batch)
     assert json.loads((out / "hybridflow_export.json").read_text())["engine"] == "megatron"
-    assert json.loads((run_dir / "checkpoints" / "step-2" / "actor" / "layout.json").read_text())["tp"] == 2
+    assert json.loads((run_dir / "checkpoints" / "step-2" / "actor" / "layout.json").read_text())[axis] == 2
