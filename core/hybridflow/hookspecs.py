@@ -75,6 +75,19 @@ def hybridflow_register_layouts(registry: Registry[Any]) -> None:
     """
 
 
+@hookspec(historic=True)
+def hybridflow_register_checkpoint_exporters(registry: Registry[Any]) -> None:
+    """Register checkpoint exporters, one per training engine name (e.g. ``"fsdp"``, ``"megatron"``).
+
+    Runs once at plugin load. Each entry is a callable ``exporter(*, checkpoint, spec, out_dir) -> None`` (see
+    :class:`hybridflow.export.CheckpointExporter`): it reads the directory the engine's ``save_checkpoint`` wrote
+    for one role (``checkpoint``), in this process, without Ray or a process group, and writes ``config.json`` and
+    ``model.safetensors`` into ``out_dir``; ``spec`` is the role's :class:`hybridflow.workers.RoleSpec` as the run
+    built it. ``hybridflow export`` finds the exporter by the engine name the run's manifest recorded for the role
+    and adds the tokenizer and generation config itself.
+    """
+
+
 # --- placement -------------------------------------------------------------------------------------------------
 
 

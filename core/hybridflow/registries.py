@@ -26,6 +26,7 @@ __all__ = [
     "cost_models",
     "rewards",
     "algorithms",
+    "checkpoint_exporters",
     "ALL",
 ]
 
@@ -115,6 +116,7 @@ layouts: Registry[Any] = Registry("layout")
 cost_models: Registry[Any] = Registry("cost model")
 rewards: Registry[Any] = Registry("reward function")
 algorithms: Registry[Any] = Registry("algorithm")
+checkpoint_exporters: Registry[Any] = Registry("checkpoint exporter")
 
 #: hook name → registry it fills
 ALL: dict[str, Registry[Any]] = {
@@ -125,4 +127,5 @@ ALL: dict[str, Registry[Any]] = {
     "hybridflow_register_cost_models": cost_models,
     "hybridflow_register_rewards": rewards,
     "hybridflow_register_algorithms": algorithms,
+    "hybridflow_register_checkpoint_exporters": checkpoint_exporters,
 }

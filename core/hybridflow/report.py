@@ -1,7 +1,9 @@
-"""``hybridflow report RUN_DIR``: PNG plots (reward curve, validation curve, per-step time by node) and a short text
-summary.
+"""``hybridflow report RUN_DIR``: PNG plots (reward curve, validation curve, per-step time by node), a short text
+summary with the run's capacity (policy updates per hour; samples, generated tokens and device-seconds per update),
+and ``report.html``: the plots, the numbers and a table of the decoded samples in ``rollouts.jsonl``.
 
-It reads ``metrics.jsonl`` and ``ledger.jsonl``; it never touches a running job.
+It reads ``metrics.jsonl``, ``ledger.jsonl``, ``rollouts.jsonl`` and ``manifest.json``; it never touches a running
+job.
 """
 
 from __future__ import annotations
@@ -12,9 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.ledger import read_ledger
+from hybridflow.report_html import render_html
+from hybridflow.trainer.capacity import (
+    advise_placement,
+    compute_capacity,
+    format_capacity,
+    format_verdict,
+    read_run_config,
+)
 from hybridflow.trainer.progress import read_metrics
 
-__all__ = ["main", "summarize_run", "render_plots", "split_validation_rows"]
+__all__ = ["main", "summarize_run", "render_plots", "render_html", "split_validation_rows"]
 
 VALIDATION_PREFIXES = ("val-core/", "val-aux/")
 
@@ -44,8 +54,9 @@ def _node_seconds(node: dict[str, Any]) -> float:
     return float(busy) if busy else float(node.get("seconds", 0.0))
 
 
-def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """Headline numbers of a run: steps, reward trajectory, time per node, policy updates per hour."""
+def summarize_run(run_dir: str | Path, *, remaining: int | None = None) -> dict[str, Any]:
+    """Headline numbers of a run: steps, reward trajectory, time per node, capacity, validation and, when the run
+    recorded a plan, the placement advisor's verdict."""
     run_dir = Path(run_dir)
     metrics, validation = split_validation_rows(read_metrics(run_dir))
     ledger = read_ledger(run_dir)
@@ -74,6 +85,8 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "node_seconds": dict(sorted(node_seconds.items(), key=lambda kv: -kv[1])),
         "bytes_moved": edge_bytes,
         "validation": _validation_summary(validation),
+        "capacity": compute_capacity(metrics, read_run_config(run_dir)),
+        "advisor": advise_placement(run_dir, remaining),
     }
 
 
@@ -148,12 +161,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow report", description="Plot and summarise a run directory.")
     parser.add_argument("run_dir")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--remaining", type=int, default=None,
+                        help="iterations the placement advisor weighs a remap over (default: trainer.total_steps)")
+    parser.add_argument("--samples", type=int, default=200, help="most recent rollout samples in the HTML table")
     args = parser.parse_args(argv)
     from hybridflow.errors import HybridflowError
 
     try:
-        summary = summarize_run(args.run_dir)
+        summary = summarize_run(args.run_dir, remaining=args.remaining)
         plots = render_plots(args.run_dir)
+        page = render_html(args.run_dir, summary, plots, samples=args.samples)
     except HybridflowError as exc:
         print(f"hybridflow report: {exc}")
         return 2
@@ -169,5 +186,9 @@ def main(argv: list[str]) -> int:
         print(f"{key}: {curve['first']:.3f} (step {curve['first_step']:.0f}) → {curve['last']:.3f} "
               f"(step {curve['last_step']:.0f}), best {curve['best']:.3f}")
     print(f"bytes moved between nodes: {summary['bytes_moved'] / 1e6:.1f} MB")
+    print(format_capacity(summary["capacity"]))
+    if summary["advisor"] is not None:
+        print(format_verdict(summary["advisor"]))
     print("plots: " + ", ".join(str(p) for p in plots))
+    print(f"page: {page}")
     return 0

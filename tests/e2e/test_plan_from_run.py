@@ -87,6 +87,13 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
         assert printed["total_gain_seconds"] > printed["transition"]["total_seconds"]
         assert printed["fragment"]["resource_pools"]
 
+    # the report shows the same verdict on the same ledger (and writes no second advisor.jsonl line)
+    assert hybridflow(["report", str(run_dir), "--remaining", "1000", "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)["advisor"]
+    assert {k: v for k, v in verdict.items() if k != "time"} == {k: v for k, v in printed.items() if k != "time"}
+    assert len((run_dir / "advisor.jsonl").read_text().splitlines()) == 1
+    assert "<h2>Placement advisor</h2>" in (run_dir / "report.html").read_text()
+
 
 def test_trainer_refuses_a_malformed_plan(tmp_path: Path, tiny_config) -> None:
     bad = tmp_path / "plan.json"

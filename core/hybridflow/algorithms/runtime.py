@@ -32,6 +32,9 @@ class Runtime:
     reward_fn: Any = None
     cost_fn: Any = None
     timeout_s: float = 900.0
+    #: rows of each step's batch that :meth:`summarize` keeps readable in :attr:`samples` (``trainer.log_rollouts``)
+    log_rollouts: int = 0
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -149,6 +152,9 @@ class Runtime:
 
     # --- metrics ------------------------------------------------------------------------------------------
     def summarize(self, batch: Batch) -> dict[str, float]:
+        """The step's metrics from its scored batch; also keeps :attr:`log_rollouts` readable samples of it."""
+        if self.log_rollouts:
+            self.samples = self.sample_rows(batch, self.log_rollouts)
         mask = batch["response_mask"].float()
         metrics = {
             "reward/mean": float(batch["scores"].mean()),
@@ -174,6 +180,40 @@ class Runtime:
             if "uid" in batch:
                 metrics.update(compute_zero_advantage_metrics(advantages, mask, list(batch["uid"])))
         return metrics
+
+    def sample_rows(self, batch: Batch, count: int) -> list[dict[str, Any]]:
+        """``count`` rows spread evenly over the batch (so over its prompt groups), decoded: prompt, response,
+        reward, response length in tokens, data source, ground truth and, when computed, the mean advantage over
+        the response tokens."""
+        rows = len(batch)
+        indices = sorted({index * rows // count for index in range(min(count, rows))})
+        picked = batch.index(indices)
+        responses = self.decode_responses(picked)
+        lengths = picked["response_mask"].sum(-1).tolist()
+        if "prompt_text" in picked:
+            prompts = [str(text) for text in picked["prompt_text"]]
+        else:  # left-padded prompt ids: the input ids before the response
+            width = picked["input_ids"].shape[1] - picked["responses"].shape[1]
+            ids, masks = picked["input_ids"][:, :width].tolist(), picked["attention_mask"][:, :width].bool().tolist()
+            prompts = decode_batch(self.tokenizer, [[t for t, keep in zip(row, mask) if keep]
+                                                    for row, mask in zip(ids, masks)])
+        samples: list[dict[str, Any]] = []
+        for position, index in enumerate(indices):
+            sample: dict[str, Any] = {"prompt": prompts[position], "response": responses[position],
+                                      "reward": float(picked["scores"][position]) if "scores" in picked else None,
+                                      "length": int(lengths[position])}
+            for column in ("data_source", "ground_truth", "uid"):
+                if column in picked:
+                    sample[column] = picked[column][position]
+            if "advantages" in picked:
+                advantages = picked["advantages"][position]
+                if advantages.dim() == 0:
+                    sample["advantage"] = float(advantages)
+                else:
+                    sample["advantage"] = float(masked_mean(advantages, picked["response_mask"][position].float()))
+            sample["row"] = index
+            samples.append(sample)
+        return samples
 
 
 def compute_response_length_metrics(response_mask: torch.Tensor, max_new_tokens: int | None) -> dict[str, float]:

@@ -117,7 +117,7 @@ class CheckpointManager:
 
 
 #: per-step files a run appends to; a fresh start in a directory that holds them moves them aside
-RUN_LOGS = ("metrics.jsonl", "ledger.jsonl", "recovery.jsonl")
+RUN_LOGS = ("metrics.jsonl", "ledger.jsonl", "recovery.jsonl", "rollouts.jsonl")
 
 
 def archive_previous_logs(run_dir: str | Path) -> Path | None:

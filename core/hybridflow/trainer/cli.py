@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hybridflow.errors import HybridflowError
 
@@ -41,6 +42,19 @@ def main(argv: list[str]) -> int:
         first, last = history[0], history[-1]
         print(f"done: {trainer.step} steps; reward/mean {first.get('reward/mean', 0):.3f} → "
               f"{last.get('reward/mean', 0):.3f}; run dir {config.trainer.run_dir}")
+        from hybridflow.trainer.capacity import compute_capacity, format_capacity
+
+        print(format_capacity(compute_capacity(history, config.model_dump(mode="json"))))
+        if config.trainer.plan is not None:
+            from hybridflow.trainer.capacity import advise_placement, format_verdict
+
+            try:
+                verdict = advise_placement(Path(config.trainer.run_dir))
+            except HybridflowError as exc:
+                print(f"placement advisor: not available ({type(exc).__name__}: {exc})")
+            else:
+                if verdict is not None:
+                    print(format_verdict(verdict))
     validated = trainer.validation_history
     for key in sorted({k for row in validated for k in row if k.startswith("val-core/") and k.endswith("@1")}):
         points = [(int(row["step"]), row[key]) for row in validated if key in row]

@@ -27,6 +27,7 @@ from hybridflow.rewards import resolve_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
+from hybridflow.trainer.rollouts import RolloutWriter
 from hybridflow.trainer.validation import Validation, build_validation
 
 if TYPE_CHECKING:
@@ -79,8 +80,10 @@ class Trainer:
         self.plans = attach_fault_plan(self.plans, self.faults)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.trainer.keep_checkpoints)
         self.ledger = Ledger(self.run_dir)
-        self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard)
-        self.show_progress = config.trainer.progress if progress is None else progress
+        loggers = [name for name in config.trainer.loggers if name != "tensorboard" or config.trainer.tensorboard]
+        self.writer = MetricsWriter(self.run_dir, loggers=loggers, config=config.model_dump(mode="json"))
+        self.rollouts = RolloutWriter(self.run_dir, enabled=config.trainer.log_rollouts > 0)
+        self.show_progress = (config.trainer.progress if progress is None else progress) and "console" in loggers
         self.groups: Groups | None = None
         self.step = 0
         self._record: IterationRecord | None = None
@@ -148,7 +151,7 @@ class Trainer:
         return Runtime(config=self.config, tokenizer=self.tokenizer,
                        roles={plan.role: self.groups.role(plan.role) for plan in self.plans},
                        state=self.algorithm_state, reward_fn=self.reward_fn, cost_fn=self.cost_fn,
-                       timeout_s=self.config.trainer.deadline_s)
+                       timeout_s=self.config.trainer.deadline_s, log_rollouts=self.config.trainer.log_rollouts)
 
     def close(self) -> None:
         if self.groups is not None:
@@ -222,6 +225,7 @@ class Trainer:
         self.step = int(state["step"])
         self.ledger.truncate_after(self.step - 1)
         self.writer.truncate_after(self.step - 1)
+        self.rollouts.truncate_after(self.step - 1)
 
     # --- the loop -----------------------------------------------------------------------------------------
     def _observe(self, record: Any) -> None:
@@ -353,6 +357,7 @@ class Trainer:
         record.metrics = {k: float(v) for k, v in metrics.items()}
         self.ledger.commit(record)
         self.writer.write(self.step, metrics)
+        self.rollouts.write(self.step, runtime.samples)
         self.step += 1
         return metrics
 

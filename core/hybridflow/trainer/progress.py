@@ -1,4 +1,4 @@
-"""Per-step output: a rich progress bar with the headline metrics, metrics as JSONL and TensorBoard scalars.
+"""Per-step output: a rich progress bar with the headline metrics, metrics as JSONL and the selected loggers.
 
 It formats and writes; what the metrics mean is the algorithm's business.
 """
@@ -6,9 +6,13 @@ It formats and writes; what the metrics mean is the algorithm's business.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.loggers import ScalarLogger
 
 __all__ = ["MetricsWriter", "Progress", "read_metrics"]
 
@@ -18,35 +22,52 @@ HEADLINE = {"reward/mean": "reward", "response/length_mean": "len", "time/step_s
 
 
 class MetricsWriter:
-    """Appends ``{"step": N, ...metrics}`` to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends ``{"step": N, ...metrics}`` to ``metrics.jsonl`` (logger ``jsonl``) and mirrors the scalars to the
+    other selected loggers (``tensorboard``, ``wandb``, ``mlflow``; see :mod:`hybridflow.trainer.loggers`).
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self._tensorboard: Any = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    ``config`` (the run's config as plain data) is recorded by the loggers that keep one (W&B, MLflow).
+    """
 
-                self._tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-            except ImportError:  # tensorboard is an optional extra; JSONL is always written
-                self._tensorboard = None
+    def __init__(self, run_dir: str | Path, *, loggers: Sequence[str] = ("jsonl", "tensorboard"),
+                 config: dict[str, Any] | None = None) -> None:
+        from hybridflow.trainer.loggers import build_logger
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.loggers = tuple(dict.fromkeys(loggers))
+        self.jsonl = "jsonl" in self.loggers
+        self.backends: dict[str, ScalarLogger] = {}
+        try:
+            for name in self.loggers:
+                backend = build_logger(name, run_dir, config)
+                if backend is not None:
+                    self.backends[name] = backend
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def _tensorboard(self) -> Any:
+        return self.backends.get("tensorboard")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
-        if self._tensorboard is not None:
-            for key, value in metrics.items():
-                self._tensorboard.add_scalar(key, float(value), step)
-            self._tensorboard.flush()
+        if self.jsonl:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+        for backend in self.backends.values():
+            backend.log(step, metrics)
 
     def truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
         rows = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        backends, self.backends = self.backends, {}
+        for backend in backends.values():
+            backend.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:

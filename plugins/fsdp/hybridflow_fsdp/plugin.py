@@ -36,9 +36,21 @@ def build_hf_rollout_layout(named_shapes: Any, *, data: int = 1, **options: Any)
     return build(named_shapes, data=data, **options)
 
 
+def export_fsdp_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:
+    """Checkpoint exporter ``fsdp``: see :func:`hybridflow_fsdp.export.export_checkpoint`."""
+    from hybridflow_fsdp.export import export_checkpoint
+
+    export_checkpoint(checkpoint=checkpoint, spec=spec, out_dir=out_dir)
+
+
 @hookimpl
 def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("fsdp", build_fsdp_training_engine)
+
+
+@hookimpl
+def hybridflow_register_checkpoint_exporters(registry: Any) -> None:
+    registry.register("fsdp", export_fsdp_checkpoint)
 
 
 @hookimpl

@@ -29,9 +29,21 @@ def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("megatron", build_megatron_training_engine)
 
 
+def export_megatron_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:
+    """Checkpoint exporter ``megatron``: see :func:`hybridflow_megatron.export.export_checkpoint`."""
+    from hybridflow_megatron.export import export_checkpoint
+
+    export_checkpoint(checkpoint=checkpoint, spec=spec, out_dir=out_dir)
+
+
 @hookimpl
 def hybridflow_register_layouts(registry: Any) -> None:
     registry.register("megatron", build_megatron_training_layout)
+
+
+@hookimpl
+def hybridflow_register_checkpoint_exporters(registry: Any) -> None:
+    registry.register("megatron", export_megatron_checkpoint)
 
 
 @hookimpl
