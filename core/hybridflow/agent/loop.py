@@ -32,11 +32,16 @@ class MultiTurnConfig:
     max_tokens: int = 256
     tool_timeout_s: float = 5.0
     max_tool_calls_per_turn: int = 4
+    #: at most this many conversations per generate call (0: all that are ready). Smaller calls let one group's
+    #: tools run while another group generates (the groups then stay out of phase)
+    max_batch_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tokens", "max_tool_calls_per_turn"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.multi_turn.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.max_batch_rows < 0:
+            raise ConfigError(f"rollout.multi_turn.max_batch_rows must be ≥ 0 (0: no cap), got {self.max_batch_rows}")
         if self.tool_timeout_s <= 0:
             raise ConfigError(f"rollout.multi_turn.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
@@ -92,7 +97,8 @@ class AgentLoop:
         waiting: set[asyncio.Task[Conversation]] = set()
         while ready or waiting:
             if ready:
-                batch, ready = ready, []
+                cap = self.config.max_batch_rows or len(ready)
+                batch, ready = ready[:cap], ready[cap:]
                 completions = await asyncio.to_thread(self._generate, batch, sampling)
                 for conversation, completion in zip(batch, completions):
                     calls = self._take_turn(conversation, completion)
