@@ -8,9 +8,10 @@ single (added) tokens, as in Qwen. Stability: testing fixture.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_chat_tokenizer"]
+__all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_chat_tokenizer", "save_tiny_chat_model"]
 
 CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                        "<tool_response>", "</tool_response>")
@@ -59,3 +60,25 @@ def build_chat_tokenizer(vocab_size: int = 320) -> Any:
         padding_side="left")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def save_tiny_chat_model(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """An HF model directory: a tiny random-init Qwen2 over :func:`build_chat_tokenizer`'s vocabulary, saved with that
+    tokenizer (so ``model.path`` gives a run a chat template, as multi-turn rollouts need)."""
+    import torch
+    import transformers
+
+    from hybridflow.presets import tiny_model_config
+
+    tokenizer = build_chat_tokenizer()
+    config = {**tiny_model_config(max_position_embeddings=2048), "vocab_size": len(tokenizer),
+              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None,
+              **config_overrides}
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"},
+                                                  architectures=config["architectures"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+    target = Path(path)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

@@ -16,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from hybridflow.engines import (
 )
 from hybridflow.errors import EngineError, VersionMismatchError
 from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
+
+if TYPE_CHECKING:
+    from hybridflow.agent.worker import AgentRollout
 
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
 
@@ -148,6 +151,7 @@ class ActorRolloutWorker(_TrainingRole):
         self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
+        self._agent: AgentRollout | None = None  # rollout.multi_turn's agent loop, built on first use
         # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
         self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
         if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
@@ -187,7 +191,10 @@ class ActorRolloutWorker(_TrainingRole):
             sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + self.rank)
-        out = self.rollout.generate(prompts, sampling)
+        if self.spec.extra.get("multi_turn", {}).get("enable"):  # rollout.multi_turn: its own code path
+            out = self._agent_rollout().generate(prompts, sampling)
+        else:
+            out = self.rollout.generate(prompts, sampling)
         maybe_fail("actor.generate", iteration=_iteration(prompts), rank=self.rank, plan=self.faults)
         if out.meta.get("policy_version") != self.policy_version:
             raise VersionMismatchError(
@@ -199,6 +206,15 @@ class ActorRolloutWorker(_TrainingRole):
             self.rollout.sleep()
             self._asleep = True
         return out
+
+    def _agent_rollout(self) -> AgentRollout:
+        """The multi-turn agent loop over this worker's rollout engine (hybridflow.agent.worker), built once."""
+        if self._agent is None:
+            from hybridflow.agent.worker import AgentRollout
+
+            assert self.spec.rollout_config is not None
+            self._agent = AgentRollout(self.rollout, self.spec.rollout_config, self.spec.extra["multi_turn"])
+        return self._agent
 
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:
