@@ -25,7 +25,7 @@ def test_grpo_with_multi_turn_rollouts(tmp_path: Path, tiny_config) -> None:  # 
     model = save_tiny_chat_model(tmp_path / "chat-model")
     config = tiny_config(
         tmp_path / "run", "model.preset=null", f"model.path={model}",
-        f"data.train_files=[{json.dumps(str(_prompts(tmp_path / 'prompts.jsonl')))}]", "data.max_prompt_length=40",
+        f"data.train_files=[{json.dumps(str(_prompts(tmp_path / 'prompts.jsonl')))}]", "data.max_prompt_length=400",
         "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=12", "rollout.multi_turn.enable=true",
         'rollout.multi_turn.tools=["calculator"]', "rollout.multi_turn.max_turns=3",
         "rollout.multi_turn.max_tokens=80", "trainer.total_steps=2", "trainer.checkpoint_every=0")

@@ -20,12 +20,21 @@ from hybridflow.engines import RolloutEngine, RolloutEngineConfig, SamplingParam
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow.tools import build_tools
 
-__all__ = ["AgentRollout", "multi_turn_enabled"]
+__all__ = ["AgentRollout", "multi_turn_enabled", "prompt_tool_schemas"]
 
 
 def multi_turn_enabled(extra: Mapping[str, Any]) -> bool:
     """Whether a role spec's ``extra`` turns the agent path on."""
     return bool((extra.get("multi_turn") or {}).get("enable"))
+
+
+def prompt_tool_schemas(config: Any) -> list[dict[str, Any]] | None:
+    """The function schemas of a run's ``rollout.multi_turn.tools`` for its chat prompts (None when off)."""
+    section = config.rollout.multi_turn
+    if not section.enable or not section.tools:
+        return None
+    tools = build_tools(list(section.tools), section.tool_options)
+    return [dict(tool.description) for tool in tools.values()]
 
 
 class AgentRollout:

@@ -56,3 +56,21 @@ def test_multi_turn_config_is_validated() -> None:
         MultiTurnConfig(max_turns=0)
     with pytest.raises(ConfigError, match="tool_timeout_s must be > 0"):
         MultiTurnConfig(tool_timeout_s=0)
+
+
+def test_prompts_carry_the_tool_schemas() -> None:
+    """A multi-turn run's chat prompts render its tools through the template (verl's ``tools=``)."""
+    from hybridflow.data import PromptDataset
+    from hybridflow.tools import build_tools
+
+    schemas = [dict(tool.description) for tool in build_tools(["calculator"]).values()]
+    rows = [{"prompt": [{"role": "user", "content": "What is 12*34?"}], "data_source": "d",
+             "reward_model": {"ground_truth": "408"}}]
+    tokenizer = build_chat_tokenizer()
+    with_tools = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=512, tools=schemas)
+    plain = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=512)
+    assert '"name": "calculator"' in with_tools.prompt_texts[0] and "<tools>" in with_tools.prompt_texts[0]
+    assert "<tools>" not in plain.prompt_texts[0]
+    # the ids are the rendered text's
+    real = with_tools.attention_mask[0].bool()
+    assert tokenizer.decode(with_tools.input_ids[0][real].tolist()) == with_tools.prompt_texts[0]
