@@ -11,6 +11,7 @@ Assembling the training batch is :mod:`hybridflow.agent.batch`'s. Stability: pub
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -88,8 +89,14 @@ class AgentLoop:
         self.generate_calls = 0
 
     def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Conversation]:
-        """Run one conversation per prompt to the end (blocking; the event loop lives inside)."""
-        return asyncio.run(self.run_async(prompts, sampling))
+        """Run one conversation per prompt to the end (blocking; the event loop lives inside, in a helper thread
+        when the caller's thread already runs one)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.run_async(prompts, sampling))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, self.run_async(prompts, sampling)).result()
 
     async def run_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Conversation]:
         conversations = [Conversation(prompt_ids=[int(t) for t in prompt]) for prompt in prompts]

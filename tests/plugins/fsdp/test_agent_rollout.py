@@ -232,3 +232,16 @@ def test_loop_refuses_an_engine_without_the_capability(chat_format: ChatFormat) 
     with pytest.raises(Exception, match="continue_from_tokens"):
         AgentLoop(NoPrefixEngine(), {}, chat_format, MultiTurnConfig())  # type: ignore[arg-type]
 
+
+
+def test_run_from_inside_an_event_loop(engine: HFRolloutEngine, chat_format: ChatFormat) -> None:
+    """``AgentLoop.run`` called from async code (an async actor, a notebook) still completes."""
+    import asyncio
+
+    loop = AgentLoop(engine, {}, chat_format, MultiTurnConfig(max_turns=1, max_tokens=8))
+
+    async def inside() -> int:
+        return len(loop.run([chat_format.render_prompt([{"role": "user", "content": "hi"}])],
+                            SamplingParams(max_new_tokens=4, seed=0)))
+
+    assert asyncio.run(inside()) == 1
