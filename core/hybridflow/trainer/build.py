@@ -192,14 +192,10 @@ def _multi_turn_options(config: Config, tokenizer: Any) -> dict[str, Any]:
     """``rollout.multi_turn`` as the actor worker's agent path reads it (hybridflow.agent.worker); checked here so a
     run that cannot work fails before any worker starts."""
     section = config.rollout.multi_turn
-    if section.enable:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("rollout.multi_turn.enable needs a tokenizer with a chat template (it writes the tool "
-                              "turns); the model's tokenizer has none (the presets' char tokenizer never does). Fix: "
-                              "set actor.model.path to an HF model directory saved with a chat tokenizer")
-        if config.rollout.engine != "hf":
-            raise ConfigError(f"rollout.multi_turn.enable needs a rollout engine with capability "
-                              f"continue_from_tokens (hf); rollout.engine is {config.rollout.engine!r}")
+    if section.enable and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("rollout.multi_turn.enable needs a tokenizer with a chat template (it writes the tool "
+                          "turns); the model's tokenizer has none (the presets' char tokenizer never does). Fix: "
+                          "set actor.model.path to an HF model directory saved with a chat tokenizer")
     return section.model_dump()
 
 
