@@ -131,6 +131,9 @@ class AgentLoop:
                               "prefixes; an engine must continue every prefix it is given")
         clipped = []
         for completion, budget in zip(completions, budgets):
+            if len(completion.log_probs) != len(completion.token_ids):
+                raise EngineError(f"generate_from_tokens returned {len(completion.token_ids)} ids but "
+                                  f"{len(completion.log_probs)} log-probs; an engine must give one per sampled id")
             if len(completion.token_ids) > budget:  # a prefix of what was sampled is still exactly what was sampled
                 completion = TokenCompletion(token_ids=completion.token_ids[:budget],
                                              log_probs=completion.log_probs[:budget], finish_reason="length")
