@@ -212,3 +212,42 @@ def test_concurrent_calls_overlap(tools: dict[str, Any]) -> None:
     results = run(many())
     assert [r.text for r in results] == ["1"] * 4
     assert time.perf_counter() - started < 4 * 0.5 + 1.5
+
+
+def test_a_plugin_registers_a_tool() -> None:
+    """A plugin's ``hybridflow_register_tools`` adds a tool that ``build_tools`` builds (with its options), the
+    listing shows it under the plugin, and a duplicate name is refused naming both owners."""
+    import types
+
+    from hybridflow import plugins
+    from hybridflow.errors import DuplicateNameError
+    from hybridflow.plugins import PluginInfo
+
+    module = types.ModuleType("echo_tool_plugin")
+    exec(
+        "from hybridflow.hookspecs import hookimpl\n"
+        "from hybridflow.tools import ToolResult\n"
+        "class Echo:\n"
+        "    name = 'echo'\n"
+        "    description = {}\n"
+        "    def __init__(self, prefix=''):\n"
+        "        self.prefix = prefix\n"
+        "    async def call(self, arguments, *, timeout_s):\n"
+        "        return ToolResult(text=self.prefix + str(arguments.get('text')))\n"
+        "@hookimpl\ndef hybridflow_register_tools(registry):\n"
+        "    registry.register('echo', Echo)\n",
+        module.__dict__,
+    )
+    try:
+        info = plugins.register_plugin(module, name="echo_tools")
+        assert info.registered == {"tool": ["echo"]}
+        tools = build_tools(["echo"], {"echo": {"prefix": "> "}})
+        assert run(call_tool(tools, "echo", {"text": "hi"}, timeout_s=1)).text == "> hi"
+        listing = format_plugins([PluginInfo(name="echo_tools", distribution="echo", version="1",
+                                             entry_point="x", registered=info.registered)])
+        assert "tool: echo" in listing
+        with pytest.raises(DuplicateNameError, match='Tool "python" registered twice: by hybridflow \\(core\\)'):
+            registries.tools.register("python", object, owner="echo")
+    finally:
+        registries.tools.unregister("echo")
+        plugins.get_plugin_manager().unregister(name="echo_tools")
