@@ -20,3 +20,17 @@ def hybridflow_register_transfer_protocols(*, registry: Any) -> None:
 
     for name, protocol in BUILTIN_PROTOCOLS.items():
         registry.register(name, protocol)
+
+
+@hookimpl
+def hybridflow_register_tools(*, registry: Any) -> None:
+    """The built-in tools: ``python`` and ``calculator`` (sandboxed), ``search`` (a local corpus file).
+
+    See :mod:`hybridflow.tools`.
+    """
+    from hybridflow.tools.python_tool import CalculatorTool, PythonTool
+    from hybridflow.tools.search import SearchTool
+
+    registry.register("python", PythonTool)
+    registry.register("calculator", CalculatorTool)
+    registry.register("search", SearchTool)

@@ -180,6 +180,28 @@ class ReferenceConfig(_ModelRole):
     }
 
 
+class MultiTurnSection(_Section):
+    """Multi-turn agentic rollouts (docs/agent.md): the actor's generate runs the agent loop when ``enable``."""
+
+    enable: bool = False
+    max_turns: int = Field(default=4, gt=0)  # model turns per conversation
+    max_tokens: int = Field(default=256, gt=0)  # response ids per conversation (model + tool turns): its width
+    tools: list[str] = Field(default_factory=list)  # names in the tools registry (`hybridflow plugins`)
+    tool_options: dict[str, dict[str, Any]] = Field(default_factory=dict)  # tool name → its factory's options
+    tool_timeout_s: float = Field(default=5.0, gt=0)
+    max_tool_calls_per_turn: int = Field(default=4, gt=0)
+    max_batch_rows: int = Field(default=0, ge=0)  # conversations per generate call (0: all ready ones)
+
+    @model_validator(mode="after")
+    def _options_name_tools(self) -> MultiTurnSection:
+        unused = sorted(set(self.tool_options) - set(self.tools))
+        if unused:
+            raise PydanticCustomError("rejected_key", "{reason}", {"key": f"tool_options.{unused[0]}", "reason": (
+                f"options for tool {unused[0]!r}, which is not in rollout.multi_turn.tools ({self.tools}); they "
+                "would do nothing. Fix: add the tool to rollout.multi_turn.tools or remove its options")})
+        return self
+
+
 class RolloutConfig(_Section):
     engine: str = "hf"
     n: int = Field(default=4, gt=0)
@@ -191,6 +213,7 @@ class RolloutConfig(_Section):
     # kept (= 1) so placement fragments validate; no rollout engine here generates pipeline-parallel
     pipeline_parallel_size: int = Field(default=1, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict)
+    multi_turn: MultiTurnSection = MultiTurnSection()
 
     @model_validator(mode="after")
     def _no_pipeline_generation(self) -> RolloutConfig:
@@ -494,6 +517,9 @@ def check_registered_names(config: Config) -> None:
     checks += [(f"{key}.protocols.{method}", registries.transfer_protocols, protocol)
                for key, section in sections.items() if section is not None
                for method, protocol in section.protocols.items()]
+    if config.rollout.multi_turn.enable:
+        checks += [(f"rollout.multi_turn.tools[{index}]", registries.tools, name)
+                   for index, name in enumerate(config.rollout.multi_turn.tools)]
     for key, registry, name in checks:
         if name not in registry:
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,13 +103,15 @@ def make_task_rows(task: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     return train, list(validation.values())
 
 
-def render_prompt(prompt: Any, tokenizer: Any, *, where: str) -> str:
-    """Text of a prompt given as text or as chat messages (chat template when the tokenizer has one)."""
+def render_prompt(prompt: Any, tokenizer: Any, *, where: str, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """Text of a prompt given as text or as chat messages (chat template when the tokenizer has one; ``tools``, the
+    function schemas of a multi-turn run's tools, are rendered by the template as verl's ``tools=`` does)."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Sequence) and all(isinstance(m, dict) and "content" in m for m in prompt):
         if getattr(tokenizer, "chat_template", None):
-            return str(tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True))
+            return str(tokenizer.apply_chat_template(list(prompt), tools=list(tools) if tools else None,
+                                                     tokenize=False, add_generation_prompt=True))
         return "".join(str(m["content"]) for m in prompt)
     raise DatasetError(f"{where}: `prompt` must be text or a list of {{role, content}} messages, got "
                        f"{type(prompt).__name__}")
@@ -148,7 +150,7 @@ class PromptDataset:
 
     @classmethod
     def from_rows(cls, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
-                  source: str = "dataset") -> PromptDataset:
+                  source: str = "dataset", tools: Sequence[Mapping[str, Any]] | None = None) -> PromptDataset:
         if not rows:
             raise DatasetError(f"{source} has no rows")
         missing = [c for c in REQUIRED_COLUMNS if c not in rows[0]]
@@ -160,7 +162,7 @@ class PromptDataset:
             where = f"{source} row {index}"
             if "prompt" not in row:
                 raise DatasetError(f"{where} lacks the `prompt` column")
-            text = render_prompt(row["prompt"], tokenizer, where=where)
+            text = render_prompt(row["prompt"], tokenizer, where=where, tools=tools)
             token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not token_ids:
                 raise DatasetError(f"{where}: prompt is empty after tokenisation")

@@ -26,13 +26,17 @@ Training contract:
   excluded) and calls ``backward()`` on the returned loss unweighted. ``outputs`` holds what
   ``loss_fn.required_outputs`` names (default ``("log_probs",)``; ``entropy`` with gradients only when asked; an
   actor engine passes it detached otherwise, for the ``actor/entropy`` metric).
+- Capability ``continue_from_tokens`` (:class:`TokenContinuationEngine`): ``generate_from_tokens`` continues
+  each given list of token ids (prompts of any lengths; the engine pads them) and returns exactly the ids it
+  sampled, their log-probs and why it stopped. Multi-turn rollouts (:mod:`hybridflow.agent`) need it: the token
+  stream is never re-tokenized between turns.
 - Engines may expose ``last_handover_stats`` (bytes received, seconds) after ``generation_weights`` is consumed,
   and rollout engines ``resident_weight_bytes()``; the ledger reports them when present.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -58,6 +62,8 @@ __all__ = [
     "TrainingEngineFactory",
     "RolloutEngineFactory",
     "ROLLOUT_CAPABILITIES",
+    "TokenCompletion",
+    "TokenContinuationEngine",
     "local_mini_batch_rows",
 ]
 
@@ -65,7 +71,7 @@ Role = Literal["actor", "critic", "reference", "reward_model"]
 ROLES: tuple[str, ...] = ("actor", "critic", "reference", "reward_model")
 
 #: optional rollout capabilities an engine may report in ``capabilities``
-ROLLOUT_CAPABILITIES = ("sleep", "update_weights_in_memory", "log_probs", "seed")
+ROLLOUT_CAPABILITIES = ("sleep", "update_weights_in_memory", "log_probs", "seed", "continue_from_tokens")
 
 
 def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
@@ -254,6 +260,32 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenCompletion:
+    """What one prefix was continued with: the sampled ids (ending with the stop token when ``finish_reason`` is
+    ``"stop"``) and each one's log-prob under the policy (as ``rollout_log_probs``)."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    finish_reason: Literal["stop", "length"]
+
+
+@runtime_checkable
+class TokenContinuationEngine(Protocol):
+    """A rollout engine with capability ``continue_from_tokens``. Stability: public (experimental)."""
+
+    capabilities: frozenset[str]
+
+    @property
+    def weights_version(self) -> int: ...
+
+    def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                             stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
+        """Continue every prefix once (``sampling.n`` is ignored): at most ``sampling.max_new_tokens`` ids each,
+        stopping after EOS or any of ``stop_token_ids`` (kept as the last id)."""
+        ...
 
 
 class TrainingEngineFactory(Protocol):

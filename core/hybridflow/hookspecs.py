@@ -121,6 +121,20 @@ def hybridflow_register_algorithms(registry: Registry[Any]) -> None:
     """
 
 
+# --- agent rollouts -------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def hybridflow_register_tools(registry: Registry[Any]) -> None:
+    """Register tools an agent rollout can call (``rollout.multi_turn.tools``), by the name the model writes.
+
+    Runs once at plugin load, in the driver and in each rollout worker. Each entry is a factory
+    ``factory(**options) -> Tool`` (see :class:`hybridflow.tools.Tool`; ``options`` come from
+    ``rollout.multi_turn.tool_options.<name>``). A tool's ``call`` returns a ``ToolResult`` for bad input instead
+    of raising. Import heavy dependencies inside the factory.
+    """
+
+
 # --- reporting -------------------------------------------------------------------------------------------------
 
 

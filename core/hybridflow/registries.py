@@ -3,7 +3,8 @@ registries that plugin hooks and user code fill, one per kind.
 
 The registries are process-wide by nature: plugins are discovered once per process (:mod:`hybridflow.plugins` fills
 them from entry points when asked) and every trainer or worker group in the process sees the same engines,
-protocols, layouts, rewards and algorithms. Nothing run-specific lives here: which names a run uses is its config's.
+protocols, layouts, rewards, algorithms and tools. Nothing run-specific lives here: which names a run uses is its
+config's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "rewards",
     "algorithms",
     "checkpoint_exporters",
+    "tools",
     "ALL",
 ]
 
@@ -117,6 +119,7 @@ cost_models: Registry[Any] = Registry("cost model")
 rewards: Registry[Any] = Registry("reward function")
 algorithms: Registry[Any] = Registry("algorithm")
 checkpoint_exporters: Registry[Any] = Registry("checkpoint exporter")
+tools: Registry[Any] = Registry("tool")
 
 #: hook name → registry it fills
 ALL: dict[str, Registry[Any]] = {
@@ -128,4 +131,5 @@ ALL: dict[str, Registry[Any]] = {
     "hybridflow_register_rewards": rewards,
     "hybridflow_register_algorithms": algorithms,
     "hybridflow_register_checkpoint_exporters": checkpoint_exporters,
+    "hybridflow_register_tools": tools,
 }

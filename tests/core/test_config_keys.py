@@ -133,6 +133,9 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "reliability.deadlines": [['reliability.deadlines={"actor.update_policy": 60}']],
         "*.optim.betas": [["{key}=[0.8, 0.99]"]],
         "trainer.loggers": [["trainer.loggers=[jsonl]"]],
+        "rollout.multi_turn.tools": [['rollout.multi_turn.tools=["calculator"]']],
+        "rollout.multi_turn.tool_options": [['rollout.multi_turn.tools=["python"]',
+                                             'rollout.multi_turn.tool_options={"python": {"cpu_seconds": 2}}']],
     }
     for parent in MODEL_PARENTS:  # a model section needs a source: set one with the key (same preset)
         values[f"{parent}.dtype"] = [[f"{parent}.preset=tiny-qwen2", f"{parent}.dtype=bfloat16"]]

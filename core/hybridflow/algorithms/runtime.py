@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.agent.batch import summarize_agent_metrics
 from hybridflow.algorithms.advantages import build_token_level_rewards, masked_mean, masked_sum
 from hybridflow.algorithms.helpers import decode_batch, fill_old_log_probs
 from hybridflow.batch import Batch
@@ -166,6 +167,7 @@ class Runtime:
         max_new_tokens = getattr(getattr(self.config, "rollout", None), "max_new_tokens", None)
         metrics.update(compute_response_length_metrics(batch["response_mask"], max_new_tokens))
         metrics.update(batch.meta.get("reward_metrics", {}))  # a per-sample reward's extra keys
+        metrics.update(summarize_agent_metrics(batch))  # num_turns/*, tool_call_counts/* of multi-turn rollouts
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
         if "kl_controller" in self.state:

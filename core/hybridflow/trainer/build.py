@@ -173,7 +173,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                     max_prompt_length=config.data.max_prompt_length, max_new_tokens=rollout.max_new_tokens,
                     pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, seed=seed, extra=dict(rollout.extra)),
                 "sampling": SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
-                                           top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed)}
+                                           top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed),
+                "extra": {"multi_turn": _multi_turn_options(config, tokenizer)}}
         elif kind == "critic":
             options = {"loss": make_critic_loss_fn(ValueLossConfig(clip_range=section.value_clip or None,
                                                                    loss_agg=section.loss_agg))}
@@ -184,6 +185,17 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             role=kind, name=declaration.name, engine=section.engine, device=device, threads=threads,
             engine_config=engine_config, output_key=declaration.output_key, **options)))
     return plans
+
+
+def _multi_turn_options(config: Config, tokenizer: Any) -> dict[str, Any]:
+    """``rollout.multi_turn`` as the actor worker's agent path reads it (hybridflow.agent.worker); checked here so a
+    run that cannot work fails before any worker starts."""
+    section = config.rollout.multi_turn
+    if section.enable and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("rollout.multi_turn.enable needs a tokenizer with a chat template (it writes the tool "
+                          "turns); the model's tokenizer has none (the presets' char tokenizer never does). Fix: "
+                          "set actor.model.path to an HF model directory saved with a chat tokenizer")
+    return section.model_dump()
 
 
 @dataclass(slots=True)

@@ -49,7 +49,10 @@ def _load_datasets(config: Config, tokenizer: Any) -> tuple[PromptDataset, Valid
         assert data.task is not None
         rows, held_out = make_task_rows(data.task)
         source = f"task {data.task.name}"
-    train = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source)
+    from hybridflow.agent.worker import prompt_tool_schemas
+
+    train = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source,
+                                    tools=prompt_tool_schemas(config))
     return train, build_validation(config, tokenizer, held_out)
 
 

@@ -164,7 +164,10 @@ def build_validation(config: Config, tokenizer: Any, held_out_rows: list[dict[st
                           "actor samples rollout.n responses per prompt per call); e.g. trainer.val_n="
                           f"{config.rollout.n * max(1, round(trainer.val_n / config.rollout.n))}")
     source = ", ".join(data.val_files) if data.val_files else "the task's held-out prompts"
-    dataset = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source)
+    from hybridflow.agent.worker import prompt_tool_schemas
+
+    dataset = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source,
+                                      tools=prompt_tool_schemas(config))
     world_size = config.resource_pools[config.actor.pool].world_size
     return Validation(dataset=dataset, every=trainer.val_every, samples=trainer.val_n, rollout_n=config.rollout.n,
                       chunk_rows=data.batch_size, world_size=world_size)

@@ -39,6 +39,7 @@ from hybridflow.errors import ConfigError, EngineError, LayoutError, VersionMism
 from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
 
 if TYPE_CHECKING:
+    from hybridflow.agent.worker import AgentRollout
     from hybridflow.resharding import GenerationLayout
 
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
@@ -185,6 +186,7 @@ class ActorRolloutWorker(_TrainingRole):
         self._bind = "bind" in inspect.signature(self.rollout.update_weights).parameters
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
+        self._agent: AgentRollout | None = None  # rollout.multi_turn's agent loop, built on first use
         # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
         self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
         if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
@@ -296,7 +298,10 @@ class ActorRolloutWorker(_TrainingRole):
             sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + self.generation_replica)
-        out = self.rollout.generate(prompts, sampling)
+        if self.spec.extra.get("multi_turn", {}).get("enable"):  # rollout.multi_turn: its own code path
+            out = self._agent_rollout().generate(prompts, sampling)
+        else:
+            out = self.rollout.generate(prompts, sampling)
         self._record_resident("generation")
         maybe_fail("actor.generate", iteration=_iteration(prompts), rank=self.rank, plan=self.faults)
         if out.meta.get("policy_version") != self.policy_version:
@@ -309,6 +314,15 @@ class ActorRolloutWorker(_TrainingRole):
             self.rollout.sleep()
             self._asleep = True
         return out
+
+    def _agent_rollout(self) -> AgentRollout:
+        """The multi-turn agent loop over this worker's rollout engine (hybridflow.agent.worker), built once."""
+        if self._agent is None:
+            from hybridflow.agent.worker import AgentRollout
+
+            assert self.spec.rollout_config is not None
+            self._agent = AgentRollout(self.rollout, self.spec.rollout_config, self.spec.extra["multi_turn"])
+        return self._agent
 
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:

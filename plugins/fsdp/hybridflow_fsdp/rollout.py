@@ -9,12 +9,13 @@ Weights only come back through :meth:`HFRolloutEngine.update_weights` after :met
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.engines import RolloutEngineConfig, SamplingParams
+from hybridflow.engines import RolloutEngineConfig, SamplingParams, TokenCompletion
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_fsdp.fast_decode import LeanDecoder, build_lean_decoder, lean_decoder_unsupported_reason
 from hybridflow_fsdp.forward import require_columns
@@ -30,7 +31,7 @@ from hybridflow_fsdp.tensor_parallel import (
 
 __all__ = ["HFRolloutEngine", "build_hf_rollout_engine", "CAPABILITIES"]
 
-CAPABILITIES = frozenset({"sleep", "update_weights_in_memory", "log_probs", "seed"})
+CAPABILITIES = frozenset({"sleep", "update_weights_in_memory", "log_probs", "seed", "continue_from_tokens"})
 
 
 class HFRolloutEngine:
@@ -117,14 +118,53 @@ class HFRolloutEngine:
         return self._held_bytes(owned_only=True)
 
     # --- generation -----------------------------------------------------------------------------------------
-    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        """Sample ``sampling.n`` responses per prompt (rows repeated interleaved); columns as in hybridflow.engines."""
+    def _require_weights(self, method: str) -> None:
         if self._asleep or not self._weights_loaded:
             raise EngineError(
-                "generate() needs weights: the engine is "
+                f"{method}() needs weights: the engine is "
                 + ("asleep; call wake() then update_weights(...)" if self._asleep else
                    "awake but its weights were freed by sleep(); call update_weights(...) with the full weights")
             )
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        seed = sampling.seed if sampling.seed is not None else self.config.seed + self._calls
+        self._calls += 1
+        return torch.Generator().manual_seed(int(seed))
+
+    def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                             stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
+        """Continue each id list (capability ``continue_from_tokens``): the prefixes are left-padded into one batch,
+        prefilled and sampled together; each row's ids are returned up to and including its stop token.
+
+        The KV cache is rebuilt from the whole prefix on every call (no cross-turn cache reuse yet)."""
+        self._require_weights("generate_from_tokens")
+        if not prompts:
+            return []
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ConfigError("generate_from_tokens got an empty prefix; every conversation starts with its prompt")
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.config.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+            attention_mask[row, width - len(prompt):] = 1
+        sampled = sample_tokens(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                sampling=replace(sampling, n=1), eos_token_id=self.config.eos_token_id,
+                                pad_token_id=self.config.pad_token_id, generator=self._generator(sampling),
+                                decoder=self.decoder, stop_token_ids=tuple(int(t) for t in stop_token_ids))
+        stops = {self.config.eos_token_id, *(int(t) for t in stop_token_ids)}
+        completions = []
+        for row in range(len(prompts)):
+            length = int(sampled.response_mask[row].sum())
+            ids = tuple(int(t) for t in sampled.responses[row, :length].tolist())
+            completions.append(TokenCompletion(
+                token_ids=ids, log_probs=tuple(float(x) for x in sampled.log_probs[row, :length].tolist()),
+                finish_reason="stop" if ids and ids[-1] in stops else "length"))
+        return completions
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """Sample ``sampling.n`` responses per prompt (rows repeated interleaved); columns as in hybridflow.engines."""
+        self._require_weights("generate")
         require_columns(batch, "input_ids", "attention_mask", method="generate")
         if batch["input_ids"].shape[1] > self.config.max_prompt_length:
             raise ConfigError(
@@ -132,9 +172,7 @@ class HFRolloutEngine:
                 f"{self.config.max_prompt_length}. Truncate the prompts or raise rollout max_prompt_length."
             )
         prompts = batch.repeat_interleave(sampling.n) if sampling.n > 1 else batch
-        seed = sampling.seed if sampling.seed is not None else self.config.seed + self._calls
-        self._calls += 1
-        generator = torch.Generator().manual_seed(int(seed))
+        generator = self._generator(sampling)
         # each distinct prompt is prefilled once and shared by its n samples
         sampled = sample_tokens(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
                                 sampling=sampling, eos_token_id=self.config.eos_token_id,

@@ -90,26 +90,28 @@ def sample_tokens(
     generator: torch.Generator,
     decoder: LeanDecoder | None = None,
     repeats: int = 1,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> SampledTokens:
     """Generate ``sampling.max_new_tokens`` columns for every row; rows stop at EOS (kept, masked 1), then pad.
 
     ``repeats`` > 1 samples that many rows per prompt (``repeat_interleave`` order); with ``decoder`` (a
     :class:`~hybridflow_fsdp.fast_decode.LeanDecoder` of ``model``) the prompts' forward is computed once and shared,
     and the logits come from its lean forward; otherwise from ``model(...)`` with the HF KV cache. Both give the
-    same logits.
+    same logits. ``stop_token_ids`` stop a row like EOS (kept, masked 1).
     """
     # inference mode (no version counters or autograd bookkeeping: ~10% off each decode step); what leaves it is
     # cloned into ordinary tensors, so callers may use the outputs in autograd
     with torch.inference_mode():
         sampled = _sample(model, input_ids, attention_mask, sampling=sampling, eos_token_id=eos_token_id,
-                          pad_token_id=pad_token_id, generator=generator, decoder=decoder, repeats=repeats)
+                          pad_token_id=pad_token_id, generator=generator, decoder=decoder, repeats=repeats,
+                          stop_token_ids=stop_token_ids)
     return SampledTokens(responses=sampled.responses.clone(), log_probs=sampled.log_probs.clone(),
                          response_mask=sampled.response_mask.clone())
 
 
 def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, sampling: SamplingParams,
             eos_token_id: int, pad_token_id: int, generator: torch.Generator, decoder: LeanDecoder | None,
-            repeats: int) -> SampledTokens:
+            repeats: int, stop_token_ids: tuple[int, ...] = ()) -> SampledTokens:
     width = sampling.max_new_tokens
     if decoder is None and repeats > 1:
         input_ids = input_ids.repeat_interleave(repeats, dim=0)
@@ -129,11 +131,12 @@ def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         logits = output.logits[:, -1, :]
     positions = position_ids[:, -1]
     steps = width
+    stops = torch.tensor(sorted({eos_token_id, *stop_token_ids}), dtype=input_ids.dtype, device=device)
     for step in range(width):
         tokens, token_log_probs = pick_tokens(logits, sampling, generator)
         responses[:, step] = tokens
         log_probs[:, step] = token_log_probs
-        finished |= tokens == eos_token_id
+        finished |= torch.isin(tokens, stops)
         if step == width - 1 or bool(finished.all()):
             steps = step + 1
             break
@@ -148,8 +151,8 @@ def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         logits = output.logits[:, -1, :]
     if decoder is not None:
         decoder.release()
-    # a column is alive until (and including) the row's first EOS; after it: pad, log-prob 0, mask 0
-    eos_before = (responses[:, :steps] == eos_token_id).long().cumsum(-1)
+    # a column is alive until (and including) the row's first EOS (or stop token); after it: pad, log-prob 0, mask 0
+    eos_before = torch.isin(responses[:, :steps], stops).long().cumsum(-1)
     eos_before = torch.cat([torch.zeros_like(eos_before[:, :1]), eos_before[:, :-1]], dim=1)
     alive = torch.zeros((rows, width), dtype=torch.bool, device=device)
     alive[:, :steps] = eos_before == 0

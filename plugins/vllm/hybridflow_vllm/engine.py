@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.engines import RolloutEngineConfig, SamplingParams
+from hybridflow.engines import RolloutEngineConfig, SamplingParams, TokenCompletion
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
 from hybridflow_vllm.model_dir import prepare_model_dir, read_checkpoint_shapes
@@ -139,7 +139,8 @@ class VllmRolloutEngine:
             self._cleanup_model_dir()
             raise
         sleep = {"sleep"} if self._sleep_enabled else set()
-        self.capabilities: frozenset[str] = frozenset({"update_weights_in_memory", "log_probs", "seed"} | sleep)
+        self.capabilities: frozenset[str] = frozenset(
+            {"update_weights_in_memory", "log_probs", "seed", "continue_from_tokens"} | sleep)
 
     def _start(self) -> Any:
         from vllm import LLM
@@ -243,6 +244,39 @@ class VllmRolloutEngine:
         meta = dict(batch.meta)
         meta["policy_version"] = self._version
         return Batch(tensors, repeated.non_tensors, meta, batch_size=len(repeated))
+
+    def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                             stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
+        """Continue each id list (capability ``continue_from_tokens``); with prefix caching on, a conversation's
+        earlier turns are not prefilled again. Row ``r`` uses seed ``sampling.seed + r``."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import TokensPrompt
+
+        self._check_awake("generate_from_tokens")
+        if not prompts:
+            return []
+        longest = max(len(prompt) for prompt in prompts)
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ConfigError("generate_from_tokens got an empty prefix; every conversation starts with its prompt")
+        if longest + sampling.max_new_tokens > self.max_model_len:
+            raise ConfigError(f"a prefix of {longest} ids + max_new_tokens {sampling.max_new_tokens} exceeds the "
+                              f"engine's max_model_len {self.max_model_len}; lower rollout.multi_turn.max_tokens or "
+                              "raise the rollout engine's max_prompt_length")
+        stops = sorted({self.config.eos_token_id, *(int(t) for t in stop_token_ids)})
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in prompts]
+        params = [VllmSamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                     max_tokens=sampling.max_new_tokens, logprobs=0, stop_token_ids=stops,
+                                     seed=None if sampling.seed is None else sampling.seed + row, detokenize=False)
+                  for row in range(len(prompts))]
+        completions = []
+        for output in self._llm.generate(requests, params, use_tqdm=False):
+            completion = output.outputs[0]
+            tokens = tuple(int(t) for t in completion.token_ids)
+            log_probs = tuple(float(step[token].logprob) for step, token in zip(completion.logprobs or [], tokens))
+            stopped = bool(tokens) and tokens[-1] in stops
+            completions.append(TokenCompletion(token_ids=tokens, log_probs=log_probs,
+                                               finish_reason="stop" if stopped else "length"))
+        return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Load full (unsharded, Hugging Face named) weights into the running engine, without disk.

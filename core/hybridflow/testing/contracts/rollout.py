@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.engines import ModelSpec, RolloutEngine, SamplingParams
+from hybridflow.engines import ModelSpec, RolloutEngine, SamplingParams, TokenContinuationEngine
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID, build_char_tokenizer, save_tiny_model
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "check_update_weights_matches_fresh_load",
     "check_version_reported",
     "check_sleep_wake_keeps_outputs",
+    "check_continue_from_tokens",
 ]
 
 RolloutEngineMaker = Callable[[ModelSpec], RolloutEngine]
@@ -182,6 +183,34 @@ def check_sleep_wake_keeps_outputs(make_engine: RolloutEngineMaker, workdir: Pat
     _assert_same_rollout(before, after, atol=0.0, what="sleep/wake")
 
 
+def check_continue_from_tokens(make_engine: RolloutEngineMaker, workdir: Path) -> None:
+    """Capability ``continue_from_tokens``: greedy continuations of variable-length id prefixes are the same in one
+    batch as one by one, stop right after a stop id, and agree with ``generate`` on the same prompt."""
+    import pytest
+
+    engine = make_engine(ModelSpec(path=str(prepare_model(workdir))))
+    if "continue_from_tokens" not in engine.capabilities:
+        pytest.skip(f"{type(engine).__name__} does not report the 'continue_from_tokens' capability")
+    if not isinstance(engine, TokenContinuationEngine):
+        raise AssertionError(f"{type(engine).__name__} reports continue_from_tokens but has no generate_from_tokens")
+    generate_from_tokens = engine.generate_from_tokens
+    tokenizer = build_char_tokenizer()
+    prefixes = [tokenizer.encode(text, add_special_tokens=False) for text in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    together = generate_from_tokens(prefixes, greedy)
+    alone = [generate_from_tokens([prefix], greedy)[0] for prefix in prefixes]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone], "batching prefixes changed the output"
+    reference = engine.generate(build_prompt_batch(), greedy)
+    for row, completion in enumerate(together):
+        length = int(reference["response_mask"][row].sum())
+        assert list(completion.token_ids) == reference["responses"][row, :length].tolist()
+        assert len(completion.log_probs) == len(completion.token_ids)
+    stop = together[0].token_ids[len(together[0].token_ids) // 2]
+    stopped = generate_from_tokens([prefixes[0]], greedy, stop_token_ids=[stop])[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop
+    assert stop not in stopped.token_ids[:-1]
+
+
 ROLLOUT_CHECKS: tuple[Callable[[RolloutEngineMaker, Path], None], ...] = (
     check_generate_shapes_and_masks,
     check_log_probs_match_model,
@@ -189,4 +218,5 @@ ROLLOUT_CHECKS: tuple[Callable[[RolloutEngineMaker, Path], None], ...] = (
     check_update_weights_matches_fresh_load,
     check_version_reported,
     check_sleep_wake_keeps_outputs,
+    check_continue_from_tokens,
 )

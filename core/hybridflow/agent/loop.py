@@ -1,0 +1,182 @@
+"""The agent loop: many conversations in flight, each generate → parse tool calls → run tools → append the tool turn
+as tokens → generate again, until no call, ``max_turns`` or the token budget.
+
+Token-in/token-out: a conversation is the list of ids the engine was given and produced plus the tool-turn ids
+(:class:`~hybridflow.agent.format.ChatFormat` tokenizes only that new text); nothing is decoded and re-encoded.
+Turns are batched continuously: every conversation not waiting on a tool goes into the next
+``generate_from_tokens`` call (run in a thread) while other conversations' tools run concurrently on the event loop.
+Assembling the training batch is :mod:`hybridflow.agent.batch`'s. Stability: public (experimental).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hybridflow.agent.format import ChatFormat, ToolCall, parse_tool_calls
+from hybridflow.engines import SamplingParams, TokenCompletion, TokenContinuationEngine
+from hybridflow.errors import ConfigError, EngineError
+from hybridflow.tools import Tool, ToolResult, call_tool
+
+__all__ = ["MultiTurnConfig", "Conversation", "AgentLoop"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MultiTurnConfig:
+    """Limits of one conversation: model turns, response tokens (generated + tool), per-call tool timeout."""
+
+    max_turns: int = 4
+    max_tokens: int = 256
+    tool_timeout_s: float = 5.0
+    max_tool_calls_per_turn: int = 4
+    #: at most this many conversations per generate call (0: all that are ready). Smaller calls let one group's
+    #: tools run while another group generates (the groups then stay out of phase)
+    max_batch_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tokens", "max_tool_calls_per_turn"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.multi_turn.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.max_batch_rows < 0:
+            raise ConfigError(f"rollout.multi_turn.max_batch_rows must be ≥ 0 (0: no cap), got {self.max_batch_rows}")
+        if self.tool_timeout_s <= 0:
+            raise ConfigError(f"rollout.multi_turn.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One rollout: ``prompt_ids`` then ``response_ids``; ``generated[i]`` is 1 where the model wrote the id."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_statuses: Counter[str] = field(default_factory=Counter)
+    finish: str = ""
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(count for status, count in self.tool_statuses.items() if status != "ok")
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def append(self, ids: Sequence[int], *, generated: bool, log_probs: Sequence[float] = ()) -> None:
+        self.response_ids.extend(ids)
+        self.generated.extend([1 if generated else 0] * len(ids))
+        self.log_probs.extend(log_probs if generated else [0.0] * len(ids))
+
+
+class AgentLoop:
+    """Runs conversations against one engine with capability ``continue_from_tokens`` and a set of tools."""
+
+    def __init__(self, engine: TokenContinuationEngine, tools: Mapping[str, Tool], chat_format: ChatFormat,
+                 config: MultiTurnConfig) -> None:
+        if "continue_from_tokens" not in engine.capabilities:
+            raise EngineError(f"multi-turn rollouts need a rollout engine with capability continue_from_tokens; "
+                              f"{type(engine).__name__} has {sorted(engine.capabilities)}. Use rollout.engine: hf")
+        self.engine = engine
+        self.tools = dict(tools)
+        self.format = chat_format
+        self.config = config
+        self.generate_calls = 0
+
+    def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Conversation]:
+        """Run one conversation per prompt to the end (blocking; the event loop lives inside, in a helper thread
+        when the caller's thread already runs one)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.run_async(prompts, sampling))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, self.run_async(prompts, sampling)).result()
+
+    async def run_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Conversation]:
+        conversations = [Conversation(prompt_ids=[int(t) for t in prompt]) for prompt in prompts]
+        ready: list[Conversation] = list(conversations)
+        waiting: set[asyncio.Task[Conversation]] = set()
+        while ready or waiting:
+            if ready:
+                cap = self.config.max_batch_rows or len(ready)
+                batch, ready = ready[:cap], ready[cap:]
+                completions = await asyncio.to_thread(self._generate, batch, sampling)
+                for conversation, completion in zip(batch, completions):
+                    calls = self._take_turn(conversation, completion)
+                    if calls is not None:
+                        waiting.add(asyncio.create_task(self._run_tools(conversation, calls)))
+                finished = {task for task in waiting if task.done()}
+            else:
+                finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            waiting -= finished
+            ready.extend(task.result() for task in finished if not task.result().finish)
+        return conversations
+
+    def _generate(self, batch: list[Conversation], sampling: SamplingParams) -> list[TokenCompletion]:
+        budgets = [self.config.max_tokens - len(c.response_ids) for c in batch]
+        width = min(sampling.max_new_tokens, max(budgets))
+        seed = None if sampling.seed is None else sampling.seed + 7919 * self.generate_calls
+        self.generate_calls += 1
+        completions = self.engine.generate_from_tokens(
+            [c.ids for c in batch], replace(sampling, n=1, max_new_tokens=width, seed=seed),
+            stop_token_ids=self.format.stop_token_ids)
+        if len(completions) != len(batch):
+            raise EngineError(f"generate_from_tokens returned {len(completions)} completions for {len(batch)} "
+                              "prefixes; an engine must continue every prefix it is given")
+        clipped = []
+        for completion, budget in zip(completions, budgets):
+            if len(completion.log_probs) != len(completion.token_ids):
+                raise EngineError(f"generate_from_tokens returned {len(completion.token_ids)} ids but "
+                                  f"{len(completion.log_probs)} log-probs; an engine must give one per sampled id")
+            if len(completion.token_ids) > budget:  # a prefix of what was sampled is still exactly what was sampled
+                completion = TokenCompletion(token_ids=completion.token_ids[:budget],
+                                             log_probs=completion.log_probs[:budget], finish_reason="length")
+            clipped.append(completion)
+        return clipped
+
+    def _take_turn(self, conversation: Conversation, completion: TokenCompletion) -> list[ToolCall] | None:
+        """Append the model's turn; the calls to run next, or None when the conversation ends here."""
+        conversation.append(completion.token_ids, generated=True, log_probs=completion.log_probs)
+        conversation.turns += 1
+        calls = parse_tool_calls(self.format.decode(completion.token_ids))
+        if not calls:
+            conversation.finish = "stop" if completion.finish_reason == "stop" else "length"
+        elif conversation.turns >= self.config.max_turns:
+            conversation.finish = "max_turns"
+        elif len(conversation.response_ids) >= self.config.max_tokens:
+            conversation.finish = "max_tokens"
+        else:
+            return calls
+        return None
+
+    async def _run_tools(self, conversation: Conversation, calls: list[ToolCall]) -> Conversation:
+        limit = self.config.max_tool_calls_per_turn
+        results: list[ToolResult] = list(await asyncio.gather(*[
+            self._call(call) for call in calls[:limit]]))
+        results += [ToolResult(text=f"Error: at most {limit} tool calls per turn; this one was not run.",
+                               status="bad_call") for _ in calls[limit:]]
+        conversation.tool_calls += len(calls)
+        conversation.tool_statuses.update(result.status for result in results)
+        ended_with_eos = bool(conversation.response_ids) and conversation.response_ids[-1] == self.format.eos_token_id
+        ids = self.format.tool_turn_ids([result.text for result in results], ended_with_eos=ended_with_eos)
+        room = self.config.max_tokens - len(conversation.response_ids)
+        conversation.append(ids[:room], generated=False)
+        if len(ids) >= room:
+            conversation.finish = "max_tokens"  # no room left for another model turn
+        return conversation
+
+    async def _call(self, call: ToolCall) -> ToolResult:
+        if call.error is not None:
+            return ToolResult(text=call.error, status="bad_call")
+        return await call_tool(self.tools, call.name, call.arguments, timeout_s=self.config.tool_timeout_s)
+
+
+def tool_schemas(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:
+    """The tools' function schemas, for ``ChatFormat.render_prompt(..., tools=...)``."""
+    return [dict(tool.description) for tool in tools.values()]

@@ -1,0 +1,84 @@
+"""A tiny byte-level BPE chat tokenizer with Qwen-style markers and tool template, built locally (no hub access).
+
+Merges make the multi-turn hazards real: text re-tokenized across a turn boundary can merge differently from the
+ids the model produced, which is what the agent tests check never happens. ``<tool_call>``/``</tool_call>`` are
+single (added) tokens, as in Qwen. Stability: testing fixture.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_chat_tokenizer", "save_tiny_chat_model"]
+
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                       "<tool_response>", "</tool_response>")
+
+# (transformers renders with trim_blocks: a newline right after a block tag is dropped, hence the {{ "\n" }})
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}"
+    "{% endfor %}{{ '\\n' }}</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TRAINING_TEXT = [
+    "What is 123 times 456? Let me use the calculator.",
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>',
+    '<tool_call>{"name": "python", "arguments": {"code": "print(2**10)"}}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": {"query": "capital of France"}}</tool_call>',
+    "The answer is 56088. Paris is the capital of France. Error: unknown tool. Traceback (most recent call last)",
+    "user assistant system tools function name arguments expression query code print result",
+]
+
+
+def build_chat_tokenizer(vocab_size: int = 320) -> Any:
+    """A ``PreTrainedTokenizerFast`` (byte-level BPE, ``vocab_size`` ids, EOS ``<|im_end|>``) with a chat template
+    that renders ``tools=`` and the ``tool`` role like Qwen2.5's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = _TRAINING_TEXT * 4 + [json.dumps({"n": n, "text": f"{n} * {n + 7} = {n * (n + 7)}"}) for n in range(50)]
+    core.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__ in transformers
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=list(CHAT_SPECIAL_TOKENS[3:]), clean_up_tokenization_spaces=False,
+        padding_side="left")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_chat_model(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """An HF model directory: a tiny random-init Qwen2 over :func:`build_chat_tokenizer`'s vocabulary, saved with that
+    tokenizer (so ``model.path`` gives a run a chat template, as multi-turn rollouts need)."""
+    import torch
+    import transformers
+
+    from hybridflow.presets import tiny_model_config
+
+    tokenizer = build_chat_tokenizer()
+    config = {**tiny_model_config(max_position_embeddings=2048), "vocab_size": len(tokenizer),
+              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None,
+              **config_overrides}
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"},
+                                                  architectures=config["architectures"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+    target = Path(path)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
