@@ -74,10 +74,14 @@ class ZeroPartitionSpec(ParamShardSpec):
 def build_deepspeed_training_layout(named_shapes: Mapping[str, Sequence[int]], *, data: int, zero_stage: int = 3,
                                     dtype: torch.dtype = torch.float32) -> ModelLayout:
     """The ``deepspeed`` engine's layout over ``data`` ranks: ZeRO-3 flat partitions, or for ZeRO-1/2 every parameter
-    whole on every rank (those stages shard optimizer state and gradients, never the parameters)."""
+    whole on every rank (those stages shard optimizer state and gradients, never the parameters).
+
+    The mesh is ``data_sharded`` for every stage: the whole data axis is one shard group, so a tensor-parallel
+    generation group may be drawn across data ranks (under ZeRO-1/2 each of its ranks then slices what it holds).
+    """
     if zero_stage not in (1, 2, 3):
         raise LayoutError(f"zero_stage must be 1, 2 or 3; got {zero_stage!r}")
-    mesh = ParallelLayout(data=data, data_sharded=zero_stage == 3)
+    mesh = ParallelLayout(data=data, data_sharded=True)
     params: dict[str, ParamShardSpec] = {}
     for name, shape in named_shapes.items():
         if zero_stage == 3:
