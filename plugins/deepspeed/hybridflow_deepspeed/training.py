@@ -263,6 +263,15 @@ class DeepSpeedTrainingEngine:
         """Every parameter in full on every rank, for any role (export); a collective under ZeRO-3."""
         return self.handover.full_weights(target="hf")
 
+    def release(self) -> None:
+        """Destroy the DeepSpeed engine (its ZeRO hooks and optimizer) and drop the model; the process group stays,
+        it belongs to the worker. A released engine fails on its next call."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.destroy()
+        self.engine = None
+        if hasattr(self, "module"):
+            del self.module
+
 
 def build_deepspeed_training_engine(*, role: str, config: TrainingEngineConfig,
                                     device: str = "cpu") -> DeepSpeedTrainingEngine:

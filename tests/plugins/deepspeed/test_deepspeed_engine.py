@@ -147,3 +147,5 @@ def test_checkpoint_is_atomic_and_refused_across_zero_stages(model_path: Path, t
     other = DeepSpeedTrainingEngine(role="critic", config=dataclasses.replace(engine.config, extra={"zero_stage": 1}))
     with pytest.raises(CheckpointError, match="with ZeRO-2; this engine is a critic on 1 ranks with ZeRO-1"):
         other.load_checkpoint(str(tmp_path / "ckpt"))
+    other.release()  # destroys the DeepSpeed engine; the model is gone
+    assert other.engine is None and not hasattr(other, "module")
