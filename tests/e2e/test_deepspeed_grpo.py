@@ -73,3 +73,16 @@ def test_ppo_with_deepspeed_actor_critic_reference_checkpoints_and_resumes(  # t
     assert first[0]["kl/actor_ref"] < 1e-6 < first[-1]["kl/actor_ref"]  # equal to the actor until its first update
     resumed = run(tiny_config(tmp_path / "ppo", *overrides, "trainer.total_steps=3", "trainer.resume=must"))
     assert [m["actor/policy_version"] for m in resumed] == [3.0]
+
+
+@pytest.mark.slow
+def test_ppo_with_deepspeed_actor_and_critic_learns(tmp_path: Path, tiny_config) -> None:  # type: ignore[no-untyped-def]
+    """test_train.py's PPO learning run (seed 0, 80 steps, kl 0.001) with a ZeRO-3 actor and a ZeRO-2 critic: the
+    reward rises and the critic's values follow the returns."""
+    history = run(tiny_config(tmp_path / "ppo_learns", "algorithm.name=ppo", "algorithm.kl_coef=0.001",
+                              "actor.engine=deepspeed", "critic.engine=deepspeed", "critic.extra.zero_stage=2",
+                              "trainer.total_steps=80", "trainer.checkpoint_every=0", "trainer.seed=0"))
+    rewards = [m["reward/mean"] for m in history]
+    assert mean(rewards[-20:]) > mean(rewards[:10]) + 0.05, rewards
+    values = [m["critic/vpred_mean"] for m in history]
+    assert mean(values[-20:]) > mean(values[:10]) + 0.04, values
