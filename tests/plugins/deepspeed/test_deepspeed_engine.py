@@ -149,3 +149,15 @@ def test_checkpoint_is_atomic_and_refused_across_zero_stages(model_path: Path, t
         other.load_checkpoint(str(tmp_path / "ckpt"))
     other.release()  # destroys the DeepSpeed engine; the model is gone
     assert other.engine is None and not hasattr(other, "module")
+
+
+def test_gradient_checkpointing_recomputes_to_the_same_steps(model_path: Path) -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (bash scripts/setup.sh --all)")
+    from hybridflow_deepspeed.training import DeepSpeedTrainingEngine
+
+    losses = {}
+    for checkpointing in (False, True):
+        engine = DeepSpeedTrainingEngine(role="actor", config=config(model_path, gradient_checkpointing=checkpointing))
+        assert engine.module.is_gradient_checkpointing is checkpointing
+        losses[checkpointing] = _train(engine, 2)
+    assert losses[True] == losses[False]
