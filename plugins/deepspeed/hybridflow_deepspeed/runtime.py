@@ -53,6 +53,9 @@ def parse_options(role: str, config: TrainingEngineConfig) -> DeepSpeedOptions:
     offload = extra.get("offload_optimizer", False)
     if not isinstance(offload, bool):
         raise ConfigError(f"{role}.extra.offload_optimizer must be true or false; got {offload!r}")
+    timeout = extra.get("timeout_s", 120.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"{role}.extra.timeout_s must be a positive number of seconds; got {timeout!r}")
     bucket = extra.get("handover_bucket_bytes", 64 << 20)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ConfigError(f"{role}.extra.handover_bucket_bytes must be a positive byte count; got {bucket!r}")
@@ -70,7 +73,7 @@ def parse_options(role: str, config: TrainingEngineConfig) -> DeepSpeedOptions:
             f"{config.model.dtype}. Fix: set model.dtype=float32 and {role}.mixed_precision=bf16 for bf16 compute."
         )
     return DeepSpeedOptions(zero_stage=stage, offload_optimizer=offload,
-                            timeout_s=float(extra.get("timeout_s", 120.0)), handover_bucket_bytes=bucket,
+                            timeout_s=float(timeout), handover_bucket_bytes=bucket,
                             attn_implementation=str(extra.get("attn_implementation", "sdpa")))
 
 

@@ -37,6 +37,7 @@ def config(path: Path, **options: Any) -> TrainingEngineConfig:
     ({"extra": {"zero_stage": "3"}}, "got '3'. Fix: actor.extra.zero_stage=3"),
     ({"extra": {"handover": "reshard"}}, "does not know: ['handover']"),
     ({"extra": {"offload_optimizer": "yes"}}, "offload_optimizer must be true or false"),
+    ({"extra": {"timeout_s": "soon"}}, "timeout_s must be a positive number of seconds; got 'soon'"),
     ({"mixed_precision": "fp16"}, 'mixed_precision must be "none" or "bf16"'),
 ])
 def test_bad_options_are_refused_with_the_fix(options: dict[str, Any], message: str) -> None:
