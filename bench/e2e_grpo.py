@@ -18,7 +18,11 @@ subprocess puts on its ``PYTHONPATH`` — torch and transformers are the same as
 directory, ``--trl-python`` at another interpreter (e.g. a separate venv) if preferred. Without TRL the bench says
 so and prints our numbers only.
 
-Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1]``.
+``--deepspeed-zero-stage N`` adds a third system in the same rounds: hybridflow with the actor on the ``deepspeed``
+engine (ZeRO stage N) instead of ``fsdp``, everything else equal; the RESULT line then holds its tokens/s beside
+fsdp's (``deepspeed_*`` keys, ``deepspeed_ratio_vs_fsdp``).
+
+Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1] [--deepspeed-zero-stage 3]``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ PROMPTS, SAMPLES, NEW_TOKENS, MAX_OPERAND, NUM_ROWS = 16, 4, 16, 99, 1024
 
 
 # --- one run of each system (in a fresh subprocess) -----------------------------------------------------------
-def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
+def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -58,7 +62,7 @@ def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
         f"data.task.max_operand={MAX_OPERAND}", f"data.task.num_prompts={NUM_ROWS}", f"data.task.seed={args.seed}",
         "data.max_prompt_length=8", f"data.batch_size={PROMPTS}",
         f"resource_pools.main.devices_per_node=[{args.workers}]", f"resource_pools.main.cpus_per_worker={0.5}",
-        "actor.engine=fsdp", f"actor.micro_batch_size={PROMPTS * SAMPLES}", f"actor.optim.lr={args.lr}",
+        f"actor.engine={engine}", f"actor.micro_batch_size={PROMPTS * SAMPLES}", f"actor.optim.lr={args.lr}",
         "actor.optim.warmup_steps=0", "actor.optim.grad_clip=1.0", "actor.clip_ratio_low=0.2",
         "actor.clip_ratio_high=0.2", "actor.loss_agg=token-mean",
         f"actor.recompute_log_probs={str(args.recompute_log_probs).lower()}",
@@ -67,6 +71,8 @@ def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
         "trainer.progress=false", "trainer.tensorboard=false", "trainer.threads_per_worker=1",
         f"trainer.seed={args.seed}", "trainer.resume=never", "trainer.val_every=0", *args.set,
     ]
+    if engine == "deepspeed":
+        overrides.append(f"actor.extra.zero_stage={args.deepspeed_zero_stage}")
     config = load_config(None, overrides)
     trainer = Trainer(config, progress=False)
     started = time.perf_counter()
@@ -84,9 +90,11 @@ def run_hybridflow(args: argparse.Namespace) -> dict[str, Any]:
         shutdown_ray()
         if not args.keep_run_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return {"system": "hybridflow", "startup_s": startup_s, "step_s": [b - a for a, b in itertools.pairwise(ends)],
+    return {"system": "hybridflow" if engine == "fsdp" else engine, "startup_s": startup_s,
+            "step_s": [b - a for a, b in itertools.pairwise(ends)],
             "tokens": tokens, "rewards": rewards,
             "config": {"workers": args.workers, "training_engine": config.actor.engine,
+                       "training_engine_extra": dict(config.actor.extra),
                        "rollout_engine": config.rollout.engine,
                        "recompute_log_probs": config.actor.recompute_log_probs, "overrides": list(args.set)}}
 
@@ -175,7 +183,8 @@ def launch(system: str, args: argparse.Namespace) -> dict[str, Any] | str:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (args.trl_path, env.get("PYTHONPATH", "")) if p)
     command = [python, __file__, "--run-one", system, "--steps", str(args.steps), "--workers", str(args.workers),
                "--lr", str(args.lr), "--seed", str(args.seed),
-               "--recompute-log-probs" if args.recompute_log_probs else "--no-recompute-log-probs"]
+               "--recompute-log-probs" if args.recompute_log_probs else "--no-recompute-log-probs",
+               "--deepspeed-zero-stage", str(args.deepspeed_zero_stage)]
     if args.keep_run_dirs:
         command.append("--keep-run-dirs")
     for item in args.set:
@@ -227,14 +236,22 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="extra hybridflow config override key=value")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--keep-run-dirs", action="store_true", help="keep each run's directory (ledger, metrics)")
-    parser.add_argument("--run-one", choices=("hybridflow", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--deepspeed-zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="also run the actor on the deepspeed engine at this ZeRO stage in the same rounds and "
+                             "print its tokens/s beside fsdp's (0: off)")
+    parser.add_argument("--run-one", choices=("hybridflow", "trl", "deepspeed"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_one:
-        result = run_hybridflow(args) if args.run_one == "hybridflow" else run_trl(args)
+        if args.run_one == "trl":
+            result = run_trl(args)
+        else:
+            result = run_hybridflow(args, engine="fsdp" if args.run_one == "hybridflow" else "deepspeed")
         print("ONE " + json.dumps(result), flush=True)
         return
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.deepspeed_zero_stage and "deepspeed" not in systems:
+        systems.insert(1 if "hybridflow" in systems else 0, "deepspeed")
     notes: list[str] = []
     if "trl" in systems:
         why = trl_available(args)
@@ -266,7 +283,7 @@ def main() -> None:
     for system, system_runs in runs.items():
         if not system_runs:
             continue
-        key = "" if system == "hybridflow" else "trl_"
+        key = {"hybridflow": "", "trl": "trl_", "deepspeed": "deepspeed_"}[system]
         result[f"{key}step_s_median"] = statistics.median(r["summary"]["step_s_median"] for r in system_runs)
         result[f"{key}prompt_response_tokens_per_s"] = statistics.median(
             r["summary"]["prompt_response_tokens_per_s"] for r in system_runs)
@@ -275,6 +292,9 @@ def main() -> None:
         result[f"{key}reward_per_step"] = median_trajectory(system_runs)
         result[f"{key}startup_s_median"] = statistics.median(r["startup_s"] for r in system_runs)
         result[f"{key}config"] = system_runs[0]["config"]
+    if runs.get("hybridflow") and runs.get("deepspeed"):
+        result["deepspeed_ratio_vs_fsdp"] = (result["deepspeed_prompt_response_tokens_per_s"]
+                                             / result["prompt_response_tokens_per_s"])
     if runs.get("hybridflow") and runs.get("trl"):
         result["ratio_vs_trl"] = result["prompt_response_tokens_per_s"] / result["trl_prompt_response_tokens_per_s"]
         paired = [a["summary"]["prompt_response_tokens_per_s"] / b["summary"]["prompt_response_tokens_per_s"]

