@@ -2,12 +2,13 @@
 
 PPO with actor, critic, reference (kl_coef > 0) and a reward model, all the tiny Qwen2 preset, on 4 CPU worker
 slots (0.5 CPU each). Each placement runs ``--warmup`` + ``--steps`` iterations of ``hybridflow train``'s Trainer;
-node times are taken from the controller's call records as *busy* seconds (from the later of dispatch and the
-previous call on the same pool finishing, to the last rank finishing), since the ledger's ``seconds`` include the
-wait behind colocated calls. The simulator (CPU profile) is calibrated two ways: ``fit_efficiency`` on the
-colocated run alone, and ``fit_efficiency_to_runs`` on the colocated (DP 4) and standalone (DP 1) runs; the
-split and the placements the calibrated search ranks fastest and slowest are held out. Layouts are data-parallel
-only (the fsdp engine's; the hf rollout has tg = 1). Simplified: one seed, medians over few steps on a shared box.
+node times are taken from the controller's call records as *busy* seconds (the slowest rank's time inside the
+method, as the ledger's ``busy_seconds``), since spans from dispatch include the wait behind colocated calls and,
+for the generation submitted ahead, behind the previous step's actor update. The simulator (CPU profile) is
+calibrated two ways: ``fit_efficiency`` on the colocated run alone, and ``fit_efficiency_to_runs`` on the
+colocated (DP 4) and standalone (DP 1) runs; the split and the placements the calibrated search ranks fastest and
+slowest are held out. Layouts are data-parallel only (the fsdp engine's; the hf rollout has tg = 1).
+Simplified: one seed, medians over few steps on a shared box.
 Run:  OMP_NUM_THREADS=1 .venv/bin/python bench/placement_validation.py [--steps 8 --warmup 2 --extra 2]
 Prints ``MEASURED`` per run, one ``RESULT {json}`` line per placement and ``SUMMARY {json}`` (Spearman, Kendall).
 """
@@ -99,14 +100,13 @@ def candidates() -> list[tuple[Placement, tuple[int, ...]]]:
 
 
 # --- measuring ------------------------------------------------------------------------------------------------
-def busy_seconds(calls: list[tuple[str, str, float, float]]) -> dict[str, float]:
-    """Per node: seconds from max(dispatch, previous call on the same pool finishing) to its last rank finishing."""
+def busy_seconds(calls: list[tuple[str, float]]) -> dict[str, float]:
+    """Per node: the seconds its slowest rank spent inside the method (the ledger's ``busy_seconds``). Spans from
+    dispatch would charge a call submitted ahead (the next generation, queued behind the actor's update in the
+    previous step) with its wait too."""
     busy: dict[str, float] = {}
-    last_end: dict[str, float] = {}
-    for group, node, start, end in sorted(calls, key=lambda c: c[3]):
-        begin = max(start, last_end.get(group, start))
-        busy[node] = busy.get(node, 0.0) + max(0.0, end - begin)
-        last_end[group] = end
+    for node, seconds in calls:
+        busy[node] = busy.get(node, 0.0) + seconds
     return busy
 
 
@@ -132,10 +132,10 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
 
     example = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic.yaml"
     config = load_config(example, trainer_overrides(run_dir, placement, devices, args))
-    calls: list[tuple[str, str, float, float]] = []
+    calls: list[tuple[str, float]] = []
 
     def observe(record: Any) -> None:
-        calls.append((record.group, f"{record.role}.{record.method}", record.started_at, record.finished_at))
+        calls.append((f"{record.role}.{record.method}", max(record.compute_seconds_per_rank, default=0.0)))
 
     started = time.perf_counter()
     trainer = Trainer(config, progress=False)

@@ -66,8 +66,7 @@ def test_each_role_runs_on_its_own_pool_in_its_own_processes(runs: dict[str, Pat
     for name, pools_of in PLACEMENTS.items():
         manifest = json.loads((runs[name] / "manifest.json").read_text())
         mapping = manifest["mapping"]
-        assert {role: mapping[ROLE_OF_SECTION[section]]["pool"] for role, section in
-                zip(pools_of, pools_of)} == pools_of, name
+        assert {section: mapping[ROLE_OF_SECTION[section]]["pool"] for section in pools_of} == pools_of, name
         pids = {pool: {rank["pid"] for rank in placed["ranks"]} for pool, placed in manifest["placement"].items()}
         assert set(pids) == set(pools_of.values()), name
         assert len(set().union(*pids.values())) == len(pids), f"{name}: pools share a process: {pids}"
