@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tp_generation_jobs import bind_job, build_engine, compare_job, error_job, model_config
+from tp_generation_jobs import bind_job, build_engine, compare_job, error_job, model_config, stride_job
 
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.builders import build_tensor_parallel_layout
@@ -129,3 +129,16 @@ def test_hf_layout_and_tensor_groups_agree_with_the_engine_shards(grouping: Any,
         tensor_rank = next(group.index(rank) for group in groups if rank in group)
         for name, shard in layout.extract_shards(full, rank).items():
             assert torch.equal(shard, tensor_parallel_shard(name, full[name], 2, tensor_rank)), (name, rank)
+
+
+@pytest.mark.slow
+def test_stride_tensor_groups_on_four_ranks() -> None:
+    """Two tensor groups created on every rank ({0, 2} and {1, 3}); each rank generates with its own."""
+    with GlooCluster(4, timeout=180.0) as four:
+        results = four.run(stride_job, model_config("llama", tied=False))
+    assert results[0]["groups"] == [[0, 2], [1, 3]]
+    assert [r["tensor_rank"] for r in results] == [0, 0, 1, 1]
+    for result in results:
+        _assert_columns_equal(result["tg2"], results[0]["tg2"], "ranks of the world")
+        assert torch.equal(result["tg1"]["responses"], result["tg2"]["responses"])
+        assert (result["tg1"]["rollout_log_probs"] - result["tg2"]["rollout_log_probs"]).abs().max() < 1e-5

@@ -118,3 +118,19 @@ def error_job(rank: int, world: int, group: Any, config: dict[str, Any], groups:
     except ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+def stride_job(rank: int, world: int, group: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """tg=2 on 4 ranks in the stride grouping [[0, 2], [1, 3]]: greedy output of each group vs the whole model."""
+    from hybridflow_fsdp.layouts import build_hf_tensor_groups
+
+    groups = build_hf_tensor_groups(data=world, tensor=2)
+    reference = build_engine(config, 1)
+    full = full_weights(reference)
+    reference.update_weights(full.items(), version=1)
+    engine = build_engine(config, 2, groups)
+    engine.update_weights(shards(full, 2, engine.tensor_rank).items(), version=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    batch = build_prompt_batch()
+    return {"groups": groups, "tensor_rank": engine.tensor_rank, "tg1": columns(reference.generate(batch, greedy)),
+            "tg2": columns(engine.generate(batch, greedy))}
