@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,6 +98,16 @@ def test_tensor_parallel_config_errors(cluster: GlooCluster, change: dict[str, A
 
 
 def test_tensor_parallel_without_distributed_is_a_config_error() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # another test of this session left a process group in this process: check in a fresh interpreter
+        code = ("from tp_generation_jobs import build_engine, model_config\n"
+                "from hybridflow.errors import ConfigError\n"
+                "try:\n    build_engine(model_config('qwen2', tied=True), 2, [[0, 1]])\n"
+                "except ConfigError as exc:\n    print(exc)\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert "needs torch.distributed initialised" in done.stdout, done.stdout + done.stderr
+        return
     with pytest.raises(ConfigError, match=r"needs torch\.distributed initialised"):
         build_engine(model_config("qwen2", tied=True), 2, [[0, 1]])
 
