@@ -79,6 +79,8 @@ def test_bound_weights_are_not_copied_and_sleep_drops_them(cluster: GlooCluster)
         assert not torch.equal(result["mutated"]["rollout_log_probs"], result["bound"]["rollout_log_probs"]), \
             "generation did not see the in-place change of the bound tensor"
         assert result["storage_released"], "sleep() kept a reference to a bound tensor"
+        assert result["untouched"], "a copying update wrote into a bound (caller-owned) tensor"
+        assert result["owned_after_copy"] == result["shard_bytes"]
 
 
 @pytest.mark.parametrize(("change", "groups", "tg", "message"), [
