@@ -43,8 +43,10 @@ def test_grpo_reward_rises(tmp_path: Path, tiny_config) -> None:
     # half of the fp32 weights it does not hold (77,184 parameters; FSDP pads dim-0 shards, so ≥ half)
     assert all(len(h["bytes_per_rank"]) == 2 and min(h["bytes_per_rank"]) >= 77_184 * 4 // 2 - 4096 for h in handovers)
     assert len({h["bytes"] for h in handovers}) == 1
+    # the default handover is the reshard planner's: bytes counted from the executor's buffers = the lower bound
+    assert all(h["bytes_per_rank"] == h["lower_bound_bytes_per_rank"] for h in handovers), handovers[0]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "dp_compute"
+    assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "generation_mesh"
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 
 

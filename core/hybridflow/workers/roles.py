@@ -183,6 +183,8 @@ class ActorRolloutWorker(_TrainingRole):
             rollout_config = replace(rollout_config, extra={**rollout_config.extra, "tensor_groups": groups})
         factory = registries.rollout_engines.get(spec.rollout_engine)
         self.rollout: RolloutEngine = factory(config=rollout_config, device=spec.device)
+        if self.generation_layout is not None:
+            self._check_tensor_rank(self.generation_layout.coords(self.rank).tensor)
         self._bind = "bind" in inspect.signature(self.rollout.update_weights).parameters
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
@@ -212,6 +214,24 @@ class ActorRolloutWorker(_TrainingRole):
         except LayoutError as exc:
             raise ConfigError(f"rollout.tensor_parallel_size={tensor} does not fit the actor's training mesh "
                               f"{training}: {exc}") from exc
+
+    def _check_tensor_rank(self, expected: int) -> None:
+        """The rollout engine must generate in the actor's processes as tensor rank ``expected`` of its group."""
+        reported = getattr(self.rollout, "tensor_rank", None)
+        if reported is None:
+            raise ConfigError(
+                f'rollout engine "{self.spec.rollout_engine}" does not generate tensor-parallel inside the actor\'s '
+                f"processes (it reports no tensor_rank for extra['tensor_groups']), so rollout.tensor_parallel_size="
+                f"{self.rollout_tensor_parallel_size} cannot be the hybrid engine's generation layout. Set "
+                "rollout.tensor_parallel_size=1 or use an engine that does (hf)")
+        if int(reported) != expected:
+            raise EngineError(f"rollout engine reports tensor rank {reported} on rank {self.rank}; the generation "
+                              f"layout gives it tensor rank {expected} (extra['tensor_groups'] order)")
+
+    @property
+    def rollout_tensor_parallel_size(self) -> int:
+        """The generation tensor-parallel size tg (1 without a generation layout)."""
+        return 1 if self.generation_layout is None else self.generation_layout.tensor
 
     @property
     def generation_replica(self) -> int:

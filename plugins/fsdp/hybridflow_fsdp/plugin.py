@@ -72,6 +72,7 @@ def hybridflow_report_capabilities() -> dict[str, str]:
         "rollout": "hf: KV-cache sampling (lean Qwen2/Llama decoder, HF forward otherwise); tg > 1: Megatron-style "
                    "shards over torch.distributed tensor groups (Llama/Qwen2); sleep frees weights, wake + "
                    "update_weights (copied, or bound zero-copy with bind=True)",
-        "handover": "stream: per-parameter DTensor all-gather (default); reshard: the 3D-HybridEngine planner and "
-                    "executor (actor.extra.handover=reshard); bytes counted per rank",
+        "handover": "reshard (default): the 3D-HybridEngine planner and executor to the generation layout (pg=1, tg), "
+                    "views of the FSDP shards where they coincide, bytes counted from buffers next to the lower "
+                    "bound; stream (actor.extra.handover=stream, tg=1 only): per-parameter DTensor all-gather",
     }

@@ -44,7 +44,9 @@ class HFRolloutEngine:
     With ``tensor_parallel_size = tg > 1`` the engine holds this rank's Megatron-style shards (see
     :mod:`hybridflow_fsdp.tensor_parallel`; :meth:`weight_shapes` lists them) in the group of
     ``extra["tensor_groups"]`` (lists of global ranks; every rank builds the engine, as ``new_group`` is collective)
-    and every rank of a group, given the same prompts and sampling, returns the same output.
+    and every rank of a group, given the same prompts and sampling, returns the same output. ``generate`` is then a
+    collective of the group: all its ranks call it together (``extra["lean_decoder"]`` is ignored; the
+    tensor-parallel decoder is the only forward).
     """
 
     capabilities: frozenset[str] = CAPABILITIES
@@ -62,14 +64,15 @@ class HFRolloutEngine:
             self.tensor_group = resolve_tensor_group(tg, config.extra.get("tensor_groups"))
         model = build_model(config.model, role="rollout", attn_implementation=attn_implementation)
         model.requires_grad_(False)
+        if self.tensor_group is not None:  # cut on the host, so only this rank's shards reach the device
+            reason = lean_decoder_unsupported_reason(model)
+            if reason is not None:
+                raise ConfigError(f"tensor-parallel generation supports Llama/Qwen2-shaped models only; got {reason}")
+            for name, parameter in model.named_parameters():  # a tied embedding/lm_head is one parameter
+                parameter.data = tensor_parallel_shard(name, parameter.data, tg, self.tensor_group.rank).clone()
         self.model = model.to(self.device).eval()
         self.decoder: LeanDecoder | None
         if self.tensor_group is not None:
-            reason = lean_decoder_unsupported_reason(self.model)
-            if reason is not None:
-                raise ConfigError(f"tensor-parallel generation supports Llama/Qwen2-shaped models only; got {reason}")
-            for name, parameter in self.model.named_parameters():  # a tied embedding/lm_head is one parameter
-                parameter.data = tensor_parallel_shard(name, parameter.data, tg, self.tensor_group.rank).clone()
             self.decoder = TensorParallelDecoder(self.model, self.tensor_group)
         else:
             # the lean forward (same logits, a fraction of the per-token overhead) unless disabled or unsupported

@@ -389,9 +389,9 @@ class MegatronTrainingEngine:
         tg = 1, this rank's tensor-parallel shards above (a collective over all ranks), moved by the core reshard
         planner's cached plan; see :mod:`hybridflow_megatron.handover` (stats in ``last_handover_stats``)."""
         self._check_role("generation_weights", ("actor", "reference"))
-        if tensor_parallel_size != 1:
+        if tensor_parallel_size != 1:  # shards the training shard already is are views of it (no second copy)
             layout = self.handover.generation_layout(tensor=tensor_parallel_size)
-            return iter(self.handover.reshard(layout, name=target).items())
+            return iter(self.handover.reshard(layout, name=target, views=True).items())
         return self.handover.generation_weights(target=target)
 
     def parallel_layout(self) -> Any:

@@ -120,16 +120,18 @@ class WeightHandover:
                 "generation_weights(), which falls back to the gather path"
             )
 
-    def reshard(self, target: ModelLayout, *, name: str = "layout") -> dict[str, torch.Tensor]:
+    def reshard(self, target: ModelLayout, *, name: str = "layout", views: bool = False) -> dict[str, torch.Tensor]:
         """This rank's shards of ``target`` (a layout over ``GenerationLayout(..., training=<source mesh>)``), moved
-        by the cached plan; a collective over all ranks. Sets the engine's ``last_handover_stats``."""
+        by the cached plan; a collective over all ranks. Sets the engine's ``last_handover_stats``. ``views=True``:
+        shards this rank already holds whole are views of the training parameters (do not write into them; they
+        follow the next optimizer step)."""
         self._check_plannable()
         started = time.perf_counter()
         plan = self.plan_for(target)
         rank = dist.get_rank() if dist.is_initialized() else 0
         local = dict(self._engine.iter_weight_shards())
         with torch.no_grad():
-            shards, stats = execute_reshard(plan, local, rank=rank)
+            shards, stats = execute_reshard(plan, local, rank=rank, views=views)
         self._engine.last_handover_stats = HandoverStats(
             rank=rank, path="reshard", target=name, tensors=len(shards), bytes_received=stats.bytes_received,
             bytes_sent=stats.bytes_sent, lower_bound_bytes=plan.lower_bound_bytes(rank),

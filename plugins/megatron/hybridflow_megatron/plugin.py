@@ -57,7 +57,8 @@ def hybridflow_report_capabilities() -> dict[str, str]:
         "training": "GPTModel (local spec) with tensor, pipeline and data parallelism, distributed optimizer; "
                     "roles actor, critic, reference, reward_model",
         "cpu": "runs on gloo through hybridflow_megatron.cpu_shim (fusions off, fp32)",
-        "handover": "generation_weights (tg = 1) and reshard_weights (any generation layout) through the core "
+        "handover": "generation_weights (tg = 1, or tensor_parallel_size=tg: views where the shards coincide) and "
+                    "reshard_weights (any generation layout) through the core "
                     "reshard planner, exactly the lower-bound bytes; TP all-gather + PP broadcast only for a padded "
                     "vocabulary",
     }

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tp_generation_jobs import bind_job, build_engine, compare_job, error_job, model_config
+from tp_generation_jobs import bind_job, build_engine, compare_job, error_job, model_config, stride_job
 
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.builders import build_tensor_parallel_layout
@@ -76,6 +79,8 @@ def test_bound_weights_are_not_copied_and_sleep_drops_them(cluster: GlooCluster)
         assert not torch.equal(result["mutated"]["rollout_log_probs"], result["bound"]["rollout_log_probs"]), \
             "generation did not see the in-place change of the bound tensor"
         assert result["storage_released"], "sleep() kept a reference to a bound tensor"
+        assert result["untouched"], "a copying update wrote into a bound (caller-owned) tensor"
+        assert result["owned_after_copy"] == result["shard_bytes"]
 
 
 @pytest.mark.parametrize(("change", "groups", "tg", "message"), [
@@ -95,6 +100,16 @@ def test_tensor_parallel_config_errors(cluster: GlooCluster, change: dict[str, A
 
 
 def test_tensor_parallel_without_distributed_is_a_config_error() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # another test of this session left a process group in this process: check in a fresh interpreter
+        code = ("from tp_generation_jobs import build_engine, model_config\n"
+                "from hybridflow.errors import ConfigError\n"
+                "try:\n    build_engine(model_config('qwen2', tied=True), 2, [[0, 1]])\n"
+                "except ConfigError as exc:\n    print(exc)\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert "needs torch.distributed initialised" in done.stdout, done.stdout + done.stderr
+        return
     with pytest.raises(ConfigError, match=r"needs torch\.distributed initialised"):
         build_engine(model_config("qwen2", tied=True), 2, [[0, 1]])
 
@@ -129,3 +144,16 @@ def test_hf_layout_and_tensor_groups_agree_with_the_engine_shards(grouping: Any,
         tensor_rank = next(group.index(rank) for group in groups if rank in group)
         for name, shard in layout.extract_shards(full, rank).items():
             assert torch.equal(shard, tensor_parallel_shard(name, full[name], 2, tensor_rank)), (name, rank)
+
+
+@pytest.mark.slow
+def test_stride_tensor_groups_on_four_ranks() -> None:
+    """Two tensor groups created on every rank ({0, 2} and {1, 3}); each rank generates with its own."""
+    with GlooCluster(4, timeout=180.0) as four:
+        results = four.run(stride_job, model_config("llama", tied=False))
+    assert results[0]["groups"] == [[0, 2], [1, 3]]
+    assert [r["tensor_rank"] for r in results] == [0, 0, 1, 1]
+    for result in results:
+        _assert_columns_equal(result["tg2"], results[0]["tg2"], "ranks of the world")
+        assert torch.equal(result["tg1"]["responses"], result["tg2"]["responses"])
+        assert (result["tg1"]["rollout_log_probs"] - result["tg2"]["rollout_log_probs"]).abs().max() < 1e-5

@@ -102,10 +102,20 @@ def bind_job(rank: int, world: int, group: Any, config: dict[str, Any]) -> dict[
     engine.sleep()
     del external
     gc.collect()
+    released = watch() is None
+    # a copying update after a binding allocates fresh storage: it never writes into the caller's tensors
+    engine.wake()
+    external = shards(full, 2, engine.tensor_rank)
+    kept = {n: t.clone() for n, t in external.items()}
+    engine.update_weights(external.items(), version=3, bind=True)
+    engine.update_weights({n: t * 2.0 for n, t in kept.items()}.items(), version=4)
+    untouched = all(torch.equal(external[n], kept[n]) for n in kept)
+    owned_after_copy = engine.owned_weight_bytes()
     return {"copied": copied, "bound": bound_out, "mutated": mutated_out, "owned_copied": owned_copied,
             "asleep": asleep, "awake_before_update": awake_before_update, "stats": stats,
             "same_storage": same_storage, "follows": follows, "owned_bound": owned_bound,
-            "resident_bound": resident_bound, "storage_released": watch() is None,
+            "resident_bound": resident_bound, "storage_released": released, "untouched": untouched,
+            "owned_after_copy": owned_after_copy,
             "shard_bytes": sum(t.numel() * t.element_size() for t in shards(full, 2, 0).values())}
 
 
@@ -118,3 +128,19 @@ def error_job(rank: int, world: int, group: Any, config: dict[str, Any], groups:
     except ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+def stride_job(rank: int, world: int, group: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """tg=2 on 4 ranks in the stride grouping [[0, 2], [1, 3]]: greedy output of each group vs the whole model."""
+    from hybridflow_fsdp.layouts import build_hf_tensor_groups
+
+    groups = build_hf_tensor_groups(data=world, tensor=2)
+    reference = build_engine(config, 1)
+    full = full_weights(reference)
+    reference.update_weights(full.items(), version=1)
+    engine = build_engine(config, 2, groups)
+    engine.update_weights(shards(full, 2, engine.tensor_rank).items(), version=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    batch = build_prompt_batch()
+    return {"groups": groups, "tensor_rank": engine.tensor_rank, "tg1": columns(reference.generate(batch, greedy)),
+            "tg2": columns(engine.generate(batch, greedy))}
