@@ -10,7 +10,7 @@ import pytest
 
 from hybridflow.config import Config, load_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 def short_config(run_dir: Path, *overrides: str, faults: list[str] = (), deadlines: dict[str, float] | None = None,

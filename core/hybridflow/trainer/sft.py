@@ -249,9 +249,14 @@ class SFTTrainer:
         keys = {"prompt_key": data.prompt_key, "response_key": data.response_key}
         self.train_rows = load_demonstrations(data.train_files, **keys)
         self.val_rows = load_demonstrations(data.val_files, **keys) if data.val_files else []
-        lengths = {"max_prompt_length": data.max_prompt_length, "max_response_length": data.max_response_length}
-        self.train_batch = build_sft_batch(self.train_rows, self.tokenizer, **keys, **lengths)
-        self.val_batch = build_sft_batch(self.val_rows, self.tokenizer, **keys, **lengths) if self.val_rows else None
+
+        def encode(rows: list[dict[str, Any]]) -> Batch:
+            return build_sft_batch(rows, self.tokenizer, prompt_key=data.prompt_key, response_key=data.response_key,
+                                   max_prompt_length=data.max_prompt_length,
+                                   max_response_length=data.max_response_length)
+
+        self.train_batch = encode(self.train_rows)
+        self.val_batch = encode(self.val_rows) if self.val_rows else None
         if data.batch_size > len(self.train_rows):
             raise DatasetError(f"data.batch_size={data.batch_size} is larger than the {len(self.train_rows)} "
                                "demonstrations; lower it or add demonstrations")
@@ -269,8 +274,13 @@ class SFTTrainer:
 
     # --- building -------------------------------------------------------------------------------------------
     def _spec(self) -> Any:
-        from hybridflow.engines import OptimConfig, ParallelConfig, RolloutEngineConfig, SamplingParams
-        from hybridflow.engines import TrainingEngineConfig
+        from hybridflow.engines import (
+            OptimConfig,
+            ParallelConfig,
+            RolloutEngineConfig,
+            SamplingParams,
+            TrainingEngineConfig,
+        )
         from hybridflow.workers import RoleSpec
 
         config, actor, data = self.config, self.config.actor, self.config.data
@@ -282,7 +292,7 @@ class SFTTrainer:
             parallel=ParallelConfig(tensor_parallel_size=actor.parallel.tensor_parallel_size,
                                     pipeline_parallel_size=actor.parallel.pipeline_parallel_size,
                                     data_parallel_size=actor.parallel.data_parallel_size),
-            optim=OptimConfig(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+            optim=OptimConfig(lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay,
                               warmup_steps=optim.warmup_steps, total_steps=config.trainer.total_steps,
                               schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, grad_clip=optim.grad_clip),
             mixed_precision="bf16" if actor.mixed_precision == "bf16" else "none",
@@ -318,7 +328,8 @@ class SFTTrainer:
         else:
             self.pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cpu",
                                      cpus_per_worker=pool_config.cpus_per_worker)
-        self.group = WorkerGroup(self.pool, {"actor": ActorRolloutWorker}, init_kwargs={"actor": {"spec": self._spec()}},
+        spec = self._spec()
+        self.group = WorkerGroup(self.pool, {"actor": ActorRolloutWorker}, init_kwargs={"actor": {"spec": spec}},
                                  name=pool_name, deadline_s=self.config.trainer.deadline_s,
                                  stack_dump_dir=str(self.run_dir / "stacks"))
 
