@@ -48,7 +48,8 @@ def test_sft_lowers_held_out_loss_raises_exact_match_and_writes_an_hf_dir(tmp_pa
     assert target == tmp_path / "sft" / HF_DIR
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     tokenizer = AutoTokenizer.from_pretrained(target)
-    demonstrations = [json.loads(line) for line in (ROOT / "examples/data/arithmetic_sft.jsonl").read_text().split()]
+    lines = (ROOT / "examples" / "data" / "arithmetic_sft.jsonl").read_text().splitlines()
+    demonstrations = [json.loads(line) for line in lines]
     nll = []
     for row in demonstrations[:16]:
         ids = tokenizer(row["prompt"] + row["response"], add_special_tokens=False, return_tensors="pt")["input_ids"]

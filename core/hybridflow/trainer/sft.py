@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, ValidationError, model_validator
@@ -60,7 +60,7 @@ class SFTActorSection(_Section):
     pool: str = "main"
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
-    mixed_precision: str = "none"
+    mixed_precision: Literal["none", "bf16"] = "none"
     gradient_checkpointing: bool = False
     optim: OptimSection = OptimSection()
     extra: dict[str, Any] = Field(default_factory=dict)
@@ -285,8 +285,6 @@ class SFTTrainer:
 
         config, actor, data = self.config, self.config.actor, self.config.data
         optim = actor.optim
-        if actor.mixed_precision not in ("none", "bf16"):
-            raise ConfigError(f"actor.mixed_precision must be 'none' or 'bf16', got {actor.mixed_precision!r}")
         engine_config = TrainingEngineConfig(
             model=self.model_spec, micro_batch_size=actor.micro_batch_size,
             parallel=ParallelConfig(tensor_parallel_size=actor.parallel.tensor_parallel_size,
@@ -295,7 +293,7 @@ class SFTTrainer:
             optim=OptimConfig(lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay,
                               warmup_steps=optim.warmup_steps, total_steps=config.trainer.total_steps,
                               schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, grad_clip=optim.grad_clip),
-            mixed_precision="bf16" if actor.mixed_precision == "bf16" else "none",
+            mixed_precision=actor.mixed_precision,
             gradient_checkpointing=actor.gradient_checkpointing, extra=dict(actor.extra))
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         seed = config.trainer.seed
