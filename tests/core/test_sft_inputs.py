@@ -113,3 +113,15 @@ def test_example_files_resolve_from_the_config_folder(tmp_path: Path, monkeypatc
     trainer = SFTTrainer(config)
     assert len(trainer.train_rows) == 80 and len(trainer.val_rows) == 20
     assert isinstance(trainer.train_batch, Batch)
+
+
+def test_exact_reward_of_the_main_job_gives_no_partial_credit() -> None:
+    from hybridflow.rewards import resolve_reward_function, score_responses
+
+    responses, truths = ["12", "13", "1", " 12 and more", "7"], ["12", "12", "12", "12", "12"]
+    exact = score_responses(resolve_reward_function("arithmetic_exact"), responses=responses, ground_truths=truths,
+                            data_sources=["hybridflow/arithmetic"] * 5)
+    partial = score_responses(resolve_reward_function("arithmetic"), responses=responses, ground_truths=truths,
+                              data_sources=["hybridflow/arithmetic"] * 5)
+    assert exact.scores == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert partial.scores == [1.0, 0.25, 0.25, 1.0, 0.0]  # the from-scratch example's reward credits leading digits
