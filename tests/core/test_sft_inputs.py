@@ -123,5 +123,5 @@ def test_exact_reward_of_the_main_job_gives_no_partial_credit() -> None:
                             data_sources=["hybridflow/arithmetic"] * 5)
     partial = score_responses(resolve_reward_function("arithmetic"), responses=responses, ground_truths=truths,
                               data_sources=["hybridflow/arithmetic"] * 5)
-    assert exact.scores == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert exact.scores == [1.0, 0.0, 0.0, 0.0, 0.0]  # the whole response: nothing may follow the answer
     assert partial.scores == [1.0, 0.25, 0.25, 1.0, 0.0]  # the from-scratch example's reward credits leading digits

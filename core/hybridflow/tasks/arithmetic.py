@@ -69,12 +69,14 @@ def arithmetic_reward(*, responses: Sequence[str], ground_truths: Sequence[Any],
 
 def arithmetic_exact_reward(*, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
                             extra: Sequence[dict[str, Any]] | None = None) -> list[float]:
-    """Exact match only (1.0 or 0.0, no partial credit): the main job's reward once SFT has taught the format.
+    """Exact match of the whole response (1.0 when it is the sum and nothing else, spaces aside; else 0.0): the main
+    job's reward once SFT has taught the format.
 
     Partial credit helps a policy that starts from random init find the answer's leading digit; from a warm start it
-    rewards near misses ("13" for "12") almost as much as a wrong first digit is punished, and measured on the main
-    job it slowed the held-out accuracy's rise."""
-    return [1.0 if extract_answer(r) == str(g) else 0.0 for r, g in zip(responses, ground_truths)]
+    rewards near misses ("13" for "12") and, measured on the main job, slowed the held-out accuracy's rise. Only the
+    whole response counts because a reward that reads the leading integer lets a policy with an entropy bonus append
+    random characters after the answer for free (measured: responses grew to the 8-token limit within 400 steps)."""
+    return [1.0 if r.strip() == str(g).strip() else 0.0 for r, g in zip(responses, ground_truths)]
 
 
 def make_sft_rows(*, max_operand: int = 9, seed: int = 0, num_prompts: int = 1024, num_val_prompts: int = 20,
