@@ -125,3 +125,10 @@ def test_exact_reward_of_the_main_job_gives_no_partial_credit() -> None:
                               data_sources=["hybridflow/arithmetic"] * 5)
     assert exact.scores == [1.0, 0.0, 0.0, 0.0, 0.0]  # the whole response: nothing may follow the answer
     assert partial.scores == [1.0, 0.25, 0.25, 1.0, 0.0]  # the from-scratch example's reward credits leading digits
+
+
+def test_a_broken_yaml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "sft.yaml"
+    path.write_text("data: {train_files: [a.jsonl]\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_sft_config(path)

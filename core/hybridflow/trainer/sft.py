@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from hybridflow.batch import Batch
@@ -112,8 +113,8 @@ class SFTConfig(_Section):
 
 
 def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SFTConfig:
-    """Read an SFT YAML plus dotted overrides; data files and the reward function are anchored to the YAML's folder
-    when relative and not found from the working directory."""
+    """Read an SFT YAML plus dotted overrides. Relative data files are read from the YAML's folder when the file is
+    there, else from the working directory; a ``file.py:function`` reward is anchored as ``hybridflow train`` does."""
     from hybridflow.rewards import resolve_function_path
 
     data: dict[str, Any] = {}
@@ -122,7 +123,10 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        loaded = load_yaml(path.read_text(encoding="utf-8"))
+        try:
+            loaded = load_yaml(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
         data = loaded or {}
