@@ -20,7 +20,7 @@ def _tiny_config(run_dir: Path, *overrides: str) -> Config:
 
 @pytest.fixture
 def tiny_config():  # type: ignore[no-untyped-def]
-    """``tiny_config(run_dir, *overrides)`` → the README's GRPO job, shortened by overrides."""
+    """``tiny_config(run_dir, *overrides)`` → GRPO from random init (grpo_arithmetic_scratch.yaml), shortened."""
     return _tiny_config
 
 
