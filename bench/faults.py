@@ -22,7 +22,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
 
 #: point (optionally ":hang") → (workload, iteration it fires at)
 MATRIX: dict[str, tuple[str, int]] = {

@@ -130,7 +130,7 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
     from hybridflow.config import load_config
     from hybridflow.trainer import Trainer
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic.yaml"
+    example = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
     config = load_config(example, trainer_overrides(run_dir, placement, devices, args))
     calls: list[tuple[str, float]] = []
 

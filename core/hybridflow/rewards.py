@@ -28,7 +28,7 @@ from typing import Any
 from hybridflow import registries
 from hybridflow.errors import ConfigError, RewardError
 from hybridflow.hookspecs import hookimpl
-from hybridflow.tasks.arithmetic import arithmetic_reward
+from hybridflow.tasks.arithmetic import arithmetic_exact_reward, arithmetic_reward
 
 __all__ = ["RewardFunction", "RuleRewards", "resolve_reward_function", "compute_rule_rewards", "score_responses",
            "is_per_sample", "resolve_function_path", "response_length_cost"]
@@ -300,4 +300,5 @@ def _describe(function: Any) -> str:
 @hookimpl
 def hybridflow_register_rewards(registry: Any) -> None:
     registry.register("arithmetic", arithmetic_reward)
+    registry.register("arithmetic_exact", arithmetic_exact_reward)
     registry.register("response_length_cost", response_length_cost)

@@ -12,7 +12,7 @@ import pytest
 from hybridflow.config import apply_overrides, config_hash, load_config
 from hybridflow.errors import ConfigError
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 def test_example_loads_and_overrides_apply() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from hybridflow.config import Config, load_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 #: the example validates; the tests built on it compare training rows, so they run without (test_validation.py on)
 NO_VALIDATION = ("trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0")
 
@@ -20,7 +20,7 @@ def _tiny_config(run_dir: Path, *overrides: str) -> Config:
 
 @pytest.fixture
 def tiny_config():  # type: ignore[no-untyped-def]
-    """``tiny_config(run_dir, *overrides)`` → the README's GRPO job, shortened by overrides."""
+    """``tiny_config(run_dir, *overrides)`` → GRPO from random init (grpo_arithmetic_scratch.yaml), shortened."""
     return _tiny_config
 
 

@@ -23,7 +23,7 @@ import pytest
 from ray_cluster import BIN, FAST_FAILURE_DETECTION, LoopbackCluster, kill_process_group, start_head
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = REPO / "examples" / "grpo_arithmetic_scratch.yaml"
 STEPS = 4
 
 

@@ -18,7 +18,7 @@ from hybridflow.placement.record import retime_plan
 from hybridflow.testing.fixtures import tiny_model_config
 from hybridflow.trainer import Trainer
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 def _merge(base: dict, fragment: dict) -> dict:

@@ -16,7 +16,7 @@ from hybridflow.trainer.progress import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "tests" / "fixtures" / "two_reward_plugin"
-EXAMPLE = ROOT / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = REPO / "examples" / "grpo_arithmetic_scratch.yaml"
 
 PLUGIN_SOURCE = '''
 """Test plugin: protocol "front_loaded" gives rank 0 three quarters of the rows (every rank keeps a share: the hybrid

@@ -18,7 +18,7 @@ import pytest
 from ray_cluster import BIN, LoopbackCluster, start_head
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = REPO / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 @pytest.fixture(scope="module")

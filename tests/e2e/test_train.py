@@ -90,7 +90,7 @@ LEARNING = {
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", LEARNING)
 def test_algorithm_learns(tmp_path: Path, tiny_config, algorithm: str) -> None:
-    """Each algorithm raises the arithmetic reward by a margin over a seeded run of the README's job."""
+    """Each algorithm raises the arithmetic reward by a margin over a seeded run of the from-scratch example."""
     extra, steps, window, margin = LEARNING[algorithm]
     history = run(tiny_config(tmp_path / algorithm, f"algorithm.name={algorithm}", f"trainer.total_steps={steps}",
                               "trainer.checkpoint_every=0", "trainer.seed=0", *extra))

@@ -13,7 +13,7 @@ from hybridflow.config import load_config
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 
 VERL_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

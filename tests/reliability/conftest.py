@@ -10,12 +10,13 @@ import pytest
 
 from hybridflow.config import Config, load_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 def short_config(run_dir: Path, *overrides: str, faults: list[str] = (), deadlines: dict[str, float] | None = None,
                  steps: int = 4, every: int = 2) -> Config:
-    """The README's GRPO job: ``steps`` iterations, a checkpoint every ``every``, the given faults."""
+    """GRPO from random init (grpo_arithmetic_scratch.yaml): ``steps`` iterations, a checkpoint every ``every``,
+    the given faults."""
     return load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false",
                                  "trainer.resume=never", f"trainer.total_steps={steps}",
                                  f"trainer.checkpoint_every={every}", "trainer.deadline_s=120",

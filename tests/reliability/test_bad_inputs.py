@@ -21,7 +21,7 @@ from hybridflow.rewards import compute_rule_rewards
 from hybridflow.testing.fixtures import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

@@ -21,7 +21,7 @@ import pytest
 from sglang_test_double import LOG_ENV, write_sglang_test_double_package
 
 REPO = Path(__file__).resolve().parents[3]
-EXAMPLE = REPO / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = REPO / "examples" / "grpo_arithmetic_scratch.yaml"
 DOUBLE_DIR = Path(__file__).resolve().parent
 
 

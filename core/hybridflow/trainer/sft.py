@@ -1,0 +1,493 @@
+"""Supervised fine-tuning (``hybridflow sft CONFIG``): masked token NLL on the response tokens of demonstrations,
+trained by the same training engine, worker class and pool layout as an RL run's actor, then written out as a
+Hugging Face model directory that ``hybridflow train`` starts from (``model.path``), as verl's SFT trainer does.
+
+The actor worker of the hybrid engine does the work: its ``update_policy`` runs ``train_step`` with
+:class:`SFTLoss` instead of the policy loss, ``compute_log_probs`` gives the validation loss, ``generate`` the
+greedy held-out answers (scored by the task's reward: exact match), and ``export_hf`` the model directory.
+
+Demonstrations are rows with a prompt and a response column (``data.prompt_key`` / ``data.response_key``, verl's
+SFT keys), in ``.jsonl`` or ``.parquet``. Stability: experimental.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from hybridflow.batch import Batch
+from hybridflow.config import (
+    ModelConfig,
+    OptimSection,
+    ParallelSection,
+    PoolConfig,
+    RayConfig,
+    _explain,
+    _Section,
+    apply_overrides,
+)
+from hybridflow.errors import ConfigError, DatasetError, HybridflowError
+from hybridflow.yaml12 import load_yaml
+
+__all__ = ["SFTConfig", "SFTLoss", "SFTTrainer", "HF_DIR", "load_sft_config", "build_sft_batch", "load_demonstrations",
+           "main"]
+
+#: the folder of the run directory that holds the fine-tuned model as an HF directory (``model.path`` of RL)
+HF_DIR = "hf"
+
+
+# --- configuration -----------------------------------------------------------------------------------------------
+class SFTDataSection(_Section):
+    train_files: list[str] = Field(min_length=1)
+    val_files: list[str] = Field(default_factory=list)
+    prompt_key: str = "prompt"      # verl: data.prompt_key
+    response_key: str = "response"  # verl: data.response_key
+    max_prompt_length: int = Field(default=8, gt=0)
+    max_response_length: int = Field(default=8, gt=0)  # response tokens, the EOS appended to each included
+    batch_size: int = Field(default=32, gt=0)  # rows per optimizer step over all ranks (verl: train_batch_size)
+    shuffle: bool = True
+
+
+class SFTActorSection(_Section):
+    engine: str = "fsdp"
+    pool: str = "main"
+    parallel: ParallelSection = ParallelSection()
+    micro_batch_size: int = Field(default=64, gt=0)
+    mixed_precision: Literal["none", "bf16"] = "none"
+    gradient_checkpointing: bool = False
+    optim: OptimSection = OptimSection()
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class SFTRolloutSection(_Section):
+    """The engine that generates the greedy validation answers (colocated with training, as in RL)."""
+
+    engine: str = "hf"
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class SFTRewardSection(_Section):
+    # scores the greedy validation answers against the val rows' responses (exact match: acc); null = loss only
+    function: str | None = "arithmetic"
+
+
+class SFTTrainerSection(_Section):
+    total_steps: int = Field(default=100, gt=0)
+    run_dir: str = "runs/sft"
+    seed: int = 0
+    val_every: int = Field(default=0, ge=0)  # 0: validate only before the first and after the last step
+    progress: bool = True
+    tensorboard: bool = True
+    deadline_s: float = Field(default=900.0, gt=0)
+    threads_per_worker: int = Field(default=1, gt=0)
+
+
+class SFTConfig(_Section):
+    model: ModelConfig = ModelConfig(preset="tiny-qwen2")
+    data: SFTDataSection
+    actor: SFTActorSection = SFTActorSection()
+    rollout: SFTRolloutSection = SFTRolloutSection()
+    reward: SFTRewardSection = SFTRewardSection()
+    resource_pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"main": PoolConfig(devices_per_node=[2])})
+    ray: RayConfig = RayConfig()
+    trainer: SFTTrainerSection = SFTTrainerSection()
+
+    @model_validator(mode="after")
+    def _pool_and_batch(self) -> SFTConfig:
+        if self.actor.pool not in self.resource_pools:
+            raise ValueError(f"actor.pool is {self.actor.pool!r}, not one of resource_pools "
+                             f"({', '.join(self.resource_pools)})")
+        world = self.resource_pools[self.actor.pool].world_size
+        if self.data.batch_size % world:
+            raise ValueError(f"data.batch_size = {self.data.batch_size} rows must be a multiple of the "
+                             f"{world} ranks of pool {self.actor.pool!r} (rows are split over them)")
+        return self
+
+
+def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SFTConfig:
+    """Read an SFT YAML plus dotted overrides. Relative data files are read from the YAML's folder when the file is
+    there, else from the working directory; a ``file.py:function`` reward is anchored as ``hybridflow train`` does."""
+    from hybridflow.rewards import resolve_function_path
+
+    data: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = load_yaml(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+        base = path.parent
+    data = apply_overrides(data, list(overrides))
+    files = data.get("data")
+    if isinstance(files, dict):
+        for key in ("train_files", "val_files"):
+            if isinstance(files.get(key), list):
+                files[key] = [_anchor(str(file), base) for file in files[key]]
+    reward = data.get("reward")
+    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
+        data["reward"] = {**reward, "function": resolve_function_path(reward["function"], base)}
+    try:
+        return SFTConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc.errors())) from None
+
+
+def _anchor(file: str, base: Path) -> str:
+    """``file`` as the config means it: relative paths are taken from the config's folder when the file is there,
+    else from the working directory."""
+    if Path(file).is_absolute() or not (base / file).exists():
+        return file
+    return str(base / file)
+
+
+# --- data --------------------------------------------------------------------------------------------------------
+def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: str) -> list[dict[str, Any]]:
+    """Rows of the demonstration files, each checked for a text prompt and response (DatasetError naming the file,
+    the row and the columns found otherwise)."""
+    from hybridflow.data import load_rows
+
+    if not files:
+        raise DatasetError("no demonstration files given; set data.train_files (jsonl/parquet with prompt and "
+                           "response columns)")
+    rows: list[dict[str, Any]] = []
+    for file in files:
+        if not Path(file).exists():
+            raise DatasetError(f"demonstrations file {file} does not exist; check data.train_files / "
+                               "data.val_files (the shipped task's file is made by `python -m "
+                               "hybridflow.tasks.arithmetic`)")
+        for index, row in enumerate(load_rows(file)):
+            missing = [key for key in (prompt_key, response_key) if key not in row]
+            if missing:
+                raise DatasetError(
+                    f"{file} row {index} lacks column(s) {missing}; found {sorted(row)}. SFT expects a prompt and "
+                    f"a response per row (data.prompt_key={prompt_key!r}, data.response_key={response_key!r}); set "
+                    "those keys to your columns' names")
+            for key in (prompt_key, response_key):
+                if not isinstance(row[key], str):
+                    raise DatasetError(f"{file} row {index}: column {key!r} must be text, got "
+                                       f"{type(row[key]).__name__}")
+            rows.append(row)
+    return rows
+
+
+def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str, response_key: str,
+                    max_prompt_length: int, max_response_length: int) -> Batch:
+    """The engines' column layout for teacher forcing: ``prompts`` left-padded, ``responses`` (the response's
+    tokens then EOS) right-padded, ``input_ids``/``attention_mask`` of both, ``response_mask`` on the response
+    tokens and EOS: the tokens the loss is taken over."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise ConfigError("the tokenizer has no eos token; SFT appends it to each response so that generation stops")
+    prompts = torch.full((len(rows), max_prompt_length), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompts)
+    responses = torch.full((len(rows), max_response_length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros_like(responses)
+    for index, row in enumerate(rows):
+        prompt = tokenizer(row[prompt_key], add_special_tokens=False)["input_ids"]
+        response = [*tokenizer(row[response_key], add_special_tokens=False)["input_ids"], eos_id]
+        if not prompt:
+            raise DatasetError(f"demonstration {index}: the prompt is empty after tokenisation")
+        if len(prompt) > max_prompt_length:
+            raise DatasetError(f"demonstration {index}: prompt {row[prompt_key]!r} has {len(prompt)} tokens, more "
+                               f"than data.max_prompt_length={max_prompt_length}; raise the limit")
+        if len(response) > max_response_length:
+            raise DatasetError(f"demonstration {index}: response {row[response_key]!r} has {len(response)} tokens "
+                               f"with the EOS, more than data.max_response_length={max_response_length}; raise it")
+        prompts[index, max_prompt_length - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[index, max_prompt_length - len(prompt):] = 1
+        responses[index, :len(response)] = torch.tensor(response)
+        response_mask[index, :len(response)] = 1
+    return Batch({"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                  "input_ids": torch.cat([prompts, responses], dim=1),
+                  "attention_mask": torch.cat([prompt_mask, response_mask], dim=1)})
+
+
+class SFTLoss:
+    """``loss_fn`` of the training engine for SFT: the NLL of the response tokens, summed and divided by the
+    mini-batch's valid tokens over all ranks (``loss_scale_tokens``, the engines' accumulation convention), so the
+    micro-batches' losses add up to the token-mean over the whole batch."""
+
+    required_outputs = ("log_probs",)
+
+    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> tuple[torch.Tensor,
+                                                                                           dict[str, float]]:
+        mask = micro_batch["response_mask"].to(outputs["log_probs"].device).float()
+        nll = -(outputs["log_probs"] * mask).sum()
+        scale = float(micro_batch.meta.get("loss_scale_tokens") or mask.sum().clamp(min=1))
+        local_tokens = float(mask.sum())
+        return nll / scale, {"nll": float(nll.detach()) / max(local_tokens, 1.0)}
+
+
+def masked_nll(log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Token-mean NLL of the response tokens."""
+    mask = response_mask.float()
+    return float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))
+
+
+# --- the run -----------------------------------------------------------------------------------------------------
+class SFTTrainer:
+    """One SFT run: ``SFTTrainer(config).fit()`` → the HF directory. Stability: experimental."""
+
+    def __init__(self, config: SFTConfig, *, progress: bool | None = None) -> None:
+        from hybridflow.trainer.build import build_model_spec, build_tokenizer
+
+        self.config = config
+        self.run_dir = Path(config.trainer.run_dir)
+        self.tokenizer = build_tokenizer(config.model)
+        data = config.data
+        keys = {"prompt_key": data.prompt_key, "response_key": data.response_key}
+        self.train_rows = load_demonstrations(data.train_files, **keys)
+        self.val_rows = load_demonstrations(data.val_files, **keys) if data.val_files else []
+
+        def encode(rows: list[dict[str, Any]]) -> Batch:
+            return build_sft_batch(rows, self.tokenizer, prompt_key=data.prompt_key, response_key=data.response_key,
+                                   max_prompt_length=data.max_prompt_length,
+                                   max_response_length=data.max_response_length)
+
+        self.train_batch = encode(self.train_rows)
+        self.val_batch = encode(self.val_rows) if self.val_rows else None
+        if data.batch_size > len(self.train_rows):
+            raise DatasetError(f"data.batch_size={data.batch_size} is larger than the {len(self.train_rows)} "
+                               "demonstrations; lower it or add demonstrations")
+        self.model_spec = build_model_spec(config.model, seed=config.trainer.seed)
+        self.reward_fn = None
+        if config.reward.function and self.val_rows:
+            from hybridflow.rewards import resolve_reward_function
+
+            self.reward_fn = resolve_reward_function(config.reward.function)
+        self.show_progress = config.trainer.progress if progress is None else progress
+        self.group: Any = None
+        self.pool: Any = None
+        self.history: list[dict[str, float]] = []
+        self.validation_history: list[dict[str, float]] = []
+
+    # --- building -------------------------------------------------------------------------------------------
+    def _spec(self) -> Any:
+        from hybridflow.engines import (
+            OptimConfig,
+            ParallelConfig,
+            RolloutEngineConfig,
+            SamplingParams,
+            TrainingEngineConfig,
+        )
+        from hybridflow.workers import RoleSpec
+
+        config, actor, data = self.config, self.config.actor, self.config.data
+        optim = actor.optim
+        engine_config = TrainingEngineConfig(
+            model=self.model_spec, micro_batch_size=actor.micro_batch_size,
+            parallel=ParallelConfig(tensor_parallel_size=actor.parallel.tensor_parallel_size,
+                                    pipeline_parallel_size=actor.parallel.pipeline_parallel_size,
+                                    data_parallel_size=actor.parallel.data_parallel_size),
+            optim=OptimConfig(lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay,
+                              warmup_steps=optim.warmup_steps, total_steps=config.trainer.total_steps,
+                              schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, grad_clip=optim.grad_clip),
+            mixed_precision=actor.mixed_precision,
+            gradient_checkpointing=actor.gradient_checkpointing, extra=dict(actor.extra))
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        seed = config.trainer.seed
+        return RoleSpec(
+            role="actor", name="actor", engine=actor.engine, device=config.resource_pools[actor.pool].device,
+            threads=config.trainer.threads_per_worker, engine_config=engine_config, loss=SFTLoss(),
+            rollout_engine=config.rollout.engine,
+            rollout_config=RolloutEngineConfig(model=self.model_spec, max_prompt_length=data.max_prompt_length,
+                                               max_new_tokens=data.max_response_length, pad_token_id=pad_id,
+                                               eos_token_id=self.tokenizer.eos_token_id, seed=seed,
+                                               extra=dict(config.rollout.extra)),
+            sampling=SamplingParams(n=1, temperature=1.0, max_new_tokens=data.max_response_length, seed=seed))
+
+    def start(self) -> None:
+        from hybridflow.controller import ResourcePool, WorkerGroup, init_ray
+        from hybridflow.plugins import load_plugins
+        from hybridflow.workers import ActorRolloutWorker
+
+        load_plugins()
+        self._check_engines()
+        ray_config = self.config.ray
+        if ray_config.address is None:
+            init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
+        else:
+            init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
+        pool_name = self.config.actor.pool
+        pool_config = self.config.resource_pools[pool_name]
+        if pool_config.device == "cuda":
+            self.pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cuda")
+        else:
+            self.pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cpu",
+                                     cpus_per_worker=pool_config.cpus_per_worker)
+        spec = self._spec()
+        self.group = WorkerGroup(self.pool, {"actor": ActorRolloutWorker}, init_kwargs={"actor": {"spec": spec}},
+                                 name=pool_name, deadline_s=self.config.trainer.deadline_s,
+                                 stack_dump_dir=str(self.run_dir / "stacks"))
+
+    def _check_engines(self) -> None:
+        from hybridflow import registries
+
+        for key, registry, name in (("actor.engine", registries.training_engines, self.config.actor.engine),
+                                    ("rollout.engine", registries.rollout_engines, self.config.rollout.engine)):
+            if name not in registry:
+                try:
+                    registry.get(name)
+                except KeyError as exc:
+                    raise ConfigError(f"{key}: {exc}") from None
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+        if self.pool is not None:
+            self.pool.release()
+            self.pool = None
+
+    # --- steps ----------------------------------------------------------------------------------------------
+    def _batches(self) -> Any:
+        """Endless seeded epoch-wise shuffled batches of ``data.batch_size`` rows (a partial tail is skipped)."""
+        rows, size = len(self.train_rows), self.config.data.batch_size
+        epoch = 0
+        while True:
+            order = list(range(rows))
+            if self.config.data.shuffle:
+                random.Random(self.config.trainer.seed * 1_000_003 + epoch).shuffle(order)
+            for start in range(0, rows - size + 1, size):
+                yield self.train_batch.index(torch.tensor(order[start:start + size]))
+            epoch += 1
+
+    def validate(self, step: int) -> dict[str, float]:
+        """``val/loss`` (token-mean NLL of the val responses) and, with a reward function, the greedy answers'
+        ``val-core/<data_source>/acc/mean@1`` (exact match) and ``val-aux/<data_source>/reward/mean@1``."""
+        if self.val_batch is None:
+            return {}
+        from hybridflow.trainer.validation import summarize_validation
+
+        world = self.pool.world_size
+        rows = len(self.val_batch)
+        padded = self.val_batch.index(torch.cat([torch.arange(rows), torch.full((-rows % world,), rows - 1)]))
+        started = time.perf_counter()
+        out = self.group.actor.compute_log_probs(padded).get(timeout=self.config.trainer.deadline_s)
+        metrics = {"val/loss": masked_nll(out["old_log_probs"][:rows], self.val_batch["response_mask"])}
+        if self.reward_fn is not None:
+            sources, uids, scores = self._greedy_scores(padded, rows)
+            metrics.update(summarize_validation(sources, uids, scores, greedy=True))
+        metrics["timing_s/testing"] = time.perf_counter() - started
+        return metrics
+
+    def _greedy_scores(self, padded: Batch, rows: int) -> tuple[list[str], list[str], list[float]]:
+        from hybridflow.algorithms.helpers import decode_batch
+        from hybridflow.rewards import score_responses
+
+        data = self.config.data
+        prompts = Batch({"input_ids": padded["prompts"], "attention_mask": padded["attention_mask"][:, :padded[
+            "prompts"].shape[1]]}, meta={"iteration": 0, "policy_version": self._policy_version})
+        generated = self.group.actor.generate(prompts, greedy=True).get(timeout=self.config.trainer.deadline_s)
+        responses = generated["responses"][:rows].tolist()
+        masks = generated["response_mask"][:rows].bool().tolist()
+        texts = decode_batch(self.tokenizer, [[t for t, keep in zip(r, m) if keep] for r, m in zip(responses, masks)])
+        truths = [str((row.get("reward_model") or {}).get("ground_truth", row[data.response_key]))
+                  for row in self.val_rows]
+        sources = [str(row.get("data_source", "sft")) for row in self.val_rows]
+        extra = [dict(row.get("extra_info") or {}) for row in self.val_rows]
+        assert self.reward_fn is not None
+        result = score_responses(self.reward_fn, responses=texts, ground_truths=truths, data_sources=sources,
+                                 name="reward", extra=extra)
+        return sources, [f"val-{i}" for i in range(rows)], [float(s) for s in result.scores]
+
+    @property
+    def _policy_version(self) -> int:
+        return len(self.history)
+
+    def fit(self) -> Path:
+        """Train ``trainer.total_steps`` steps, validating before, every ``trainer.val_every`` steps and after;
+        returns the HF directory written (``RUN_DIR/hf``)."""
+        from hybridflow.algorithms.helpers import mean_over_ranks
+        from hybridflow.trainer.checkpoint import archive_previous_logs
+        from hybridflow.trainer.progress import MetricsWriter
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        archive_previous_logs(self.run_dir)
+        if self.group is None:
+            self.start()
+        total, every = self.config.trainer.total_steps, self.config.trainer.val_every
+        writer = MetricsWriter(self.run_dir, tensorboard=self.config.trainer.tensorboard)
+        started = time.perf_counter()
+        try:
+            self._validate_and_log(writer, 0)
+            batches = self._batches()
+            for step in range(1, total + 1):
+                batch = next(batches)
+                step_start = time.perf_counter()
+                metrics = mean_over_ranks(self.group.actor.update_policy(batch))
+                row = {"train/loss": metrics["loss"], "train/lr": metrics["lr"],
+                       "train/grad_norm": metrics["grad_norm"], "time/step_s": time.perf_counter() - step_start}
+                writer.write(step, row)
+                self.history.append(row)
+                if self.show_progress and (step % max(1, total // 10) == 0 or step == total):
+                    print(f"sft step {step}/{total}  train/loss={row['train/loss']:.3f}", flush=True)
+                if (every and step % every == 0) or step == total:
+                    self._validate_and_log(writer, step)
+            target = self.run_dir / HF_DIR
+            self.group.actor.export_hf(str(target))
+            self.tokenizer.save_pretrained(target)
+            (self.run_dir / "summary.json").write_text(json.dumps({
+                "steps": total, "seconds": time.perf_counter() - started, "hf_dir": str(target),
+                "last": self.history[-1] if self.history else {},
+                "validation": self.validation_history}, indent=1))
+        finally:
+            writer.close()
+        return target
+
+    def _validate_and_log(self, writer: Any, step: int) -> None:
+        metrics = self.validate(step)
+        if metrics:
+            writer.write(step, metrics)
+            self.validation_history.append({"step": float(step), **metrics})
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    """``hybridflow sft CONFIG.yaml [dotted.key=value ...]``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="hybridflow sft", description=(
+        "Supervised fine-tuning (masked response-token NLL) with the FSDP training engine; writes RUN_DIR/hf, an HF "
+        "model directory that `hybridflow train` starts from with model.path."))
+    parser.add_argument("config", help="SFT YAML (e.g. examples/sft_arithmetic.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_steps=50")
+    parser.add_argument("--no-progress", action="store_true", help="no per-step log lines")
+    args = parser.parse_args(argv)
+    try:
+        config = load_sft_config(args.config, args.overrides)
+        trainer = SFTTrainer(config, progress=not args.no_progress)
+        try:
+            target = trainer.fit()
+        finally:
+            trainer.close()
+    except HybridflowError as exc:
+        print(f"hybridflow sft: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hybridflow sft: interrupted; no model was written", file=sys.stderr)
+        return 130
+    history, validated = trainer.history, trainer.validation_history
+    print(f"done: {len(history)} SFT steps; train/loss {history[0]['train/loss']:.3f} → "
+          f"{history[-1]['train/loss']:.3f}; HF model in {target}")
+    for key in sorted({k for row in validated for k in row if k == "val/loss" or k.startswith("val-core/")}):
+        points = [(int(row["step"]), row[key]) for row in validated if key in row]
+        print(f"validation {key.removeprefix('val-core/')}: " + " → ".join(
+            f"{value:.3f} @ step {step}" for step, value in points))
+    return 0
