@@ -422,7 +422,8 @@ class SFTTrainer:
         if self.group is None:
             self.start()
         total, every = self.config.trainer.total_steps, self.config.trainer.val_every
-        writer = MetricsWriter(self.run_dir, tensorboard=self.config.trainer.tensorboard)
+        loggers = ("jsonl", "tensorboard") if self.config.trainer.tensorboard else ("jsonl",)
+        writer = MetricsWriter(self.run_dir, loggers=loggers)
         started = time.perf_counter()
         try:
             self._validate_and_log(writer, 0)
