@@ -372,6 +372,10 @@ class Config(_Section):
                              f"tensor_parallel_size {tensor})")
         if tensor == 1:
             return
+        if self.rollout.multi_turn.enable:
+            raise ValueError(f"rollout.multi_turn runs each conversation's turns on one rank; it does not run at "
+                             f"rollout.tensor_parallel_size = {tensor} (a tool's timing could make the ranks of a "
+                             "tensor group diverge inside a collective). Fix: set rollout.tensor_parallel_size=1")
         hf_config = _hf_config_of(self.role_model(self.actor))
         if hf_config is None:
             return

@@ -24,3 +24,9 @@ def test_generation_tensor_parallel_size_is_checked_at_load() -> None:
     with pytest.raises(ConfigError, match="multiple of the 4 generation replicas"):
         load_config(None, megatron)
     assert load_config(None, [*megatron, "rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
+
+
+def test_multi_turn_rollouts_are_refused_at_generation_tensor_parallel_size_above_one() -> None:
+    with pytest.raises(ConfigError, match=r"multi_turn .*tensor_parallel_size = 2.*Fix: set rollout.tensor_para"):
+        load_config(None, ["rollout.tensor_parallel_size=2", "model.preset=tiny-qwen2-4h",
+                           "rollout.multi_turn.enable=true", 'rollout.multi_turn.tools=["calculator"]'])
