@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from hybridflow.engines import ModelSpec
 from hybridflow.errors import ConfigError
 
-__all__ = ["write_random_init_model_dir"]
+__all__ = ["write_random_init_model_dir", "load_tokenizer"]
 
 
 def write_random_init_model_dir(spec: ModelSpec, *, prefix: str,
@@ -52,3 +53,27 @@ def write_random_init_model_dir(spec: ModelSpec, *, prefix: str,
     finally:
         torch.random.set_rng_state(generator_state)
     return Path(holder.name), holder
+
+
+#: tokenizer classes that mean "the tokenizers file as it is" (what ``PreTrainedTokenizerFast.save_pretrained`` writes)
+_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved in the HF directory ``path``, as the directory says.
+
+    ``AutoTokenizer`` in transformers 5 picks the tokenizer class from the *model type* (a ``qwen2`` directory gets
+    ``Qwen2Tokenizer``, whose pre-tokenizer drops the spaces a character tokenizer keeps); a directory whose
+    ``tokenizer_config.json`` names a generic fast tokenizer (what ``hybridflow sft``, ``hybridflow export`` and the
+    presets write for the character tokenizer) is loaded as exactly that file instead.
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.is_file() and (Path(path) / "tokenizer.json").is_file():
+        declared = json.loads(config_file.read_text()).get("tokenizer_class")
+        if declared in _GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))

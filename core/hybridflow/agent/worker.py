@@ -47,9 +47,9 @@ class AgentRollout:
         if rollout_config.model.path is None:
             raise ConfigError("rollout.multi_turn needs the model's tokenizer and chat template: set actor.model.path "
                               "to an HF model directory saved with a chat tokenizer")
-        from transformers import AutoTokenizer
+        from hybridflow.model_dir import load_tokenizer
 
-        self.chat_format = ChatFormat(AutoTokenizer.from_pretrained(rollout_config.model.path))
+        self.chat_format = ChatFormat(load_tokenizer(rollout_config.model.path))
         self.config = MultiTurnConfig(max_turns=int(options["max_turns"]), max_tokens=int(options["max_tokens"]),
                                       tool_timeout_s=float(options["tool_timeout_s"]),
                                       max_tool_calls_per_turn=int(options["max_tool_calls_per_turn"]),

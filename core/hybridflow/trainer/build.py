@@ -54,9 +54,9 @@ def build_model_spec(model: ModelConfig, *, seed: int, head: str | None = None) 
 def build_tokenizer(model: ModelConfig) -> Any:
     """The tokenizer of ``model``: the HF tokenizer saved with ``model.path``, else the presets' char tokenizer."""
     if model.path is not None:
-        from transformers import AutoTokenizer
+        from hybridflow.model_dir import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(model.path)
+        return load_tokenizer(model.path)
     from hybridflow.char_tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
