@@ -462,24 +462,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return result
 
 
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds (numbers by YAML 1.2 rules; an empty file is ``{}``).
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or not a mapping at the top level.
+    """
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = load_yaml(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (numbers by YAML 1.2 rules; or start from defaults), apply overrides, validate.
 
     Raises:
         ConfigError: naming the key path, what was wrong and the fix.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = load_yaml(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
-        data = loaded or {}
+    data = read_yaml_mapping(Path(path)) if path is not None else {}
     data = _anchor_reward_functions(apply_overrides(data, overrides or []),
                                     Path(path).parent if path is not None else Path.cwd())
     try:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from hybridflow.batch import Batch
@@ -33,9 +32,9 @@ from hybridflow.config import (
     _explain,
     _Section,
     apply_overrides,
+    read_yaml_mapping,
 )
 from hybridflow.errors import ConfigError, DatasetError, HybridflowError
-from hybridflow.yaml12 import load_yaml
 
 __all__ = ["SFTConfig", "SFTLoss", "SFTTrainer", "HF_DIR", "load_sft_config", "build_sft_batch", "load_demonstrations",
            "main"]
@@ -121,15 +120,7 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     base = Path.cwd()
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = load_yaml(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
-        data = loaded or {}
+        data = read_yaml_mapping(path)
         base = path.parent
     data = apply_overrides(data, list(overrides))
     files = data.get("data")
