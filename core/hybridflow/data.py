@@ -20,6 +20,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.errors import DatasetError
+from hybridflow.tasks.arithmetic import make_task_rows  # re-exported: the task split lives with the task
 
 __all__ = ["PromptDataset", "PromptLoader", "load_rows", "render_prompt", "make_task_rows"]
 
@@ -65,42 +66,6 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not rows:
         raise DatasetError(f"dataset file {path} is empty; it needs at least one row with a `prompt` column")
     return rows
-
-
-def make_task_rows(task: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Training rows and held-out validation rows of the synthetic task ``task`` (a ``data.task`` section).
-
-    Without ``num_val_prompts`` the training rows are the task's first ``num_prompts`` rows. With it, that many
-    distinct prompts are drawn first (stream seed + 1) and the training rows are the task's stream with every one
-    of them skipped: no validation prompt is ever trained on.
-    """
-    from hybridflow.tasks.arithmetic import make_arithmetic_rows
-
-    def draw(count: int, seed: int) -> list[dict[str, Any]]:
-        return make_arithmetic_rows(num_rows=count, max_operand=task.max_operand, seed=seed, operators=task.operators)
-
-    held_out = int(getattr(task, "num_val_prompts", 0) or 0)
-    if not held_out:
-        return draw(task.num_prompts, task.seed), []
-    distinct = (task.max_operand + 1) ** 2 * len(set(task.operators))
-    if held_out >= distinct:
-        raise DatasetError(f"data.task.num_val_prompts={held_out} leaves no prompt to train on: the task has "
-                           f"{distinct} distinct prompts (max_operand={task.max_operand}, operators "
-                           f"{task.operators!r}); hold out fewer or raise data.task.max_operand")
-    validation: dict[str, dict[str, Any]] = {}
-    count = held_out
-    while len(validation) < held_out:
-        count *= 2
-        for row in draw(count, task.seed + 1):
-            validation.setdefault(row["prompt"], row)
-            if len(validation) == held_out:
-                break
-    train: list[dict[str, Any]] = []
-    count = task.num_prompts
-    while len(train) < task.num_prompts:
-        count *= 2
-        train = [row for row in draw(count, task.seed) if row["prompt"] not in validation][: task.num_prompts]
-    return train, list(validation.values())
 
 
 def render_prompt(prompt: Any, tokenizer: Any, *, where: str, tools: Sequence[Mapping[str, Any]] | None = None) -> str:

@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DATA_SOURCE", "make_arithmetic_rows", "extract_answer", "score_arithmetic", "arithmetic_reward",
-           "arithmetic_exact_reward", "make_sft_rows", "write_sft_files", "SFT_FILE", "SFT_VAL_FILE"]
+from hybridflow.errors import DatasetError
+
+__all__ = ["DATA_SOURCE", "make_arithmetic_rows", "make_task_rows", "extract_answer", "score_arithmetic",
+           "arithmetic_reward", "arithmetic_exact_reward", "make_sft_rows", "write_sft_files", "SFT_FILE", "SFT_VAL_FILE"]
 
 DATA_SOURCE = "hybridflow/arithmetic"
 #: the demonstrations shipped for the warm start (examples/data/), made by :func:`write_sft_files`
@@ -79,18 +81,50 @@ def arithmetic_exact_reward(*, responses: Sequence[str], ground_truths: Sequence
     return [1.0 if r.strip() == str(g).strip() else 0.0 for r, g in zip(responses, ground_truths)]
 
 
+def make_task_rows(task: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Training rows and held-out validation rows of the synthetic task ``task`` (a ``data.task`` section).
+
+    Without ``num_val_prompts`` the training rows are the task's first ``num_prompts`` rows. With it, that many
+    distinct prompts are drawn first (stream seed + 1) and the training rows are the task's stream with every one
+    of them skipped: no validation prompt is ever trained on.
+    """
+    def draw(count: int, seed: int) -> list[dict[str, Any]]:
+        return make_arithmetic_rows(num_rows=count, max_operand=task.max_operand, seed=seed, operators=task.operators)
+
+    held_out = int(getattr(task, "num_val_prompts", 0) or 0)
+    if not held_out:
+        return draw(task.num_prompts, task.seed), []
+    distinct = (task.max_operand + 1) ** 2 * len(set(task.operators))
+    if held_out >= distinct:
+        raise DatasetError(f"data.task.num_val_prompts={held_out} leaves no prompt to train on: the task has "
+                           f"{distinct} distinct prompts (max_operand={task.max_operand}, operators "
+                           f"{task.operators!r}); hold out fewer or raise data.task.max_operand")
+    validation: dict[str, dict[str, Any]] = {}
+    count = held_out
+    while len(validation) < held_out:
+        count *= 2
+        for row in draw(count, task.seed + 1):
+            validation.setdefault(row["prompt"], row)
+            if len(validation) == held_out:
+                break
+    train: list[dict[str, Any]] = []
+    count = task.num_prompts
+    while len(train) < task.num_prompts:
+        count *= 2
+        train = [row for row in draw(count, task.seed) if row["prompt"] not in validation][: task.num_prompts]
+    return train, list(validation.values())
+
+
 def make_sft_rows(*, max_operand: int = 9, seed: int = 0, num_prompts: int = 1024, num_val_prompts: int = 20,
                   operators: str = "+") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Demonstrations for supervised fine-tuning: (training rows, validation rows), each ``{prompt, response,
     data_source, reward_model, extra_info}`` with the correct answer as the response.
 
-    The split is the RL task's (``data.task`` with the same arguments, :func:`hybridflow.data.make_task_rows`):
+    The split is the RL task's (``data.task`` with the same arguments, :func:`make_task_rows`):
     the training rows are its distinct training prompts in order of first appearance, so no held-out validation
     prompt is ever among them; the validation rows are its held-out prompts (for ``val/loss`` and greedy accuracy).
     """
     from types import SimpleNamespace
-
-    from hybridflow.data import make_task_rows
 
     task = SimpleNamespace(max_operand=max_operand, seed=seed, num_prompts=num_prompts,
                            num_val_prompts=num_val_prompts, operators=operators)
