@@ -14,7 +14,8 @@ from typing import Any
 from hybridflow.errors import DatasetError
 
 __all__ = ["DATA_SOURCE", "make_arithmetic_rows", "make_task_rows", "extract_answer", "score_arithmetic",
-           "arithmetic_reward", "arithmetic_exact_reward", "make_sft_rows", "write_sft_files", "SFT_FILE", "SFT_VAL_FILE"]
+           "arithmetic_reward", "arithmetic_exact_reward", "make_sft_rows", "write_sft_files", "SFT_FILE",
+           "SFT_VAL_FILE"]
 
 DATA_SOURCE = "hybridflow/arithmetic"
 #: the demonstrations shipped for the warm start (examples/data/), made by :func:`write_sft_files`
