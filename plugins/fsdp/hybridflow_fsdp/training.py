@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
-from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
-from hybridflow.errors import ConfigError, EngineError
+from hybridflow.engines import ROLES, TrainingEngineConfig
+from hybridflow.errors import ConfigError
 from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_fsdp import checkpoint, forward, handover
-from hybridflow_fsdp.distributed import (
-    apply_fsdp,
-    build_data_parallel_mesh,
-    check_equal_across_ranks,
-    ensure_process_group,
-)
+from hybridflow_fsdp.distributed import apply_fsdp, build_data_parallel_mesh, ensure_process_group
+from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
+from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
+from hybridflow_fsdp.engine_base import TRAINABLE_ROLES, HFTrainingEngineBase, enable_gradient_checkpointing
 from hybridflow_fsdp.fast_decode import build_lean_decoder
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler
@@ -34,13 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "TRAINABLE_ROLES"]
 
-TRAINABLE_ROLES = ("actor", "critic")
-#: meta keys the engine sets on every micro-batch it passes to ``loss_fn`` (the core's convention)
-LOSS_SCALE_ROWS = "loss_scale_rows"
-LOSS_SCALE_TOKENS = "loss_scale_tokens"
 
-
-class FSDPTrainingEngine:
+class FSDPTrainingEngine(HFTrainingEngineBase):
     """One rank of an FSDP2-sharded model (stability: public).
 
     Loss convention (the core's, see :mod:`hybridflow.algorithms.losses`): before each ``loss_fn`` call the engine
@@ -71,11 +65,7 @@ class FSDPTrainingEngine:
         attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
         model = build_model(config.model, role=role, attn_implementation=attn_implementation)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
-            # decoder layers recompute their forward in backward (transformers >= 5 names it activation checkpointing)
-            enable = cast("Callable[[], None] | None", getattr(model, "activation_checkpointing_enable", None))
-            if enable is None:
-                enable = cast("Callable[[], None]", model.gradient_checkpointing_enable)
-            enable()
+            enable_gradient_checkpointing(model)
         self.trainable = role in TRAINABLE_ROLES
         if not self.trainable:
             model.requires_grad_(False)
@@ -103,151 +93,27 @@ class FSDPTrainingEngine:
         self.last_handover_stats: handover.HandoverStats | None = None
         self._captured_scores: list[torch.Tensor] = []
         if role == "reward_model":
-            head = getattr(self.model, "score", None)
-            if head is None:
-                raise ConfigError(f"reward model {type(self.model).__name__} has no `score` head")
-            head.register_forward_hook(lambda _module, _inputs, output: self._captured_scores.append(output))
+            self._capture_scores(self.model)
 
-    # --- inference ------------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: Batch) -> Iterator[Batch]:
-        size = self.config.micro_batch_size
-        for start in range(0, len(batch), size):
-            yield batch.slice(start, min(start + size, len(batch)))
+    # --- engine_base hooks ----------------------------------------------------------------------------------
+    def _forward_module(self) -> torch.nn.Module:
+        return self.model
 
-    def _forward_outputs(self, micro: Batch, *, with_entropy: bool,
-                         entropy_metric: bool = False) -> dict[str, torch.Tensor]:
-        """``log_probs`` (and ``entropy``) of the response tokens, or the critic's ``values``.
+    def _response_logits(self, micro: Batch) -> torch.Tensor:
+        if self.lean is None:
+            return super()._response_logits(micro)
+        inputs = forward.model_inputs(micro, self.device)
+        length = forward.response_length(micro)
+        return self.lean.response_logits(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], length)
 
-        ``with_entropy`` computes the entropy with gradients (an entropy bonus); ``entropy_metric`` computes it
-        detached from the same log-softmax, for the ``actor/entropy`` metric: no extra forward, no backward cost.
-        """
-        if self.role == "critic":
-            length = forward.response_length(micro)
-            logits = self.model(**forward.model_inputs(micro, self.device), use_cache=False).logits
-            return {"values": logits[:, -length - 1 : -1, 0].float()}
-        if self.lean is not None:
-            inputs = forward.model_inputs(micro, self.device)
-            length = forward.response_length(micro)
-            logits = self.lean.response_logits(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
-                                               length)
-        else:
-            logits = forward.response_logits(self.model, micro, self.device)
-        if not (with_entropy or entropy_metric):
-            return {"log_probs": forward.compute_token_log_probs(logits, micro["responses"].to(self.device))}
-        # one log-softmax for both (forward.compute_token_log_probs and forward.compute_entropy would make two)
-        log_softmax = torch.log_softmax(logits.float(), dim=-1)
-        tokens = micro["responses"].to(self.device)
-        outputs = {"log_probs": log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)}
-        if with_entropy:
-            outputs["entropy"] = -(log_softmax.exp() * log_softmax).sum(-1)
-        else:
-            with torch.no_grad():
-                detached = log_softmax.detach()
-                outputs["entropy"] = -(detached.exp() * detached).sum(-1)
-        return outputs
-
-    def _check_role(self, method: str, roles: tuple[str, ...]) -> None:
-        if self.role not in roles:
-            raise EngineError(f"{method} is for roles {list(roles)}; this engine is a {self.role}")
-
-    def _infer(self, batch: Batch, *, with_entropy: bool, columns: tuple[str, ...]) -> Batch:
-        self.model.eval()
-        parts: dict[str, list[torch.Tensor]] = {column: [] for column in columns}
+    def _inference_context(self) -> AbstractContextManager[Any]:
         # unsharded: inference mode (less per-op bookkeeping); FSDP's hooks keep the plain no-grad mode
-        with torch.inference_mode() if not self.sharded else torch.no_grad():
-            for micro in self._micro_batches(batch):
-                outputs = self._forward_outputs(micro, with_entropy=with_entropy)
-                for column in columns:
-                    parts[column].append(outputs[column].cpu())
-            merged = {c: torch.cat(p) for c, p in parts.items()}
-        # ordinary tensors out (inference tensors cannot be saved for a later backward)
-        return Batch({c: t.clone() for c, t in merged.items()}, meta=batch.meta, batch_size=len(batch))
+        return torch.inference_mode() if not self.sharded else torch.no_grad()
 
-    def compute_log_probs(self, batch: Batch, *, with_entropy: bool = False) -> Batch:
-        """``log_probs`` [B, R] (and ``entropy``) of ``responses``.
+    def _backward(self, loss: torch.Tensor) -> None:
+        torch.autograd.backward(loss)  # = loss.backward(), which torch leaves unannotated
 
-        Returns only the new columns, with ``batch.meta``.
-        """
-        self._check_role("compute_log_probs", ("actor", "reference"))
-        forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
-        columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)
-        return self._infer(batch, with_entropy=with_entropy, columns=columns)
-
-    def compute_values(self, batch: Batch) -> Batch:
-        """``values`` [B, R]: the value of the state before each response token; only the new column is returned."""
-        self._check_role("compute_values", ("critic",))
-        forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_values")
-        return self._infer(batch, with_entropy=False, columns=("values",))
-
-    @torch.no_grad()
-    def compute_scores(self, batch: Batch) -> Batch:
-        """``scores`` [B]: the reward head at the last non-pad token of each row; only the new column is returned."""
-        self._check_role("compute_scores", ("reward_model",))
-        forward.require_columns(batch, "input_ids", "attention_mask", method="compute_scores")
-        self.model.eval()
-        scores = []
-        for micro in self._micro_batches(batch):
-            self._captured_scores.clear()
-            inputs = forward.model_inputs(micro, self.device)
-            self.model(**inputs, use_cache=False)
-            per_token = self._captured_scores[-1][..., 0].float()
-            index = forward.last_token_index(inputs["attention_mask"])
-            scores.append(per_token.gather(1, index.unsqueeze(1)).squeeze(1).cpu())
-        self._captured_scores.clear()
-        return Batch({"scores": torch.cat(scores)}, meta=batch.meta, batch_size=len(batch))
-
-    # --- training -------------------------------------------------------------------------------------------
-    def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
-        return local_mini_batch_rows(rows, mini_batch_size, self.world_size)
-
-    def _count_global(self, mini: Batch) -> tuple[int, int]:
-        """Rows and valid response tokens of the mini-batch on all ranks (``is_padding`` rows excluded)."""
-        from hybridflow.algorithms.losses import compute_loss_scale
-
-        scale = compute_loss_scale(mini) if "response_mask" in mini else {"loss_scale_rows": len(mini),
-                                                                            "loss_scale_tokens": 0}
-        counts = torch.tensor([scale["loss_scale_rows"], scale["loss_scale_tokens"]], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
-
-    def train_step(self, batch: Batch, *, loss_fn: LossFn, mini_batch_size: int | None = None) -> dict[str, float]:
-        """One optimizer step per mini-batch (all of ``batch`` when ``mini_batch_size`` is None); returns metrics.
-
-        ``mini_batch_size`` counts rows over all data-parallel ranks; ``micro_batch_size`` (config) counts rows per
-        forward on this rank. Every rank must hold the same number of rows.
-        """
-        self._check_role("train_step", TRAINABLE_ROLES)
-        assert self.optimizer is not None and self.scheduler is not None
-        forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="train_step")
-        check_equal_across_ranks(len(batch), what="rows per train_step")
-        local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
-        wants = getattr(loss_fn, "required_outputs", None)
-        # entropy with gradients only when the loss asks for it; an actor's loss always gets it (detached otherwise)
-        with_entropy = self.role == "actor" and (wants is None or "entropy" in wants)
-        self.model.train()
-        totals: dict[str, float] = {}
-        steps = 0
-        for mini_start in range(0, len(batch), local_mini):
-            mini = batch.slice(mini_start, mini_start + local_mini)
-            global_rows, global_tokens = self._count_global(mini)
-            for micro in self._micro_batches(mini):
-                micro = micro.with_meta(**{LOSS_SCALE_ROWS: global_rows / self.world_size,
-                                           LOSS_SCALE_TOKENS: global_tokens / self.world_size})
-                outputs = self._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=self.role == "actor")
-                loss, metrics = loss_fn(outputs, micro)
-                torch.autograd.backward(loss)  # = loss.backward(), which torch leaves unannotated
-                weight = len(micro) / len(mini)  # metrics are micro-batch means; the loss is already a share
-                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + float(value) * weight
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip_and_step()
-            steps += 1
-        metrics = {key: value / steps for key, value in totals.items()}
-        metrics.update(lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=float(steps))
-        return metrics
-
-    def _clip_and_step(self) -> float:
+    def _optimizer_step(self) -> float:
         assert self.optimizer is not None and self.scheduler is not None
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=not self.sharded or None)
@@ -259,14 +125,11 @@ class FSDPTrainingEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm_value
 
+    def _current_lr(self) -> float:
+        assert self.scheduler is not None
+        return float(self.scheduler.get_last_lr()[0])
+
     # --- state ----------------------------------------------------------------------------------------------
-    def state_version(self) -> int:
-        """Number of optimizer steps taken (restored by ``load_checkpoint``)."""
-        return self._version
-
-    def mesh_info(self) -> MeshInfo:
-        return MeshInfo(dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
-
     def parallel_layout(self) -> ParallelLayout:
         """The training mesh the reshard planner sees: ``d`` data-sharded ranks (FSDP)."""
         return ParallelLayout(data=self.world_size, data_sharded=True)
