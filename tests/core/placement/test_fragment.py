@@ -50,7 +50,11 @@ def _validate_with_train_config(fragment: dict, prompts: int) -> None:
     """Merge the fragment into ``hybridflow train``'s config model, as the trainer would, and validate it."""
     from hybridflow.config import Config
 
-    merged = {**fragment, "data": {"batch_size": prompts}, "rollout": {**fragment.get("rollout", {}), "n": 1}}
+    # the plans are for 7B Llama models: the trainer checks the generation TP against the model's heads and sizes
+    llama_7b = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
+                "intermediate_size": 11008, "vocab_size": 32000, "num_hidden_layers": 32}
+    merged = {**fragment, "model": {"config": llama_7b}, "data": {"batch_size": prompts},
+              "rollout": {**fragment.get("rollout", {}), "n": 1}}
     config = Config.model_validate(merged)
     assert config.actor.pool in config.resource_pools
 
