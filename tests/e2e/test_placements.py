@@ -17,7 +17,7 @@ from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 PPO = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "actor.recompute_log_probs=true",
        "reward.model={preset: tiny-qwen2}", "data.batch_size=8", "rollout.max_new_tokens=6",
        "trainer.total_steps=2", "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1",
