@@ -234,6 +234,8 @@ class RewardConfig(_Section):
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
     protocols: dict[str, str] = Field(default_factory=dict)  # of the reward-model worker's methods, as for actor
+    num_workers: int = Field(default=0, ge=0)  # rule function in a pool of N processes; 0 = in the driver
+    timeout_s: float = Field(default=300.0, gt=0)  # per call of the function in the pool
 
 
 class CostConfig(RewardConfig):

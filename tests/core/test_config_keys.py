@@ -120,6 +120,9 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "*.pool": [["{key}=other"]],
         "reward.function": [["reward.function=response_length_cost"]],
         "cost.function": [["cost.function=arithmetic"]],
+        # the per-call timeout applies to the worker pool: set one with it
+        "reward.timeout_s": [["reward.num_workers=2", "reward.timeout_s=5"]],
+        "cost.timeout_s": [["cost.num_workers=2", "cost.timeout_s=5"]],
         "data.train_files": [[f"data.train_files=[{json.dumps(str(data_file))}]"]],
         "data.val_files": [[f"data.val_files=[{json.dumps(str(data_file))}]"]],
         "data.task.operators": [['data.task.operators="+-"']],

@@ -23,7 +23,7 @@ from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
-from hybridflow.rewards import resolve_reward_function
+from hybridflow.rewards import RewardPool, build_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
@@ -71,10 +71,13 @@ class Trainer:
         self.validation_history: list[dict[str, float]] = []  # this process's validation rows, with their step
         self.loader = PromptLoader(train, batch_size=config.data.batch_size, seed=config.trainer.seed,
                                    shuffle=config.data.shuffle)
-        self.reward_fn = resolve_reward_function(config.reward.function) if config.reward.function else None
+        reward, cost = config.reward, config.cost
+        self.reward_fn = build_reward_function(reward.function, num_workers=reward.num_workers,
+                                               timeout_s=reward.timeout_s) if reward.function else None
         self.cost_fn = None
-        if config.cost is not None and config.cost.function:
-            self.cost_fn = resolve_reward_function(config.cost.function, key="cost.function")
+        if cost is not None and cost.function:
+            self.cost_fn = build_reward_function(cost.function, num_workers=cost.num_workers, timeout_s=cost.timeout_s,
+                                                 key="cost.function")
         # the algorithm owns its roles and state: the trainer builds, checkpoints and resumes exactly these
         self.plans = plan_roles(config, self.algorithm.roles(config), tokenizer=self.tokenizer,
                                 algorithm=self.algorithm)
@@ -160,6 +163,9 @@ class Trainer:
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
+        for function in (self.reward_fn, self.cost_fn):
+            if isinstance(function, RewardPool):
+                function.close()
         self.writer.close()
 
     # --- what the Supervisor drives (hybridflow.reliability.Supervised) ------------------------------------

@@ -1,0 +1,111 @@
+"""reward.num_workers: the rule reward in a pool of spawned processes — faster for slow functions, same results,
+a timeout that kills the pool, dict metrics kept."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hybridflow.errors import RewardError
+from hybridflow.rewards import RewardPool, build_reward_function, score_responses
+
+REWARDS = '''
+import time
+
+
+def slow_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.05)
+    return {"score": float(solution_str == ground_truth) + len(solution_str) / 100, "length": len(solution_str)}
+
+
+def hang(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        time.sleep(600)
+    return 1.0
+
+
+def batched(*, responses, ground_truths, data_sources, extra=None):
+    return [len(r) * 2.0 + (extra[i]["k"] if extra else 0) for i, r in enumerate(responses)]
+'''
+
+
+@pytest.fixture()
+def reward_file(tmp_path: Path) -> Path:
+    path = tmp_path / "slow_rewards.py"
+    path.write_text(textwrap.dedent(REWARDS))
+    return path
+
+
+def _rows(n: int) -> tuple[list[str], list[str], list[str]]:
+    responses = [str(i * 7 % 13) for i in range(n)]
+    return responses, [str(i % 13) for i in range(n)], ["probe"] * n
+
+
+def test_pool_is_faster_and_equal_to_serial(reward_file: Path) -> None:
+    responses, truths, sources = _rows(32)
+    spec = f"{reward_file}:slow_score"
+    serial_fn = build_reward_function(spec)
+    assert not isinstance(serial_fn, RewardPool)
+    started = time.perf_counter()
+    serial = score_responses(serial_fn, responses=responses, ground_truths=truths, data_sources=sources)
+    serial_s = time.perf_counter() - started
+    pool = build_reward_function(spec, num_workers=4, timeout_s=30)
+    assert isinstance(pool, RewardPool)
+    try:
+        pool.start()  # spawning the workers is paid once per run, not per step
+        started = time.perf_counter()
+        pooled = score_responses(pool, responses=responses, ground_truths=truths, data_sources=sources)
+        pooled_s = time.perf_counter() - started
+    finally:
+        pool.close()
+    assert serial_s >= 32 * 0.05
+    assert pooled_s < 0.6 * serial_s, (pooled_s, serial_s)
+    assert pooled.scores == serial.scores
+    # the dict's extra keys are still averaged into metrics
+    assert pooled.metrics == serial.metrics
+    assert pooled.metrics["reward/extra/length"] == pytest.approx(sum(len(r) for r in responses) / 32)
+
+
+def test_batched_function_split_into_chunks(reward_file: Path) -> None:
+    responses, truths, sources = _rows(10)
+    extra = [{"k": i} for i in range(10)]
+    spec = f"{reward_file}:batched"
+    serial = score_responses(build_reward_function(spec), responses=responses, ground_truths=truths,
+                             data_sources=sources, extra=extra)
+    pool = RewardPool(spec, num_workers=3, timeout_s=30)
+    try:
+        pooled = score_responses(pool, responses=responses, ground_truths=truths, data_sources=sources, extra=extra)
+    finally:
+        pool.close()
+    assert pooled.scores == serial.scores == [len(r) * 2.0 + i for i, r in enumerate(responses)]
+
+
+def test_hanging_reward_times_out_and_leaves_no_process(reward_file: Path) -> None:
+    responses = ["a", "b", "hang", "c", "d"]
+    pool = RewardPool(f"{reward_file}:hang", num_workers=2, timeout_s=1.0)
+    pool.start()
+    # the pool's workers (multiprocessing's resource tracker, one per driver process, outlives pools by design)
+    children = [child for child in psutil.Process().children(recursive=True)
+                if "resource_tracker" not in " ".join(child.cmdline())]
+    assert len(children) == 2, [child.cmdline() for child in children]
+    started = time.perf_counter()
+    with pytest.raises(RewardError, match=r"hang timed out on sample 2: no result after 1 s \(reward.timeout_s\)"):
+        score_responses(pool, responses=responses, ground_truths=["x"] * 5, data_sources=["s"] * 5)
+    assert time.perf_counter() - started < 10
+    _gone, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == [], alive
+    assert pool._executor is None
+
+
+def test_worker_exception_names_row(reward_file: Path) -> None:
+    pool = RewardPool(f"{reward_file}:batched", num_workers=2, timeout_s=30)
+    try:
+        with pytest.raises(RewardError, match=r"batched raised KeyError: .k. on rows 0\.\.1"):
+            score_responses(pool, responses=["a", "b", "c"], ground_truths=["x"] * 3, data_sources=["s"] * 3,
+                            extra=[{}, {}, {}])
+    finally:
+        pool.close()
