@@ -235,7 +235,17 @@ class RewardConfig(_Section):
     micro_batch_size: int = Field(default=64, gt=0)
     protocols: dict[str, str] = Field(default_factory=dict)  # of the reward-model worker's methods, as for actor
     num_workers: int = Field(default=0, ge=0)  # rule function in a pool of N processes; 0 = in the driver
-    timeout_s: float = Field(default=300.0, gt=0)  # per call of the function in the pool
+    timeout_s: float = Field(default=300.0, gt=0)  # per call of the function in the pool, or of the endpoint
+    endpoint: str | None = None  # http://host:port/path scoring each batch in place of `function`
+
+    @model_validator(mode="after")
+    def _endpoint_or_function(self) -> RewardConfig:
+        if self.endpoint is not None and "function" in self.model_fields_set and self.function is not None:
+            raise ValueError(f"endpoint={self.endpoint!r} replaces the rule function, but function={self.function!r} "
+                             "is set too; set function: null, or drop endpoint")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f'endpoint must be an http(s) URL such as "http://host:port/score", got {self.endpoint!r}')
+        return self
 
 
 class CostConfig(RewardConfig):

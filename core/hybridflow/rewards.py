@@ -33,7 +33,8 @@ from hybridflow.hookspecs import hookimpl
 from hybridflow.tasks.arithmetic import arithmetic_exact_reward, arithmetic_reward
 
 __all__ = ["RewardFunction", "RuleRewards", "resolve_reward_function", "compute_rule_rewards", "score_responses",
-           "is_per_sample", "resolve_function_path", "response_length_cost", "RewardPool", "build_reward_function"]
+           "is_per_sample", "resolve_function_path", "response_length_cost", "RewardPool", "RewardEndpoint",
+           "build_reward_function"]
 
 RewardFunction = Callable[..., Any]
 
@@ -227,7 +228,7 @@ def score_responses(function: RewardFunction, *, responses: Sequence[str], groun
         raise RewardError(f"{name}: {len(extra)} extra_info rows for {len(responses)} responses")
     rows = [dict(e) if e is not None else None for e in extra] if extra is not None else None
     metrics: dict[str, float] = {}
-    if isinstance(function, RewardPool):
+    if isinstance(function, (RewardPool, RewardEndpoint)):
         scores, metrics = function.score(responses, ground_truths, data_sources, rows, name)
     elif is_per_sample(function):
         scores, metrics = _call_per_sample(function, responses, ground_truths, data_sources, rows, name)
@@ -474,9 +475,85 @@ class RewardPool:
             raise
 
 
-def build_reward_function(spec: str, *, num_workers: int = 0, timeout_s: float = 300.0,
-                          key: str = "reward.function") -> RewardFunction:
-    """What the trainer scores with: the resolved function (``num_workers`` 0) or a :class:`RewardPool`."""
+class RewardEndpoint:
+    """``reward.endpoint``: the rule reward computed by an HTTP service, one POST per batch (stdlib ``urllib``).
+
+    Request JSON: ``{"data_sources", "responses", "ground_truths", "extra_infos"}`` (lists, one entry per response).
+    Response JSON: ``{"scores": [...]}``, one number per response, plus optional lists of numbers of the same length,
+    whose means are logged as ``<name>/extra/<key>``.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float, key: str = "reward.endpoint") -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f'{key}: expected an http(s) URL such as "http://host:port/score", got {url!r}')
+        self.url = url
+        self.key = key
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"RewardEndpoint({self.url!r}, timeout_s={self.timeout_s})"
+
+    def __call__(self, *, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
+                 extra: Sequence[Mapping[str, Any] | None] | None = None) -> list[float]:
+        """As a batched reward function: the scores of :func:`score_responses` from the endpoint."""
+        return compute_rule_rewards(self, responses=responses, ground_truths=ground_truths, data_sources=data_sources,
+                                    extra=extra)
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
+              extra: list[dict[str, Any] | None] | None, name: str) -> tuple[list[Any], dict[str, float]]:
+        import json
+        import urllib.error
+        import urllib.request
+
+        count = len(responses)
+        body = json.dumps({"data_sources": list(data_sources), "responses": list(responses),
+                           "ground_truths": list(ground_truths),
+                           "extra_infos": list(extra) if extra is not None else [None] * count}, default=str).encode()
+        request = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        where = f"{name} endpoint {self.url} ({self.key})"
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                payload = json.loads(response.read().decode())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise RewardError(f"{where} answered HTTP {exc.code} {exc.reason}: {detail}") from exc
+        except TimeoutError as exc:
+            raise RewardError(f"{where} gave no answer within {self.timeout_s:g} s "
+                              f"({self.key.rpartition('.')[0]}.timeout_s) for {count} responses") from exc
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise RewardError(f"{where} gave no answer within {self.timeout_s:g} s "
+                                  f"({self.key.rpartition('.')[0]}.timeout_s) for {count} responses") from exc
+            raise RewardError(f"{where} could not be reached: {exc.reason}") from exc
+        except ValueError as exc:
+            raise RewardError(f"{where} answered with invalid JSON: {exc}; expected {{\"scores\": [...]}}") from exc
+        if not isinstance(payload, dict) or not isinstance(payload.get("scores"), list):
+            got = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise RewardError(f'{where} answered {got}; expected a JSON object {{"scores": [one number per response]}}')
+        if len(payload["scores"]) != count:
+            raise RewardError(f"{where} returned {len(payload['scores'])} scores for {count} responses; expected "
+                              "exactly one per response")
+        metrics: dict[str, float] = {}
+        for extra_key, values in payload.items():
+            if extra_key == "scores":
+                continue
+            if not isinstance(values, list) or len(values) != count or not all(
+                    isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+                raise RewardError(f"{where}: extra key {extra_key!r} must be a list of {count} numbers (one per "
+                                  f"response), got {str(values)[:100]}")
+            metrics[f"{name}/extra/{extra_key}"] = sum(float(v) for v in values) / max(count, 1)
+        return list(payload["scores"]), metrics
+
+
+def build_reward_function(spec: str | None, *, num_workers: int = 0, timeout_s: float = 300.0,
+                          endpoint: str | None = None, key: str = "reward.function") -> RewardFunction:
+    """What the trainer scores with: a :class:`RewardEndpoint` (``endpoint`` set), the resolved function
+    (``num_workers`` 0) or a :class:`RewardPool`."""
+    if endpoint is not None:
+        return RewardEndpoint(endpoint, timeout_s=timeout_s, key=f"{key.rpartition('.')[0]}.endpoint")
+    if spec is None:
+        raise ConfigError(f"{key}: expected a reward function spec or {key.rpartition('.')[0]}.endpoint, got neither")
     if num_workers == 0:
         return resolve_reward_function(spec, key=key)
     return RewardPool(spec, num_workers=num_workers, timeout_s=timeout_s, key=key)

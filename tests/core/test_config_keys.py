@@ -123,6 +123,8 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         # the per-call timeout applies to the worker pool: set one with it
         "reward.timeout_s": [["reward.num_workers=2", "reward.timeout_s=5"]],
         "cost.timeout_s": [["cost.num_workers=2", "cost.timeout_s=5"]],
+        "reward.endpoint": [["reward.function=null", "reward.endpoint=http://127.0.0.1:9/score"]],
+        "cost.endpoint": [["cost.function=null", "cost.endpoint=http://127.0.0.1:9/cost"]],
         "data.train_files": [[f"data.train_files=[{json.dumps(str(data_file))}]"]],
         "data.val_files": [[f"data.val_files=[{json.dumps(str(data_file))}]"]],
         "data.task.operators": [['data.task.operators="+-"']],

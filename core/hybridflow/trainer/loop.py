@@ -72,12 +72,13 @@ class Trainer:
         self.loader = PromptLoader(train, batch_size=config.data.batch_size, seed=config.trainer.seed,
                                    shuffle=config.data.shuffle)
         reward, cost = config.reward, config.cost
-        self.reward_fn = build_reward_function(reward.function, num_workers=reward.num_workers,
-                                               timeout_s=reward.timeout_s) if reward.function else None
+        self.reward_fn = build_reward_function(
+            reward.function, num_workers=reward.num_workers, timeout_s=reward.timeout_s, endpoint=reward.endpoint,
+        ) if reward.function or reward.endpoint else None
         self.cost_fn = None
-        if cost is not None and cost.function:
+        if cost is not None and (cost.function or cost.endpoint):
             self.cost_fn = build_reward_function(cost.function, num_workers=cost.num_workers, timeout_s=cost.timeout_s,
-                                                 key="cost.function")
+                                                 endpoint=cost.endpoint, key="cost.function")
         # the algorithm owns its roles and state: the trainer builds, checkpoints and resumes exactly these
         self.plans = plan_roles(config, self.algorithm.roles(config), tokenizer=self.tokenizer,
                                 algorithm=self.algorithm)
