@@ -82,7 +82,7 @@ class Runtime:
         model = self.roles.get("cost_model" if cost else "reward_model")
         if function is None and model is None:
             raise ConfigError(f"no {'cost' if cost else 'reward'} configured: set {'cost' if cost else 'reward'}"
-                              ".function (a registered name or module:function) or its .model")
+                              ".function (a registered name or module:function), .endpoint or .model")
         total = torch.zeros(len(batch))
         if function is not None:
             rule = score_responses(
