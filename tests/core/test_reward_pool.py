@@ -109,3 +109,34 @@ def test_worker_exception_names_row(reward_file: Path) -> None:
                             extra=[{}, {}, {}])
     finally:
         pool.close()
+
+
+def test_config_pool_through_runtime_score(reward_file: Path) -> None:
+    """reward.num_workers from the config → build_reward_function (what the Trainer calls) → Runtime.score."""
+    import torch
+
+    from hybridflow.algorithms.runtime import Runtime
+    from hybridflow.config import load_config
+    from hybridflow.data import PromptDataset
+    from hybridflow.testing.fixtures import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    rows = [{"prompt": f"{i}+0=", "data_source": "toy", "reward_model": {"ground_truth": str(i)}} for i in range(4)]
+    generated = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=6).batch([0, 1, 2, 3],
+                                                                                   uids=list("abcd"))
+    answers = ["0", "5", "2", "9"]
+    generated["responses"] = torch.tensor([tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers])
+    generated["response_mask"] = torch.ones(4, 1)
+    generated["attention_mask"] = torch.ones(4, 7, dtype=torch.long)
+    config = load_config(None, [f"reward.function={reward_file}:slow_score", "reward.num_workers=2",
+                                "reward.timeout_s=30"])
+    reward = config.reward
+    assert reward.function is not None
+    pool = build_reward_function(reward.function, num_workers=reward.num_workers, timeout_s=reward.timeout_s)
+    assert isinstance(pool, RewardPool) and pool.num_workers == 2 and pool.timeout_s == 30
+    try:
+        scored = Runtime(config=config, tokenizer=tokenizer, reward_fn=pool).score(generated)
+    finally:
+        pool.close()
+    assert scored["scores"].tolist() == pytest.approx([1.01, 0.01, 1.01, 0.01])
+    assert scored.meta["reward_metrics"] == {"reward/extra/length": 1.0}
