@@ -449,7 +449,7 @@ class RewardPool:
                 first_deadline = min(started for _, started in running.values()) + self.timeout_s
                 done, _ = concurrent.futures.wait(running, timeout=max(0.0, first_deadline - time.monotonic()),
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in done:
+                for future in sorted(done, key=lambda item: running[item][0]):  # the first rows' error first
                     position, _ = running.pop(future)
                     start, stop, _ = calls[position]
                     rows = f"row {start}" if stop - start == 1 else f"rows {start}..{stop - 1}"
