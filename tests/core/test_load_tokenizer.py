@@ -32,3 +32,14 @@ def test_a_saved_chat_tokenizer_keeps_its_template(tmp_path: Path) -> None:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "3*4"}], tokenize=False,
                                              add_generation_prompt=True)
     assert "3*4" in rendered and rendered != "3*4"
+
+
+def test_a_missing_model_directory_is_a_config_error_saying_how_to_make_it(tmp_path: Path) -> None:
+    import pytest
+
+    from hybridflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.path 'runs/nowhere/hf' is not a directory.*hybridflow sft"):
+        build_tokenizer(ModelConfig(path="runs/nowhere/hf"))
+    with pytest.raises(ConfigError, match=r"no tokenizer could be loaded from it"):
+        build_tokenizer(ModelConfig(path=str(tmp_path)))  # a directory, but no model in it

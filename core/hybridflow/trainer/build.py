@@ -7,6 +7,7 @@ different pools get their own groups (split placement). What each role computes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config, ModelConfig, ParallelSection, check_pool_batches
@@ -56,7 +57,17 @@ def build_tokenizer(model: ModelConfig) -> Any:
     if model.path is not None:
         from hybridflow.model_dir import load_tokenizer
 
-        return load_tokenizer(model.path)
+        path = str(model.path)
+        fix = ("Fix: create it first (for the README's job: hybridflow sft examples/sft_arithmetic.yaml writes "
+               "runs/sft-arithmetic/hf), or point model.path at an existing HF model directory")
+        # "name" or "org/name" may be a hub id; anything else is a local directory
+        if (path.startswith(("/", ".", "~")) or path.count("/") > 1) and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"model.path {path!r} is not a directory (relative to {Path.cwd()}): expected a "
+                              f"Hugging Face model directory. {fix}")
+        try:
+            return load_tokenizer(path)
+        except (OSError, ValueError) as exc:  # transformers raises either for a directory without a tokenizer
+            raise ConfigError(f"model.path {path!r}: no tokenizer could be loaded from it ({exc}). {fix}") from exc
     from hybridflow.char_tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
