@@ -7,17 +7,15 @@ All ranks must see the same filesystem. Deciding when to checkpoint is the train
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from hybridflow.errors import CheckpointError
-from hybridflow_fsdp.checkpoint import TOKENIZER_FILES
+from hybridflow_fsdp.checkpoint import TOKENIZER_FILES, rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -29,27 +27,6 @@ __all__ = ["save", "load", "export_hf", "TAG"]
 #: the DeepSpeed checkpoint tag (sub-directory) inside a hybridflow checkpoint directory
 TAG = "deepspeed"
 _EXTRA = "engine_state_rank{rank}.pt"
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG state as tensors and plain Python values, so the file loads with ``weights_only=True``."""
-    legacy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
-    name, keys, position, has_gauss, cached = legacy_state
-    numpy_state = [str(name), torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)]
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, position, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save(engine: DeepSpeedTrainingEngine, path: str) -> None:
@@ -70,7 +47,7 @@ def save(engine: DeepSpeedTrainingEngine, path: str) -> None:
         "role": engine.role,
         "zero_stage": engine.options.zero_stage,
         "version": engine.state_version(),
-        "rng": _rng_state(),
+        "rng": rng_state(),
     }
     torch.save(extra, staging / _EXTRA.format(rank=engine.rank))
     dist.barrier()
@@ -115,7 +92,7 @@ def load(engine: DeepSpeedTrainingEngine, path: str) -> None:
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint under {directory / TAG}")
     engine._version = int(extra["version"])
-    _set_rng_state(extra["rng"])
+    set_rng_state(extra["rng"])
     dist.barrier()
 
 

@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
-__all__ = ["save", "load", "export_hf", "TOKENIZER_FILES"]
+__all__ = ["save", "load", "export_hf", "TOKENIZER_FILES", "rng_state", "set_rng_state"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "generation_config.json", "chat_template.jinja")
 _EXTRA = "engine_state_rank{rank}.pt"
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     """Every RNG state as tensors and plain Python values, so the file loads with ``weights_only=True``."""
     legacy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
     name, keys, position, has_gauss, cached = legacy_state
@@ -41,7 +41,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -75,7 +75,7 @@ def save(engine: FSDPTrainingEngine, path: str) -> None:
         "role": engine.role,
         "version": engine.state_version(),
         "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
-        "rng": _rng_state(),
+        "rng": rng_state(),
     }
     torch.save(extra, staging / _EXTRA.format(rank=engine.rank))
     dist.barrier()
@@ -118,7 +118,7 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
     if engine.scheduler is not None and extra["scheduler"] is not None:
         engine.scheduler.load_state_dict(extra["scheduler"])
     engine._version = int(extra["version"])
-    _set_rng_state(extra["rng"])
+    set_rng_state(extra["rng"])
     dist.barrier()
 
 
