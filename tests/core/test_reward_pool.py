@@ -87,10 +87,11 @@ def test_batched_function_split_into_chunks(reward_file: Path) -> None:
 def test_hanging_reward_times_out_and_leaves_no_process(reward_file: Path) -> None:
     responses = ["a", "b", "hang", "c", "d"]
     pool = RewardPool(f"{reward_file}:hang", num_workers=2, timeout_s=1.0)
+    before = {child.pid for child in psutil.Process().children(recursive=True)}  # other tests' processes may live on
     pool.start()
     # the pool's workers (multiprocessing's resource tracker, one per driver process, outlives pools by design)
     children = [child for child in psutil.Process().children(recursive=True)
-                if "resource_tracker" not in " ".join(child.cmdline())]
+                if child.pid not in before and "resource_tracker" not in " ".join(child.cmdline())]
     assert len(children) == 2, [child.cmdline() for child in children]
     started = time.perf_counter()
     with pytest.raises(RewardError, match=r"hang timed out on sample 2: no result after 1 s \(reward.timeout_s\)"):
