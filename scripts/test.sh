@@ -10,7 +10,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_DEDU
 # (the hook in tests/conftest.py).
 export HYBRIDFLOW_REQUIRE_ENGINES=1
 echo "ruff: $("$py" -m ruff --version)"
-"$py" -m ruff check core plugins tests bench scripts
+"$py" -m ruff check core plugins tests bench scripts examples
 echo "$("$py" -m mypy --version): strict over core and the five plugins (files in pyproject.toml [tool.mypy])"
 "$py" -m mypy
 exec "$py" -m pytest -ra --durations=25 "$@"

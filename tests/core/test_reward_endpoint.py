@@ -13,7 +13,8 @@ import pytest
 
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError, RewardError
-from hybridflow.rewards import RewardEndpoint, build_reward_function, score_responses
+from hybridflow.rewards import score_responses
+from hybridflow.rewards_remote import RewardEndpoint, build_reward_function
 
 REQUESTS: list[dict[str, Any]] = []
 

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from hybridflow.errors import RewardError
-from hybridflow.rewards import RewardPool, build_reward_function, score_responses
+from hybridflow.rewards import score_responses
+from hybridflow.rewards_remote import RewardPool, build_reward_function
 
 REWARDS = '''
 import time

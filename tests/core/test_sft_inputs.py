@@ -15,7 +15,16 @@ from hybridflow.config import load_config
 from hybridflow.data import make_task_rows
 from hybridflow.errors import ConfigError, DatasetError
 from hybridflow.tasks.arithmetic import make_sft_rows, write_sft_files
-from hybridflow.trainer.sft import SFTLoss, SFTTrainer, build_sft_batch, load_sft_config, main
+from hybridflow.trainer.sft import (
+    PROMPT_FIELD,
+    RESPONSE_FIELD,
+    SFTLoss,
+    SFTTrainer,
+    build_sft_batch,
+    load_demonstrations,
+    load_sft_config,
+    main,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_EXAMPLE = ROOT / "examples" / "sft_arithmetic.yaml"
@@ -44,9 +53,8 @@ def test_shipped_demonstrations_are_the_task_code_output_and_exclude_held_out_su
 
 def test_sft_batch_layout_and_loss_is_the_masked_token_mean_nll() -> None:
     tokenizer = build_char_tokenizer()
-    rows = [{"prompt": "7+5=", "response": "12"}, {"prompt": "1+1=", "response": "2"}]
-    batch = build_sft_batch(rows, tokenizer, prompt_key="prompt", response_key="response", max_prompt_length=6,
-                            max_response_length=4)
+    rows = [{PROMPT_FIELD: "7+5=", RESPONSE_FIELD: "12"}, {PROMPT_FIELD: "1+1=", RESPONSE_FIELD: "2"}]
+    batch = build_sft_batch(rows, tokenizer, max_prompt_length=6, max_response_length=4)
     assert batch["prompts"][1].tolist()[:2] == [PAD_ID, PAD_ID]  # left-padded prompts
     assert batch["responses"][0, 2].item() == EOS_ID and batch["responses"][1, 1].item() == EOS_ID
     assert batch["response_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]  # the answer and its EOS
@@ -132,3 +140,24 @@ def test_a_broken_yaml_is_a_config_error(tmp_path: Path) -> None:
     path.write_text("data: {train_files: [a.jsonl]\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load_sft_config(path)
+
+
+def test_verl_sft_layout_dict_keys_and_chat_prompts(tmp_path: Path) -> None:
+    """verl's SFT keys: ``prompt_key: extra_info`` + ``prompt_dict_keys: [question]`` reaches into a dict column; a
+    prompt given as chat messages goes through the tokenizer's chat template, as the RL dataset renders it."""
+    path = tmp_path / "demos.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "7+5="}], "extra_info": {"question": "7+5=", "answer": "12"}}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    by_dict = load_demonstrations([str(path)], prompt_key="extra_info", response_key="extra_info",
+                                  prompt_dict_keys=["question"], response_dict_keys=["answer"])
+    assert (by_dict[0][PROMPT_FIELD], by_dict[0][RESPONSE_FIELD]) == ("7+5=", "12")
+    chat = load_demonstrations([str(path)], prompt_key="prompt", response_key="extra_info",
+                               response_dict_keys=["answer"])
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}" \
+                              "={% endif %}"
+    batch = build_sft_batch(chat, tokenizer, max_prompt_length=6, max_response_length=4)
+    assert tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()]) == "7+5==12<eos>"
+    with pytest.raises(DatasetError, match=r"'extra_info' has no key 'query' \(found \['answer', 'question'\]\)"):
+        load_demonstrations([str(path)], prompt_key="extra_info", response_key="extra_info",
+                            prompt_dict_keys=["query"], response_dict_keys=["answer"])

@@ -23,7 +23,7 @@ from hybridflow.ledger import IterationRecord, Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
-from hybridflow.rewards import RewardPool, build_reward_function
+from hybridflow.rewards_remote import RewardPool, build_reward_function
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress

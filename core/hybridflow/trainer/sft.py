@@ -12,29 +12,19 @@ SFT keys), in ``.jsonl`` or ``.parquet``. Stability: experimental.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, ValidationError, model_validator
 
 from hybridflow.batch import Batch
-from hybridflow.config import (
-    ModelConfig,
-    OptimSection,
-    ParallelSection,
-    PoolConfig,
-    RayConfig,
-    _explain,
-    _Section,
-    apply_overrides,
-    read_yaml_mapping,
-)
 from hybridflow.errors import ConfigError, DatasetError, HybridflowError
+from hybridflow.trainer.sft_config import SFTConfig, load_sft_config
 
 __all__ = ["SFTConfig", "SFTLoss", "SFTTrainer", "HF_DIR", "load_sft_config", "build_sft_batch", "load_demonstrations",
            "main"]
@@ -43,112 +33,34 @@ __all__ = ["SFTConfig", "SFTLoss", "SFTTrainer", "HF_DIR", "load_sft_config", "b
 HF_DIR = "hf"
 
 
-# --- configuration -----------------------------------------------------------------------------------------------
-class SFTDataSection(_Section):
-    train_files: list[str] = Field(min_length=1)
-    val_files: list[str] = Field(default_factory=list)
-    prompt_key: str = "prompt"      # verl: data.prompt_key
-    response_key: str = "response"  # verl: data.response_key
-    max_prompt_length: int = Field(default=8, gt=0)
-    max_response_length: int = Field(default=8, gt=0)  # response tokens, the EOS appended to each included
-    batch_size: int = Field(default=32, gt=0)  # rows per optimizer step over all ranks (verl: train_batch_size)
-    shuffle: bool = True
-
-
-class SFTActorSection(_Section):
-    engine: str = "fsdp"
-    pool: str = "main"
-    parallel: ParallelSection = ParallelSection()
-    micro_batch_size: int = Field(default=64, gt=0)
-    mixed_precision: Literal["none", "bf16"] = "none"
-    gradient_checkpointing: bool = False
-    optim: OptimSection = OptimSection()
-    extra: dict[str, Any] = Field(default_factory=dict)
-
-
-class SFTRolloutSection(_Section):
-    """The engine that generates the greedy validation answers (colocated with training, as in RL)."""
-
-    engine: str = "hf"
-    extra: dict[str, Any] = Field(default_factory=dict)
-
-
-class SFTRewardSection(_Section):
-    # scores the greedy validation answers against the val rows' responses (exact match: acc); null = loss only
-    function: str | None = "arithmetic"
-
-
-class SFTTrainerSection(_Section):
-    total_steps: int = Field(default=100, gt=0)
-    run_dir: str = "runs/sft"
-    seed: int = 0
-    val_every: int = Field(default=0, ge=0)  # 0: validate only before the first and after the last step
-    progress: bool = True
-    tensorboard: bool = True
-    deadline_s: float = Field(default=900.0, gt=0)
-    threads_per_worker: int = Field(default=1, gt=0)
-
-
-class SFTConfig(_Section):
-    model: ModelConfig = ModelConfig(preset="tiny-qwen2")
-    data: SFTDataSection
-    actor: SFTActorSection = SFTActorSection()
-    rollout: SFTRolloutSection = SFTRolloutSection()
-    reward: SFTRewardSection = SFTRewardSection()
-    resource_pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"main": PoolConfig(devices_per_node=[2])})
-    ray: RayConfig = RayConfig()
-    trainer: SFTTrainerSection = SFTTrainerSection()
-
-    @model_validator(mode="after")
-    def _pool_and_batch(self) -> SFTConfig:
-        if self.actor.pool not in self.resource_pools:
-            raise ValueError(f"actor.pool is {self.actor.pool!r}, not one of resource_pools "
-                             f"({', '.join(self.resource_pools)})")
-        world = self.resource_pools[self.actor.pool].world_size
-        if self.data.batch_size % world:
-            raise ValueError(f"data.batch_size = {self.data.batch_size} rows must be a multiple of the "
-                             f"{world} ranks of pool {self.actor.pool!r} (rows are split over them)")
-        return self
-
-
-def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SFTConfig:
-    """Read an SFT YAML plus dotted overrides. Relative data files are read from the YAML's folder when the file is
-    there, else from the working directory; a ``file.py:function`` reward is anchored as ``hybridflow train`` does."""
-    from hybridflow.rewards import resolve_function_path
-
-    data: dict[str, Any] = {}
-    base = Path.cwd()
-    if path is not None:
-        path = Path(path)
-        data = read_yaml_mapping(path)
-        base = path.parent
-    data = apply_overrides(data, list(overrides))
-    files = data.get("data")
-    if isinstance(files, dict):
-        for key in ("train_files", "val_files"):
-            if isinstance(files.get(key), list):
-                files[key] = [_anchor(str(file), base) for file in files[key]]
-    reward = data.get("reward")
-    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
-        data["reward"] = {**reward, "function": resolve_function_path(reward["function"], base)}
-    try:
-        return SFTConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_explain(exc.errors())) from None
-
-
-def _anchor(file: str, base: Path) -> str:
-    """``file`` as the config means it: relative paths are taken from the config's folder when the file is there,
-    else from the working directory."""
-    if Path(file).is_absolute() or not (base / file).exists():
-        return file
-    return str(base / file)
-
-
 # --- data --------------------------------------------------------------------------------------------------------
-def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: str) -> list[dict[str, Any]]:
-    """Rows of the demonstration files, each checked for a text prompt and response (DatasetError naming the file,
-    the row and the columns found otherwise)."""
+#: where :func:`load_demonstrations` puts each row's resolved prompt (text or chat messages) and response text
+PROMPT_FIELD, RESPONSE_FIELD = "__sft_prompt__", "__sft_response__"
+
+
+def _resolve(row: Mapping[str, Any], key: str, dict_keys: Sequence[str], *, where: str) -> Any:
+    """``row[key]``, then each of ``dict_keys`` into it (verl's ``*_dict_keys``), with an error naming the path."""
+    value: Any = row[key]
+    path = key
+    for part in dict_keys:
+        if isinstance(value, str):  # a dict column written through pandas may hold JSON text
+            with contextlib.suppress(json.JSONDecodeError):
+                value = json.loads(value)
+        if not isinstance(value, Mapping) or part not in value:
+            found = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise DatasetError(f"{where}: {path!r} has no key {part!r} (found {found}); check "
+                               "data.prompt_dict_keys / data.response_dict_keys")
+        value = value[part]
+        path = f"{path}.{part}"
+    return value
+
+
+def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: str,
+                        prompt_dict_keys: Sequence[str] = (), response_dict_keys: Sequence[str] = ()
+                        ) -> list[dict[str, Any]]:
+    """Rows of the demonstration files, each checked for a prompt (text or chat messages) and a text response
+    (DatasetError naming the file, the row and the columns found otherwise); the resolved values are stored under
+    :data:`PROMPT_FIELD` / :data:`RESPONSE_FIELD` of each row."""
     from hybridflow.data import load_rows
 
     if not files:
@@ -167,19 +79,28 @@ def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: 
                     f"{file} row {index} lacks column(s) {missing}; found {sorted(row)}. SFT expects a prompt and "
                     f"a response per row (data.prompt_key={prompt_key!r}, data.response_key={response_key!r}); set "
                     "those keys to your columns' names")
-            for key in (prompt_key, response_key):
-                if not isinstance(row[key], str):
-                    raise DatasetError(f"{file} row {index}: column {key!r} must be text, got "
-                                       f"{type(row[key]).__name__}")
-            rows.append(row)
+            where = f"{file} row {index}"
+            prompt = _resolve(row, prompt_key, prompt_dict_keys, where=where)
+            response = _resolve(row, response_key, response_dict_keys, where=where)
+            is_chat = isinstance(prompt, list) and all(isinstance(m, Mapping) and "content" in m for m in prompt)
+            if not (isinstance(prompt, str) or is_chat):
+                raise DatasetError(f"{where}: column {prompt_key!r} must be text or chat messages "
+                                   f"[{{role, content}}], got {type(prompt).__name__}")
+            if not isinstance(response, str):
+                raise DatasetError(f"{where}: column {response_key!r} must be text, got "
+                                   f"{type(response).__name__}")
+            rows.append({**row, PROMPT_FIELD: prompt, RESPONSE_FIELD: response})
     return rows
 
 
-def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str, response_key: str,
-                    max_prompt_length: int, max_response_length: int) -> Batch:
+def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_prompt_length: int,
+                    max_response_length: int) -> Batch:
     """The engines' column layout for teacher forcing: ``prompts`` left-padded, ``responses`` (the response's
     tokens then EOS) right-padded, ``input_ids``/``attention_mask`` of both, ``response_mask`` on the response
-    tokens and EOS: the tokens the loss is taken over."""
+    tokens and EOS: the tokens the loss is taken over. ``rows`` come from :func:`load_demonstrations`; a chat prompt
+    is rendered with the tokenizer's chat template (generation prompt added), as the RL dataset renders it."""
+    from hybridflow.data import render_prompt
+
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
@@ -189,15 +110,16 @@ def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, prompt
     responses = torch.full((len(rows), max_response_length), pad_id, dtype=torch.long)
     response_mask = torch.zeros_like(responses)
     for index, row in enumerate(rows):
-        prompt = tokenizer(row[prompt_key], add_special_tokens=False)["input_ids"]
-        response = [*tokenizer(row[response_key], add_special_tokens=False)["input_ids"], eos_id]
+        prompt_text = render_prompt(row[PROMPT_FIELD], tokenizer, where=f"demonstration {index}")
+        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        response = [*tokenizer(row[RESPONSE_FIELD], add_special_tokens=False)["input_ids"], eos_id]
         if not prompt:
             raise DatasetError(f"demonstration {index}: the prompt is empty after tokenisation")
         if len(prompt) > max_prompt_length:
-            raise DatasetError(f"demonstration {index}: prompt {row[prompt_key]!r} has {len(prompt)} tokens, more "
+            raise DatasetError(f"demonstration {index}: prompt {prompt_text!r} has {len(prompt)} tokens, more "
                                f"than data.max_prompt_length={max_prompt_length}; raise the limit")
         if len(response) > max_response_length:
-            raise DatasetError(f"demonstration {index}: response {row[response_key]!r} has {len(response)} tokens "
+            raise DatasetError(f"demonstration {index}: response {row[RESPONSE_FIELD]!r} has {len(response)} tokens "
                                f"with the EOS, more than data.max_response_length={max_response_length}; raise it")
         prompts[index, max_prompt_length - len(prompt):] = torch.tensor(prompt)
         prompt_mask[index, max_prompt_length - len(prompt):] = 1
@@ -241,13 +163,17 @@ class SFTTrainer:
         self.run_dir = Path(config.trainer.run_dir)
         self.tokenizer = build_tokenizer(config.model)
         data = config.data
-        keys = {"prompt_key": data.prompt_key, "response_key": data.response_key}
-        self.train_rows = load_demonstrations(data.train_files, **keys)
-        self.val_rows = load_demonstrations(data.val_files, **keys) if data.val_files else []
+
+        def read(files: list[str]) -> list[dict[str, Any]]:
+            return load_demonstrations(files, prompt_key=data.prompt_key, response_key=data.response_key,
+                                       prompt_dict_keys=data.prompt_dict_keys,
+                                       response_dict_keys=data.response_dict_keys)
+
+        self.train_rows = read(data.train_files)
+        self.val_rows = read(data.val_files) if data.val_files else []
 
         def encode(rows: list[dict[str, Any]]) -> Batch:
-            return build_sft_batch(rows, self.tokenizer, prompt_key=data.prompt_key, response_key=data.response_key,
-                                   max_prompt_length=data.max_prompt_length,
+            return build_sft_batch(rows, self.tokenizer, max_prompt_length=data.max_prompt_length,
                                    max_response_length=data.max_response_length)
 
         self.train_batch = encode(self.train_rows)
@@ -381,14 +307,13 @@ class SFTTrainer:
         from hybridflow.algorithms.helpers import decode_batch
         from hybridflow.rewards import score_responses
 
-        data = self.config.data
         prompts = Batch({"input_ids": padded["prompts"], "attention_mask": padded["attention_mask"][:, :padded[
             "prompts"].shape[1]]}, meta={"iteration": 0, "policy_version": self._policy_version})
         generated = self.group.actor.generate(prompts, greedy=True).get(timeout=self.config.trainer.deadline_s)
         responses = generated["responses"][:rows].tolist()
         masks = generated["response_mask"][:rows].bool().tolist()
         texts = decode_batch(self.tokenizer, [[t for t, keep in zip(r, m) if keep] for r, m in zip(responses, masks)])
-        truths = [str((row.get("reward_model") or {}).get("ground_truth", row[data.response_key]))
+        truths = [str((row.get("reward_model") or {}).get("ground_truth", row[RESPONSE_FIELD]))
                   for row in self.val_rows]
         sources = [str(row.get("data_source", "sft")) for row in self.val_rows]
         extra = [dict(row.get("extra_info") or {}) for row in self.val_rows]
