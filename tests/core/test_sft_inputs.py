@@ -161,3 +161,12 @@ def test_verl_sft_layout_dict_keys_and_chat_prompts(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"'extra_info' has no key 'query' \(found \['answer', 'question'\]\)"):
         load_demonstrations([str(path)], prompt_key="extra_info", response_key="extra_info",
                             prompt_dict_keys=["query"], response_dict_keys=["answer"])
+
+
+def test_train_cli_reports_bad_input_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hybridflow train`` shares the error handling of ``hybridflow sft`` (one line, exit code 2)."""
+    from hybridflow.trainer.cli import main as train_main
+
+    assert train_main([str(ROOT / "examples" / "grpo_arithmetic_scratch.yaml"), "trainer.totl_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "hybridflow train: ConfigError: " in err and "totl_steps" in err and "Traceback" not in err

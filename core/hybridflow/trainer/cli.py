@@ -4,11 +4,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from hybridflow.errors import HybridflowError
 
-__all__ = ["main"]
+__all__ = ["main", "run_guarded", "validation_lines"]
+
+T = TypeVar("T")
+
+
+def run_guarded(command: str, run: Callable[[], T], *, interrupted: str) -> tuple[int, T | None]:
+    """``(0, run())``; a :class:`HybridflowError` becomes one line on stderr and exit code 2, Ctrl-C ``interrupted``
+    and 130 — the commands report errors without tracebacks."""
+    try:
+        return 0, run()
+    except HybridflowError as exc:
+        print(f"{command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2, None
+    except KeyboardInterrupt:
+        print(f"{command}: {interrupted}", file=sys.stderr)
+        return 130, None
+
+
+def validation_lines(validated: Sequence[Mapping[str, float]], include: Callable[[str], bool], *, digits: int,
+                     label: str = "") -> list[str]:
+    """One line per validation metric ``include`` accepts: its value at each validated step."""
+    lines = []
+    for key in sorted({k for row in validated for k in row if include(k)}):
+        points = [(int(row["step"]), row[key]) for row in validated if key in row]
+        lines.append(f"validation {key.removeprefix('val-core/')}{label}: " + " → ".join(
+            f"{value:.{digits}f} @ step {step}" for step, value in points))
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -22,22 +50,21 @@ def main(argv: list[str]) -> int:
     if config_path is not None and "=" in config_path:
         overrides.insert(0, config_path)
         config_path = None
-    try:
-        from hybridflow.config import load_config
-        from hybridflow.trainer import Trainer
+    from hybridflow.config import load_config
+    from hybridflow.trainer import Trainer
 
-        config = load_config(config_path, overrides)
-        trainer = Trainer(config, progress=not args.no_progress)
+    def run() -> tuple[Trainer, list[dict[str, float]]]:
+        trainer = Trainer(load_config(config_path, overrides), progress=not args.no_progress)
         try:
-            history = trainer.fit()
+            return trainer, trainer.fit()
         finally:
             trainer.close()
-    except HybridflowError as exc:
-        print(f"hybridflow train: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("hybridflow train: interrupted; the last checkpoint is intact", file=sys.stderr)
-        return 130
+
+    code, result = run_guarded("hybridflow train", run, interrupted="interrupted; the last checkpoint is intact")
+    if result is None:
+        return code
+    trainer, history = result
+    config = trainer.config
     if history:
         first, last = history[0], history[-1]
         print(f"done: {trainer.step} steps; reward/mean {first.get('reward/mean', 0):.3f} → "
@@ -55,9 +82,7 @@ def main(argv: list[str]) -> int:
             else:
                 if verdict is not None:
                     print(format_verdict(verdict))
-    validated = trainer.validation_history
-    for key in sorted({k for row in validated for k in row if k.startswith("val-core/") and k.endswith("@1")}):
-        points = [(int(row["step"]), row[key]) for row in validated if key in row]
-        print(f"validation {key.removeprefix('val-core/')} (greedy): " + " → ".join(
-            f"{value:.2f} @ step {step}" for step, value in points))
+    for line in validation_lines(trainer.validation_history,
+                                 lambda k: k.startswith("val-core/") and k.endswith("@1"), digits=2, label=" (greedy)"):
+        print(line)
     return 0

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.errors import ConfigError, DatasetError, HybridflowError
+from hybridflow.errors import ConfigError, DatasetError
 from hybridflow.trainer.sft_config import SFTConfig, load_sft_config
 
 __all__ = ["SFTConfig", "SFTLoss", "SFTTrainer", "HF_DIR", "load_sft_config", "build_sft_batch", "load_demonstrations",
@@ -378,7 +378,8 @@ class SFTTrainer:
 def main(argv: list[str]) -> int:
     """``hybridflow sft CONFIG.yaml [dotted.key=value ...]``."""
     import argparse
-    import sys
+
+    from hybridflow.trainer.cli import run_guarded, validation_lines
 
     parser = argparse.ArgumentParser(prog="hybridflow sft", description=(
         "Supervised fine-tuning (masked response-token NLL) with the FSDP training engine; writes RUN_DIR/hf, an HF "
@@ -387,24 +388,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.total_steps=50")
     parser.add_argument("--no-progress", action="store_true", help="no per-step log lines")
     args = parser.parse_args(argv)
-    try:
-        config = load_sft_config(args.config, args.overrides)
-        trainer = SFTTrainer(config, progress=not args.no_progress)
+
+    def run() -> tuple[SFTTrainer, Path]:
+        trainer = SFTTrainer(load_sft_config(args.config, args.overrides), progress=not args.no_progress)
         try:
-            target = trainer.fit()
+            return trainer, trainer.fit()
         finally:
             trainer.close()
-    except HybridflowError as exc:
-        print(f"hybridflow sft: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("hybridflow sft: interrupted; no model was written", file=sys.stderr)
-        return 130
-    history, validated = trainer.history, trainer.validation_history
+
+    code, result = run_guarded("hybridflow sft", run, interrupted="interrupted; no model was written")
+    if result is None:
+        return code
+    trainer, target = result
+    history = trainer.history
     print(f"done: {len(history)} SFT steps; train/loss {history[0]['train/loss']:.3f} → "
           f"{history[-1]['train/loss']:.3f}; HF model in {target}")
-    for key in sorted({k for row in validated for k in row if k == "val/loss" or k.startswith("val-core/")}):
-        points = [(int(row["step"]), row[key]) for row in validated if key in row]
-        print(f"validation {key.removeprefix('val-core/')}: " + " → ".join(
-            f"{value:.3f} @ step {step}" for step, value in points))
+    for line in validation_lines(trainer.validation_history,
+                                 lambda k: k == "val/loss" or k.startswith("val-core/"), digits=3):
+        print(line)
     return 0
