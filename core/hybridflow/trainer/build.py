@@ -126,6 +126,26 @@ def _section_model(config: Config, declaration: RoleDeclaration, section: Any) -
     return config.model
 
 
+#: built-in role sections an algorithm may leave unbuilt (placement fragments configure every one of them)
+OPTIONAL_ROLE_SECTIONS = ("critic", "reference", "cost_critic")
+
+
+def warn_unbuilt_sections(config: Config, read: set[str]) -> list[str]:
+    """Warn (UserWarning) for each of :data:`OPTIONAL_ROLE_SECTIONS` the config sets but no built role reads: its
+    keys do nothing in this run. Not an error: a placement fragment (``hybridflow plan``) configures every role's
+    pool and parallel sizes whatever the algorithm. Returns the sections warned about."""
+    import warnings
+
+    unbuilt = [name for name in OPTIONAL_ROLE_SECTIONS
+               if name in config.model_fields_set and getattr(config, name) is not None and name not in read]
+    for name in unbuilt:
+        keys = sorted(getattr(config, name).model_fields_set)
+        warnings.warn(f"{name}.{{{', '.join(keys)}}} is set but algorithm {config.algorithm.name!r} builds no "
+                      f"{name} role in this run (roles read: {', '.join(sorted(read))}); those keys do nothing. "
+                      f"Remove the {name} section, or pick an algorithm that uses a {name} (e.g. ppo)", stacklevel=3)
+    return unbuilt
+
+
 def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer: Any,
                algorithm: Any = None) -> list[RolePlan]:
     """Which declared roles run where, with the specs their workers build engines from."""
@@ -151,6 +171,7 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
         raise ConfigError(f"roles.{unread[0]} configures a role that algorithm {config.algorithm.name!r} does not "
                           f"declare (its roles read: {', '.join(sorted(read))}); the section would do nothing. Fix: "
                           f"remove roles.{unread[0]}, or choose the algorithm that declares it")
+    warn_unbuilt_sections(config, read)
     seed = config.trainer.seed
     threads = config.trainer.threads_per_worker
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
