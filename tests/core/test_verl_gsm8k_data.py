@@ -1,30 +1,19 @@
 """The verl migration example's data: ``examples/verl_gsm8k/prepare.py`` writes verl-format parquet (chat-message
 prompts, ``reward_model.ground_truth``, ``extra_info``) and a model directory with a locally trained BPE tokenizer and
-chat template; ``examples/grpo_verl_gsm8k.yaml`` trains GRPO on it with the example's verl-signature reward file,
-taken as it is (its extra keys logged, validation named ``val-core/openai/gsm8k/...``)."""
+chat template that the RL prompt loader renders as verl's layout expects."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
+from example_scripts import load_example_script
 from hybridflow.data import PromptDataset, load_rows
 from hybridflow.model_dir import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _prepare_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("verl_gsm8k_prepare", ROOT / "examples" / "verl_gsm8k" / "prepare.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_prepared_parquet_has_verl_columns_and_renders_through_the_chat_template(tmp_path: Path) -> None:
-    out = _prepare_module().prepare(tmp_path / "job", num_train=32, num_test=8, vocab_size=300)
+    prepare = load_example_script("verl_gsm8k/prepare.py").prepare
+    out = prepare(tmp_path / "job", num_train=32, num_test=8, vocab_size=300)
     rows = load_rows(out / "data" / "train.parquet")
     assert set(rows[0]) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
     assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["reward_model"]["style"] == "rule"

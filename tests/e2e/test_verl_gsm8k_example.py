@@ -5,12 +5,11 @@ taken as it is (its extra keys logged, validation named ``val-core/openai/gsm8k/
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from example_scripts import load_example_script
 from hybridflow.config import load_config
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
@@ -19,17 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "grpo_verl_gsm8k.yaml"
 
 
-def _prepare_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("verl_gsm8k_prepare", ROOT / "examples" / "verl_gsm8k" / "prepare.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_grpo_on_the_verl_example_with_its_reward_file_unchanged(tmp_path: Path) -> None:
-    out = _prepare_module().prepare(tmp_path / "job", num_train=64, num_test=16, vocab_size=300)
+    prepare = load_example_script("verl_gsm8k/prepare.py").prepare
+    out = prepare(tmp_path / "job", num_train=64, num_test=16, vocab_size=300)
     run_dir = tmp_path / "run"
     config = load_config(EXAMPLE, [
         f"model.path={out / 'model'}", f"data.train_files=[{out / 'data' / 'train.parquet'}]",
