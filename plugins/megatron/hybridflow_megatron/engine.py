@@ -15,10 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.batch import PADDING_KEY, Batch
+from hybridflow.batch import Batch
 from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_megatron import cpu_shim, handover, persist
+from hybridflow_megatron.batching import attention_inputs, pad_rows, require_columns
 from hybridflow_megatron.model import VALUE_HEAD_ROLES, build_stage, ensure_parallel_state
 from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
 
@@ -26,37 +27,6 @@ __all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABL
 
 TRAINABLE_ROLES = ("actor", "critic")
 _SUPPORTED_ROLES = ("actor", "critic", "reference", "reward_model")
-
-
-def _require_columns(batch: Batch, *columns: str, method: str) -> None:
-    missing = [column for column in columns if column not in batch]
-    if missing:
-        raise EngineError(
-            f"{method} expects columns {list(columns)}; the batch lacks {missing} (it has {batch.keys()}). "
-            "Pass the output of a rollout engine's generate()."
-        )
-
-
-def _pad_rows(batch: Batch, multiple: int) -> Batch:
-    """``batch`` padded to a multiple of ``multiple`` rows, keeping any ``is_padding`` marks it already had."""
-    if len(batch) % multiple == 0:
-        return batch
-    marks = batch.tensors[PADDING_KEY].clone() if PADDING_KEY in batch.tensors.keys() else None
-    padded = batch.pad_to_multiple(multiple)
-    if marks is not None:
-        padded.tensors[PADDING_KEY][: len(marks)] = marks
-    return padded
-
-
-def _attention_inputs(micro: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, position_ids, bool attention mask [B, 1, S, S] with True = masked: causal or padding key)."""
-    attention = micro["attention_mask"].to(device)
-    positions = micro["position_ids"] if "position_ids" in micro else (attention.long().cumsum(-1) - 1).clamp(min=0)
-    length = attention.shape[1]
-    causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)
-    mask = causal[None, None] | (attention == 0)[:, None, None, :]
-    return micro["input_ids"].to(device), positions.to(device), mask
-
 
 
 def _check_unsupported_keys(role: str, config: TrainingEngineConfig) -> None:
@@ -144,7 +114,7 @@ class MegatronTrainingEngine:
     # --- forward --------------------------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         size = min(self.config.micro_batch_size, len(batch))
-        batch = _pad_rows(batch, size)
+        batch = pad_rows(batch, size)
         return [batch.slice(start, start + size) for start in range(0, len(batch), size)]
 
     def _outputs(self, micro: Batch, output: torch.Tensor, *, with_entropy: bool,
@@ -184,7 +154,7 @@ class MegatronTrainingEngine:
 
         def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[torch.Tensor, Any]:
             micro = next(data_iterator)
-            input_ids, position_ids, mask = _attention_inputs(micro, self.device)
+            input_ids, position_ids, mask = attention_inputs(micro, self.device)
             return model(input_ids, position_ids, attention_mask=mask), partial(loss_func, micro)
 
         schedule = get_forward_backward_func()
@@ -231,20 +201,20 @@ class MegatronTrainingEngine:
         Returns only the new columns, with ``batch.meta``.
         """
         self._check_role("compute_log_probs", ("actor", "reference"))
-        _require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
+        require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_log_probs")
         columns = ("log_probs", "entropy") if with_entropy else ("log_probs",)
         return self._infer(batch, columns=columns, with_entropy=with_entropy)
 
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` [B, R]: the value of the state before each response token; only the new column is returned."""
         self._check_role("compute_values", ("critic",))
-        _require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_values")
+        require_columns(batch, "input_ids", "attention_mask", "responses", method="compute_values")
         return self._infer(batch, columns=("values",), with_entropy=False)
 
     def compute_scores(self, batch: Batch) -> Batch:
         """``scores`` [B]: the reward head at the last non-pad token of each row; only the new column is returned."""
         self._check_role("compute_scores", ("reward_model",))
-        _require_columns(batch, "input_ids", "attention_mask", method="compute_scores")
+        require_columns(batch, "input_ids", "attention_mask", method="compute_scores")
         return self._infer(batch, columns=("scores",), with_entropy=False)
 
     # --- training -------------------------------------------------------------------------------------------
@@ -283,7 +253,7 @@ class MegatronTrainingEngine:
         from hybridflow.algorithms.losses import compute_loss_scale
 
         self._check_role("train_step", TRAINABLE_ROLES)
-        _require_columns(batch, "input_ids", "attention_mask", "responses", "response_mask", method="train_step")
+        require_columns(batch, "input_ids", "attention_mask", "responses", "response_mask", method="train_step")
         local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
         wants = getattr(loss_fn, "required_outputs", None)
         with_entropy = self.role == "actor" and (wants is None or "entropy" in wants)

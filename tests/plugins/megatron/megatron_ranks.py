@@ -96,9 +96,9 @@ def scenario_logits(args: dict) -> dict:
     else:
         out["log_probs"] = engine.compute_log_probs(batch)["log_probs"]
     if engine.placement.pp_size == 1:
-        from hybridflow_megatron.engine import _attention_inputs
+        from hybridflow_megatron.batching import attention_inputs
 
-        ids, pos, mask = _attention_inputs(batch, torch.device("cpu"))
+        ids, pos, mask = attention_inputs(batch, torch.device("cpu"))
         with torch.no_grad():
             out["logits"] = engine.module(ids, pos, attention_mask=mask)[..., : hf_logits.shape[-1]]
     weights = dict(engine.generation_weights()) if engine.role != "critic" else {}
