@@ -10,7 +10,6 @@ from hybridflow.config import load_config
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.async_loop import STALENESS_COLUMN, enforce_staleness
 
-
 POOLS = ["resource_pools.main.devices_per_node=[2]", "data.batch_size=16"]
 
 
