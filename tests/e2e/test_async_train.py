@@ -99,6 +99,9 @@ def test_max_staleness_1_overlaps_and_drops_what_is_beyond_the_bound(tmp_path: P
     finally:
         trainer.close()
     ledger = read_ledger(tmp_path / "k1")
+    # iteration 1 went to the rollout pool before step 0's update had finished: generation overlapped training
+    update = ledger[0]["nodes"]["actor.update_policy"]
+    assert ledger[1]["nodes"]["rollout.generate"]["dispatched_at"] < update["dispatched_at"] + update["seconds"]
     consumed = _consumed(ledger[2])
     assert len(consumed) == rows - config.rollout.n and not set(stale) & set(consumed)
     assert len(_consumed(ledger[3])) == rows

@@ -26,6 +26,7 @@ from hybridflow.controller.decorator import Dispatch
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan
+from hybridflow.workers.rollout import BUCKET_BYTES
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
 
@@ -136,7 +137,7 @@ class AsyncRollout:
         self.max_staleness = config.trainer.max_staleness
         self.total_steps = config.trainer.total_steps
         self.timeout_s = config.trainer.deadline_s
-        self.bucket_bytes = int(config.rollout.extra.get("weight_bucket_bytes", 32 * 1024 * 1024))
+        self.bucket_bytes = BUCKET_BYTES
         self.loader = loader
         actor = next(plan for plan in plans if plan.role == "actor")
         device = config.resource_pools[self.pool_name].device
