@@ -151,8 +151,10 @@ class AsyncRollout:
         self._shadow: PromptLoader | None = None
         self._current: Batch | None = None
         self._stats: dict[str, float] = {}
-        self._staleness: list[int] = []
         self._retry_actor: Any = None  # the actor handle of the last sync (a regeneration syncs from it again)
+        # iteration → (staleness of each row handed to the step, rows dropped): a retried step whose journal reuses
+        # the rollout it was handed (claim not called again) reports the same numbers
+        self._claimed: dict[int, tuple[list[int], int]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self, *, observers: list[Any], deadline_s: float, stack_dump_dir: str | None) -> None:
@@ -197,8 +199,8 @@ class AsyncRollout:
         """Before step ``step`` (actor weights at version ``step``): its rollout in flight, and the next ones up to
         ``step + k`` (under the latest weights sent)."""
         self._current = prompts
-        self._stats = {"async/weight_sync_s": 0.0, "async/weight_sync_bytes": 0.0}
-        self._staleness = []
+        self._stats = {"async/weight_sync_s": 0.0, "async/weight_sync_bytes": 0.0, "async/regenerated": 0.0,
+                       "async/wait_s": 0.0}
         head = self.pending[0] if self.pending else None
         if head is None or head.iteration != step or _uids(head.prompts) != _uids(prompts):
             self.reset()
@@ -222,16 +224,17 @@ class AsyncRollout:
             self._sync(actor, step + 1)
             self._dispatch(following, self._shadow.next_batch())
         self._current = None
-        staleness = self._staleness or [0]
+        staleness, dropped = self._claimed.get(step, ([0], 0))
+        self._claimed = {iteration: value for iteration, value in self._claimed.items() if iteration > step}
         metrics = dict(self._stats)
         metrics.update({
+            "async/dropped_stale_samples": float(dropped),
             "async/max_staleness": float(self.max_staleness),
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),
             "async/dropped_stale_samples_total": float(self.dropped_total),
             "async/in_flight": float(len(self.pending)),
         })
-        metrics.setdefault("async/dropped_stale_samples", 0.0)
         for age in range(self.max_staleness + 1):  # the staleness histogram, as fractions of the rows trained on
             metrics[f"async/staleness_frac_{age}"] = staleness.count(age) / len(staleness)
         return metrics
@@ -252,7 +255,6 @@ class AsyncRollout:
         batch = self._fetch(entry)
         kept, dropped = enforce_staleness(batch, version=step, max_staleness=self.max_staleness)
         self.dropped_total += dropped
-        self._stats["async/dropped_stale_samples"] = float(dropped)
         if kept is None:  # everything stale: generate this step again under the actor's current weights
             self._stats["async/regenerated"] = 1.0
             if self._retry_actor is None:
@@ -262,7 +264,7 @@ class AsyncRollout:
             kept, _ = enforce_staleness(self._fetch(regenerated), version=step, max_staleness=self.max_staleness)
             assert kept is not None  # generated at the current version: staleness 0
         self._stats["async/wait_s"] = time.perf_counter() - started
-        self._staleness = [step - int(v) for v in kept[STALENESS_COLUMN].tolist()]
+        self._claimed[step] = ([step - int(v) for v in kept[STALENESS_COLUMN].tolist()], dropped)
         return kept.with_meta(iteration=step, policy_version=step)
 
     # --- internals ----------------------------------------------------------------------------------------
