@@ -214,6 +214,8 @@ class RolloutConfig(_Section):
     pipeline_parallel_size: int = Field(default=1, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict)
     multi_turn: MultiTurnSection = MultiTurnSection()
+    # a pool of its own for generation (split rollout, docs/async.md): None = the actor generates on its own ranks
+    pool: str | None = None
 
     @model_validator(mode="after")
     def _no_pipeline_generation(self) -> RolloutConfig:
@@ -264,6 +266,10 @@ class AlgorithmConfig(_Section):
     adaptive_kl_target: float | None = Field(default=None, gt=0)
     norm_adv_by_std: bool = True
     whiten_advantages: bool = True  # whiten GAE advantages over the batch (PPO, Safe-RLHF), as verl does
+    # off-policy correction of the actor loss by π_old / π_rollout per token (docs/async.md): none, tis (truncated
+    # at the threshold) or mis (tokens outside [1/threshold, threshold] masked)
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_threshold: float = Field(default=2.0, gt=1)
     extra: dict[str, Any] = Field(default_factory=dict)  # options of a third-party algorithm, passed through unchanged
 
 
@@ -320,6 +326,9 @@ class TrainerConfig(_Section):
     # data.val_files or data.task.num_val_prompts; greedy, plus val_n samples per prompt when val_n > 1
     val_every: int = Field(default=0, ge=0)
     val_n: int = Field(default=1, ge=1)
+    # asynchronous RL (docs/async.md): with rollout.pool, generation runs up to max_staleness policy versions behind
+    # the actor; samples further behind are dropped and counted. 0 = synchronous
+    max_staleness: int = Field(default=0, ge=0)
 
 
 class ReliabilitySection(_Section):
@@ -365,7 +374,36 @@ class Config(_Section):
         # checked the same way when the trainer plans them (check_pool_batches), before any worker starts
         check_pool_batches(self, {"actor": self.actor}, error=ValueError)
         self._check_generation_layout(self.resource_pools[self.actor.pool].world_size)
+        self._check_async()
         return self
+
+    def _check_async(self) -> None:
+        """``rollout.pool``, ``trainer.max_staleness`` and ``algorithm.rollout_correction`` (docs/async.md)."""
+        pool = self.rollout.pool
+        if self.trainer.max_staleness and pool is None:
+            raise ValueError(f"trainer.max_staleness = {self.trainer.max_staleness} generates on a rollout pool of "
+                             "its own while the actor trains, but rollout.pool is not set. Fix: add a pool to "
+                             "resource_pools and set rollout.pool to it, or set trainer.max_staleness=0")
+        if self.algorithm.rollout_correction != "none" and not self.actor.recompute_log_probs:
+            raise ValueError(f"algorithm.rollout_correction = {self.algorithm.rollout_correction} weighs tokens by "
+                             "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "
+                             "log-prob (the weight is always 1). Fix: set actor.recompute_log_probs=true")
+        if pool is None:
+            return
+        if pool not in self.resource_pools:
+            raise ValueError(f"rollout.pool = {pool!r} is not a pool of resource_pools ({sorted(self.resource_pools)})"
+                             f". Fix: add resource_pools.{pool} or name an existing pool")
+        if pool == self.actor.pool:
+            raise ValueError(f"rollout.pool = {pool!r} is the actor's pool: the actor already generates on its own "
+                             "ranks there. Fix: give the rollout a pool of its own, or remove rollout.pool")
+        if self.rollout.tensor_parallel_size != 1 or self.rollout.multi_turn.enable:
+            raise ValueError("rollout.pool generates single-turn at rollout.tensor_parallel_size = 1 only (got "
+                             f"tensor_parallel_size={self.rollout.tensor_parallel_size}, multi_turn.enable="
+                             f"{self.rollout.multi_turn.enable}). Fix: remove rollout.pool, or use tg = 1 single-turn")
+        world = self.resource_pools[pool].world_size
+        if self.data.batch_size % world:
+            raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the rollout "
+                             f"pool's {world} workers (rollout.pool = {pool!r})")
 
     def _check_generation_layout(self, world: int) -> None:
         """``rollout.tensor_parallel_size = tg``: the actor generates at (pg = 1, tg) on its own ranks, so tg must

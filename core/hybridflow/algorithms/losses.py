@@ -45,7 +45,8 @@ __all__ = [
     "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation", "KLKind",
     "LossResult", "PolicyLossConfig", "ValueLossConfig", "ActorLoss", "CriticLoss", "compute_loss_scale",
     "aggregate_loss", "ppo_policy_loss", "value_loss", "kl_penalty", "entropy_bonus", "make_actor_loss_fn",
-    "make_critic_loss_fn", "VERL_ACTOR_METRICS",
+    "make_critic_loss_fn", "VERL_ACTOR_METRICS", "ROLLOUT_CORRECTIONS", "RolloutCorrection",
+    "compute_rollout_correction_weights",
 ]
 
 LOSS_SCALE_TOKENS = "loss_scale_tokens"
@@ -55,6 +56,8 @@ LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-
 KLKind = Literal["k1", "k2", "k3", "abs"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 LossResult = tuple[torch.Tensor, dict[str, float]]
+RolloutCorrection = Literal["none", "tis", "mis"]
+ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
 #: :func:`ppo_policy_loss`'s metric names → the ``actor/`` names verl logs them under
 VERL_ACTOR_METRICS = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "approx_kl": "ppo_kl"}
 
@@ -134,12 +137,14 @@ def ppo_policy_loss(
     dual_clip_c: float | None = None,
     loss_agg: str = "token-mean",
     loss_scale: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate (Schulman et al. 2017), asymmetric clip range, optional dual clip (Ye et al. 2020).
 
-    Returns the loss and local metrics: ``pg_loss``, ``clipfrac`` (tokens where the clipped term is active),
-    ``clipfrac_lower`` (tokens where the dual clip is active), ``approx_kl`` (mean of old − new log-prob),
-    ``ratio_mean``.
+    ``token_weights`` (no gradient) multiply each token's clipped loss: the off-policy correction of
+    :func:`compute_rollout_correction_weights`. Returns the loss and local metrics: ``pg_loss``, ``clipfrac`` (tokens
+    where the clipped term is active), ``clipfrac_lower`` (tokens where the dual clip is active), ``approx_kl`` (mean
+    of old − new log-prob), ``ratio_mean``.
     """
     valid = _valid(response_mask)
     log_probs = _fill_padding(log_probs, valid)
@@ -158,6 +163,8 @@ def ppo_policy_loss(
         bound = -advantages * dual_clip_c
         dual_active = (advantages < 0) & (losses > bound)
         losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
+    if token_weights is not None:
+        losses = losses * _fill_padding(token_weights.detach(), valid)
     numerator, local = _aggregate(losses, valid, loss_agg)
     loss = _scaled(numerator, local, loss_scale)
     with torch.no_grad():
@@ -169,6 +176,42 @@ def ppo_policy_loss(
             "ratio_mean": float(masked_mean(ratio, valid)),
         }
     return loss, metrics
+
+
+def compute_rollout_correction_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    mode: str,
+    threshold: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token importance weights ρ = π_old / π_rollout for samples the rollout engine drew (its own log-probs)
+    under another policy or numerics than the actor's, and their metrics.
+
+    ``tis`` (truncated IS): min(ρ, threshold). ``mis`` (masked IS): ρ inside [1/threshold, threshold], 0 outside (the
+    token leaves the loss). ``none``: all ones. Metrics (local means over valid tokens): ``rollout_is_weight_mean``,
+    ``rollout_is_masked_fraction`` (mis) / ``rollout_is_truncated_fraction`` (tis).
+    """
+    _check_choice("rollout_correction", mode, ROLLOUT_CORRECTIONS)
+    if not threshold > 1.0:
+        raise ConfigError(f"rollout_correction_threshold must be > 1 (weights are cut at it), got {threshold}")
+    valid = _valid(response_mask)
+    log_ratio = _fill_padding(old_log_probs.detach(), valid) - _fill_padding(rollout_log_probs.detach(), valid)
+    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    metrics: dict[str, float] = {}
+    if mode == "none":
+        weights = torch.ones_like(ratio)
+    elif mode == "tis":
+        weights = torch.clamp(ratio, max=threshold)
+        metrics["rollout_is_truncated_fraction"] = float(masked_mean((ratio > threshold).to(ratio.dtype), valid))
+    else:
+        inside = (ratio <= threshold) & (ratio >= 1.0 / threshold)
+        weights = torch.where(inside, ratio, torch.zeros_like(ratio))
+        metrics["rollout_is_masked_fraction"] = float(masked_mean((~inside).to(ratio.dtype), valid))
+    weights = _fill_padding(weights, valid)
+    metrics["rollout_is_weight_mean"] = float(masked_mean(weights, valid))
+    return weights, metrics
 
 
 def value_loss(
@@ -256,8 +299,13 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.0
     kl_loss_kind: KLKind = "k3"
     loss_agg: LossAggregation = "token-mean"
+    rollout_correction: RolloutCorrection = "none"
+    rollout_correction_threshold: float = 2.0
 
     def __post_init__(self) -> None:
+        _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if not self.rollout_correction_threshold > 1.0:
+            raise ConfigError(f"rollout_correction_threshold must be > 1, got {self.rollout_correction_threshold}")
         if not 0.0 <= self.clip_ratio_low < 1.0:
             raise ConfigError(f"clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
         if not self.clip_ratio_high >= 0.0:
@@ -325,7 +373,9 @@ class ActorLoss:
 
     ``required_outputs`` names what the engine must compute with gradients (``entropy`` only when its coefficient
     is non-zero). Metric keys are verl's (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
-    ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean``. An ``entropy`` output given
+    ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean`` (and with
+    ``rollout_correction``, ``actor/rollout_is_*``: each token's loss weighted by π_old / π_rollout, truncated or
+    masked, from the ``rollout_log_probs`` column). An ``entropy`` output given
     without gradients is logged as ``actor/entropy`` (mean token entropy of the policy over response tokens) and
     left out of the loss. Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs``
     (when ``kl_loss_coef`` > 0), ``is_padding`` (optional).
@@ -342,9 +392,17 @@ class ActorLoss:
         valid = _loss_mask(micro_batch)
         scale = _loss_scale(micro_batch.meta, config.loss_agg)
         log_probs = _output(outputs, "log_probs", "the policy's log-prob of each response token")
+        old_log_probs = _column(micro_batch, "old_log_probs", "log-probs of the policy that sampled the batch")
+        weights: torch.Tensor | None = None
+        correction: dict[str, float] = {}
+        if config.rollout_correction != "none":
+            weights, correction = compute_rollout_correction_weights(
+                old_log_probs, _column(micro_batch, "rollout_log_probs", "rollout_correction weighs by the rollout "
+                                       "engine's own log-probs"),
+                valid, mode=config.rollout_correction, threshold=config.rollout_correction_threshold)
         loss, metrics = ppo_policy_loss(
             log_probs,
-            _column(micro_batch, "old_log_probs", "log-probs of the policy that sampled the batch"),
+            old_log_probs,
             _column(micro_batch, "advantages", "computed by the driver"),
             valid,
             clip_ratio_low=config.clip_ratio_low,
@@ -352,7 +410,9 @@ class ActorLoss:
             dual_clip_c=config.dual_clip_c,
             loss_agg=config.loss_agg,
             loss_scale=scale,
+            token_weights=weights,
         )
+        metrics.update(correction)
         if config.entropy_coef != 0.0 or "entropy" in outputs:  # engines pass a detached entropy for the metric
             entropy = _output(outputs, "entropy", "entropy_coef is non-zero")
             metrics["entropy"] = float(masked_mean(entropy.detach(), valid))

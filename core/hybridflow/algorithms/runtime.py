@@ -18,7 +18,7 @@ from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
 
-__all__ = ["Runtime", "compute_response_length_metrics", "compute_zero_advantage_metrics"]
+__all__ = ["Runtime", "compute_response_length_metrics", "compute_rollout_probs_diff", "compute_zero_advantage_metrics"]
 
 
 @dataclass(slots=True)
@@ -168,6 +168,8 @@ class Runtime:
         metrics.update(compute_response_length_metrics(batch["response_mask"], max_new_tokens))
         metrics.update(batch.meta.get("reward_metrics", {}))  # a per-sample reward's extra keys
         metrics.update(summarize_agent_metrics(batch))  # num_turns/*, tool_call_counts/* of multi-turn rollouts
+        if "rollout_log_probs" in batch and "old_log_probs" in batch:
+            metrics.update(compute_rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask))
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             metrics["kl/actor_ref"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
         if "kl_controller" in self.state:
@@ -229,6 +231,19 @@ def compute_response_length_metrics(response_mask: torch.Tensor, max_new_tokens:
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float((lengths >= limit).float().mean()),
     }
+
+
+def compute_rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                               response_mask: torch.Tensor) -> dict[str, float]:
+    """verl's ``training/rollout_probs_diff_{mean,max}``: |π_rollout − π_old| per response token (probabilities of
+    the sampled tokens: the rollout engine's own against the actor's recomputed ones), over valid tokens. Stale
+    weights (an asynchronous rollout) or numerics that differ between the engines make it grow."""
+    valid = response_mask.bool()
+    diff = (rollout_log_probs.double().exp() - old_log_probs.double().exp()).abs()
+    if not bool(valid.any()):
+        return {"training/rollout_probs_diff_mean": 0.0, "training/rollout_probs_diff_max": 0.0}
+    return {"training/rollout_probs_diff_mean": float(diff[valid].mean()),
+            "training/rollout_probs_diff_max": float(diff[valid].max())}
 
 
 def compute_zero_advantage_metrics(advantages: torch.Tensor, response_mask: torch.Tensor,

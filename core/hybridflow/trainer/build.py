@@ -198,7 +198,9 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                 "loss": make_actor_loss_fn(PolicyLossConfig(
                     clip_ratio_low=section.clip_ratio_low, clip_ratio_high=section.clip_ratio_high,
                     entropy_coef=section.entropy_coef, kl_loss_coef=section.kl_loss_coef,
-                    kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg)),
+                    kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg,
+                    rollout_correction=config.algorithm.rollout_correction,
+                    rollout_correction_threshold=config.algorithm.rollout_correction_threshold)),
                 "rollout_engine": rollout.engine,
                 "rollout_config": RolloutEngineConfig(
                     model=model, tensor_parallel_size=rollout.tensor_parallel_size,

@@ -24,6 +24,7 @@ from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards_remote import RewardPool, build_reward_function
+from hybridflow.trainer.async_loop import AsyncRollout, use_weight_exporting_actor
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
@@ -85,6 +86,11 @@ class Trainer:
         self.algorithm_state = check_algorithm_state(self.algorithm.name, self.algorithm.build_state(config))
         self.faults = FaultPlan.from_sources(config.reliability.faults, self.run_dir)
         self.plans = attach_fault_plan(self.plans, self.faults)
+        #: the rollout pool of an asynchronous run (rollout.pool; hybridflow.trainer.async_loop), else None
+        self.async_rollout: AsyncRollout | None = None
+        if config.rollout.pool is not None:
+            self.plans = use_weight_exporting_actor(self.plans)
+            self.async_rollout = AsyncRollout(config, self.loader, self.plans)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.trainer.keep_checkpoints)
         self.ledger = Ledger(self.run_dir)
         loggers = [name for name in config.trainer.loggers if name != "tensorboard" or config.trainer.tensorboard]
@@ -119,12 +125,16 @@ class Trainer:
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
         self.groups.group_of("actor").before_block = self._submit_generation_ahead
+        if self.async_rollout is not None:
+            self.async_rollout.start(observers=[self._observe], deadline_s=self.config.trainer.deadline_s,
+                                     stack_dump_dir=str(self.run_dir / "stacks"))
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
                             "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
                             "worker": f"{p.worker.__module__}.{p.worker.__qualname__}", "model": p.spec.role}
                    for p in self.plans}  # the roles the algorithm declared for this config, as built
-        mapping["rollout"] = {"engine": self.config.rollout.engine, "pool": self.config.actor.pool,
+        mapping["rollout"] = {"engine": self.config.rollout.engine,
+                              "pool": self.config.rollout.pool or self.config.actor.pool,
                               "tensor_parallel_size": self.config.rollout.tensor_parallel_size}
         placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
@@ -155,12 +165,16 @@ class Trainer:
 
     def runtime(self) -> Runtime:
         assert self.groups is not None
-        return Runtime(config=self.config, tokenizer=self.tokenizer,
-                       roles={plan.role: self.groups.role(plan.role) for plan in self.plans},
+        roles = {plan.role: self.groups.role(plan.role) for plan in self.plans}
+        if self.async_rollout is not None:  # the step's generation comes from the rollout pool
+            roles["actor"] = self.async_rollout.wrap_actor(roles["actor"])
+        return Runtime(config=self.config, tokenizer=self.tokenizer, roles=roles,
                        state=self.algorithm_state, reward_fn=self.reward_fn, cost_fn=self.cost_fn,
                        timeout_s=self.config.trainer.deadline_s, log_rollouts=self.config.trainer.log_rollouts)
 
     def close(self) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
@@ -306,6 +320,8 @@ class Trainer:
         seed, so one lost with a failed worker (or failed itself) is redone by the retried iteration."""
         trainer = self.config.trainer
         following = self.step + 1
+        if self.async_rollout is not None:
+            return False  # the rollout pool generates ahead instead
         if not trainer.lookahead or not self._in_step or following >= trainer.total_steps:
             return False
         if self.validation is not None and self.validation.due(following, trainer.total_steps):
@@ -349,9 +365,15 @@ class Trainer:
         start = time.perf_counter()
         self._in_step = True
         try:
+            if self.async_rollout is not None:
+                self.async_rollout.begin_step(self.step, prompts, self.worker_groups().role("actor"))
             metrics: dict[str, float] = self.algorithm.step(runtime, prompts)
+            if self.async_rollout is not None:
+                metrics.update(self.async_rollout.end_step(self.step, self.worker_groups().role("actor")))
         except BaseException:
             self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
+            if self.async_rollout is not None:
+                self.async_rollout.reset()
             raise
         finally:
             self._in_step = False

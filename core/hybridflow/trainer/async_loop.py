@@ -1,0 +1,320 @@
+"""Asynchronous RL on a split rollout (``rollout.pool``, docs/async.md): a rollout pool generates iterations up to
+``trainer.max_staleness`` = k ahead of the actor, and every rollout is checked against that bound with its policy
+version tag when it reaches the trainer: groups generated more than k versions behind the weights they would update
+are dropped and counted, never trained on.
+
+Schedule: iteration j is generated under the weights the actor had after step j − k (version max(0, j − k)); after
+each update the actor's weights go to the rollout pool (:class:`~hybridflow.workers.rollout.RolloutWorker`) and
+iteration step + 1 + k is dispatched behind them, so the rollout pool generates while the actor trains. k = 0 is
+synchronous generation on the rollout pool. The algorithm's dataflow is untouched: its ``actor.generate`` call of a
+step is answered with that step's rollout. Partial rollout, streaming mini-batches and recovery of the rollout pool
+(the fault matrix) are not here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config import Config
+from hybridflow.controller.decorator import Dispatch
+from hybridflow.data import PromptLoader
+from hybridflow.errors import ConfigError, VersionMismatchError
+from hybridflow.trainer.build import RolePlan
+from hybridflow.workers.rollout import BUCKET_BYTES
+
+__all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
+
+#: per-row column of a rollout that reached the trainer: the policy version it was generated at
+STALENESS_COLUMN = "rollout_policy_version"
+
+
+def enforce_staleness(batch: Batch, *, version: int, max_staleness: int) -> tuple[Batch | None, int]:
+    """The rows of ``batch`` (tagged per row with :data:`STALENESS_COLUMN`) that may update weights of ``version``:
+    a row more than ``max_staleness`` versions behind is dropped with every row of its prompt group (same ``uid``,
+    so group advantages stay whole). Returns (the kept rows or None when none is left, rows dropped).
+
+    Raises:
+        VersionMismatchError: a row claims a version newer than ``version`` (weights that do not exist yet).
+    """
+    versions = [int(v) for v in batch[STALENESS_COLUMN].tolist()]
+    ahead = [v for v in versions if v > version]
+    if ahead:
+        raise VersionMismatchError(f"a rollout tagged policy_version {max(ahead)} reached weights of version "
+                                   f"{version}: a sample cannot come from a policy newer than the one it updates")
+    stale = [version - v > max_staleness for v in versions]
+    if "uid" in batch:
+        uids = [str(u) for u in batch["uid"]]
+        stale_groups = {uid for uid, is_stale in zip(uids, stale) if is_stale}
+        keep = [row for row, uid in enumerate(uids) if uid not in stale_groups]
+    else:
+        keep = [row for row, is_stale in enumerate(stale) if not is_stale]
+    dropped = len(versions) - len(keep)
+    if not keep:
+        return None, dropped
+    return (batch, 0) if not dropped else (batch.index(keep), dropped)
+
+
+def use_weight_exporting_actor(plans: list[RolePlan]) -> list[RolePlan]:
+    """The plans with the actor served by :class:`~hybridflow.workers.rollout.WeightExportingActor` (a subclass of
+    the default actor worker that also exports its generation weights to the rollout pool)."""
+    from hybridflow.workers import ActorRolloutWorker
+    from hybridflow.workers.rollout import WeightExportingActor
+
+    out = []
+    for plan in plans:
+        if plan.role == "actor":
+            if plan.worker is not ActorRolloutWorker and not issubclass(plan.worker, WeightExportingActor):
+                raise ConfigError(f"rollout.pool needs the actor served by the default actor worker (it exports the "
+                                  f"weights to the rollout pool); algorithm declares {plan.worker.__qualname__}. "
+                                  "Fix: remove rollout.pool, or derive the worker from WeightExportingActor")
+            plan = replace(plan, worker=WeightExportingActor)
+        out.append(plan)
+    return out
+
+
+@dataclass(slots=True)
+class PendingRollout:
+    """A generation dispatched to the rollout pool: its iteration, prompts, weights version and result (a future,
+    or a Batch once fetched)."""
+
+    iteration: int
+    prompts: Batch
+    version: int
+    source: Any
+
+
+class _StepGeneration:
+    """``actor.generate`` as the algorithm sees it in a run with a rollout pool: the step's own prompts are answered
+    with the step's rollout (version-checked); any other call (validation) goes to the actor."""
+
+    dispatch = Dispatch(protocol="dp_compute", blocking=False, idempotent=True)
+
+    def __init__(self, rollout: AsyncRollout, actor_generate: Any) -> None:
+        self._rollout, self._actor_generate = rollout, actor_generate
+
+    def __call__(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs.get("greedy") and self._rollout.owns(prompts):
+            return self._rollout.claim(prompts)
+        return self._actor_generate(prompts, *args, **kwargs)
+
+    def submit(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        return self(prompts, *args, **kwargs)
+
+    def with_deadline(self, seconds: float) -> _StepGeneration:
+        return self
+
+
+class _ActorWithRolloutPool:
+    """The actor's handle with ``generate`` answered by :class:`_StepGeneration`; every other method unchanged."""
+
+    def __init__(self, rollout: AsyncRollout, actor: Any) -> None:
+        self._actor = actor
+        self.generate = _StepGeneration(rollout, actor.generate)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._actor, name)
+
+
+class AsyncRollout:
+    """The rollout pool of a run, the generations in flight on it and the staleness bound. Stability: experimental.
+
+    The trainer calls :meth:`start` once, :meth:`begin_step` / :meth:`end_step` around each algorithm step
+    (:meth:`reset` when a step fails) and :meth:`close` at the end."""
+
+    def __init__(self, config: Config, loader: PromptLoader, plans: list[RolePlan]) -> None:
+        if config.rollout.pool is None:
+            raise ConfigError("AsyncRollout needs rollout.pool (the pool the rollout generates on)")
+        self.config = config
+        self.pool_name = config.rollout.pool
+        self.max_staleness = config.trainer.max_staleness
+        self.total_steps = config.trainer.total_steps
+        self.timeout_s = config.trainer.deadline_s
+        self.bucket_bytes = BUCKET_BYTES
+        self.loader = loader
+        actor = next(plan for plan in plans if plan.role == "actor")
+        device = config.resource_pools[self.pool_name].device
+        self.spec = replace(actor.spec, name="rollout", device=device, loss=None)
+        self.pool: Any = None
+        self.group: Any = None
+        self.pending: deque[PendingRollout] = deque()
+        self.synced_version: int | None = None
+        self.dropped_total = 0
+        self._loads: list[Any] = []
+        self._shadow: PromptLoader | None = None
+        self._current: Batch | None = None
+        self._stats: dict[str, float] = {}
+        self._retry_actor: Any = None  # the actor handle of the last sync (a regeneration syncs from it again)
+        # iteration → (staleness of each row handed to the step, rows dropped): a retried step whose journal reuses
+        # the rollout it was handed (claim not called again) reports the same numbers
+        self._claimed: dict[int, tuple[list[int], int]] = {}
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def start(self, *, observers: list[Any], deadline_s: float, stack_dump_dir: str | None) -> None:
+        """Create the rollout pool's worker group (its engine gets weights at the first :meth:`begin_step`)."""
+        from hybridflow.controller import ResourcePool, WorkerGroup
+        from hybridflow.workers.rollout import RolloutWorker
+
+        pool_config = self.config.resource_pools[self.pool_name]
+        if pool_config.device == "cuda":
+            self.pool = ResourcePool(self.pool_name, devices_per_node=list(pool_config.devices_per_node),
+                                     device="cuda")
+        else:
+            self.pool = ResourcePool(self.pool_name, devices_per_node=list(pool_config.devices_per_node),
+                                     device="cpu", cpus_per_worker=pool_config.cpus_per_worker)
+        self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": {"spec": self.spec}},
+                                 name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
+                                 observers=observers)
+
+    def close(self) -> None:
+        self.reset()
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+        if self.pool is not None:
+            self.pool.release()
+            self.pool = None
+
+    def reset(self) -> None:
+        """Forget the generations in flight (a failed or retried step starts over from the actor's weights)."""
+        self.pending.clear()
+        self._loads.clear()
+        self._shadow = None
+        self._current = None
+        self.synced_version = None
+
+    def wrap_actor(self, actor: Any) -> Any:
+        """The actor handle the algorithm's step gets: its ``generate`` of the step's prompts comes from here."""
+        return _ActorWithRolloutPool(self, actor)
+
+    # --- per step -----------------------------------------------------------------------------------------
+    def begin_step(self, step: int, prompts: Batch, actor: Any) -> None:
+        """Before step ``step`` (actor weights at version ``step``): its rollout in flight, and the next ones up to
+        ``step + k`` (under the latest weights sent)."""
+        self._current = prompts
+        self._stats = {"async/weight_sync_s": 0.0, "async/weight_sync_bytes": 0.0, "async/regenerated": 0.0,
+                       "async/wait_s": 0.0}
+        head = self.pending[0] if self.pending else None
+        if head is None or head.iteration != step or _uids(head.prompts) != _uids(prompts):
+            self.reset()
+            self._current = prompts
+            self._shadow = PromptLoader(self.loader.dataset, batch_size=self.loader.batch_size,
+                                        seed=self.loader.seed, shuffle=self.loader.shuffle)
+            self._shadow.load_state_dict(self.loader.state_dict())  # positioned after this step's prompts
+            self._sync(actor, step)
+            self._dispatch(step, prompts)
+        last = min(step + self.max_staleness, self.total_steps - 1)
+        while self.pending[-1].iteration < last:
+            assert self._shadow is not None
+            self._dispatch(self.pending[-1].iteration + 1, self._shadow.next_batch())
+
+    def end_step(self, step: int, actor: Any) -> dict[str, float]:
+        """After step ``step``'s update (actor at ``step + 1``): send the weights, dispatch iteration step + 1 + k;
+        returns the step's ``async/*`` metrics."""
+        following = step + 1 + self.max_staleness
+        if following < self.total_steps:
+            assert self._shadow is not None
+            self._sync(actor, step + 1)
+            self._dispatch(following, self._shadow.next_batch())
+        self._current = None
+        staleness, dropped = self._claimed.get(step, ([0], 0))
+        self._claimed = {iteration: value for iteration, value in self._claimed.items() if iteration > step}
+        metrics = dict(self._stats)
+        metrics.update({
+            "async/dropped_stale_samples": float(dropped),
+            "async/max_staleness": float(self.max_staleness),
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/staleness_max": float(max(staleness)),
+            "async/dropped_stale_samples_total": float(self.dropped_total),
+            "async/in_flight": float(len(self.pending)),
+        })
+        for age in range(self.max_staleness + 1):  # the staleness histogram, as fractions of the rows trained on
+            metrics[f"async/staleness_frac_{age}"] = staleness.count(age) / len(staleness)
+        return metrics
+
+    def owns(self, prompts: Any) -> bool:
+        """Whether ``prompts`` is the current step's batch (answered from the rollout pool)."""
+        return self._current is not None and prompts is self._current
+
+    def claim(self, prompts: Batch) -> Batch:
+        """The current step's rollout, fetched, version-checked and tagged with the actor's version: groups beyond
+        the staleness bound are dropped and counted; none left, it is generated again under the current weights."""
+        step = int(prompts.meta["iteration"])
+        entry = self.pending.popleft()
+        if entry.iteration != step:
+            raise VersionMismatchError(f"the rollout pool's next generation is iteration {entry.iteration}, the step "
+                                       f"asks for iteration {step}; the trainer must call begin_step first")
+        started = time.perf_counter()
+        batch = self._fetch(entry)
+        kept, dropped = enforce_staleness(batch, version=step, max_staleness=self.max_staleness)
+        self.dropped_total += dropped
+        if kept is None:  # everything stale: generate this step again under the actor's current weights
+            self._stats["async/regenerated"] = 1.0
+            if self._retry_actor is None:
+                raise VersionMismatchError(f"every sample of iteration {step} was beyond the staleness bound")
+            self._sync(self._retry_actor, step)
+            regenerated = self._dispatch(step, entry.prompts, queue=False)
+            kept, _ = enforce_staleness(self._fetch(regenerated), version=step, max_staleness=self.max_staleness)
+            assert kept is not None  # generated at the current version: staleness 0
+        self._stats["async/wait_s"] = time.perf_counter() - started
+        self._claimed[step] = ([step - int(v) for v in kept[STALENESS_COLUMN].tolist()], dropped)
+        return kept.with_meta(iteration=step, policy_version=step)
+
+    # --- internals ----------------------------------------------------------------------------------------
+    def _fetch(self, entry: PendingRollout) -> Batch:
+        """The rollout of ``entry`` with each row tagged with the version it was generated at (a tag already on a
+        row is kept); the weight loads it queued behind are checked too."""
+        for load in self._loads:
+            load.get(timeout=self.timeout_s)  # a failed load raises here rather than passing silently
+        self._loads.clear()
+        source = entry.source
+        batch: Batch = source if isinstance(source, Batch) else source.get(timeout=self.timeout_s)
+        if STALENESS_COLUMN not in batch:
+            version = batch.meta.get("policy_version")
+            if version is None:
+                raise VersionMismatchError(f"the rollout of iteration {entry.iteration} carries no policy_version "
+                                           "tag; the staleness bound cannot be checked")
+            batch[STALENESS_COLUMN] = torch.full((len(batch),), int(version), dtype=torch.long)
+        return batch
+
+    def _sync(self, actor: Any, version: int) -> None:
+        """Send the actor's weights (which must be ``version``) to the rollout pool, behind what it has queued."""
+        self._retry_actor = actor
+        if self.synced_version == version:
+            return
+        started = time.perf_counter()
+        outputs = actor.export_generation_weights(self.bucket_bytes)
+        exported = next((output for output in outputs if output is not None), None) if isinstance(outputs, list) \
+            else outputs
+        if isinstance(exported, tuple):
+            got, buckets = exported
+            if int(got) != version:
+                raise VersionMismatchError(f"the actor exported weights of version {got}; the rollout pool expects "
+                                           f"version {version}")
+            self._stats["async/weight_sync_bytes"] = self._stats.get("async/weight_sync_bytes", 0.0) + float(
+                sum(bucket.nbytes for bucket in buckets))
+            self._stats["async/weight_sync_buckets"] = float(len(buckets))
+        self._loads.append(self.group.rollout.load_weights(exported))
+        self._stats["async/weight_sync_s"] = self._stats.get("async/weight_sync_s", 0.0) + (
+            time.perf_counter() - started)
+        self.synced_version = version
+
+    def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
+        assert self.synced_version is not None
+        tagged = prompts.with_meta(iteration=iteration, policy_version=self.synced_version)
+        entry = PendingRollout(iteration=iteration, prompts=prompts, version=self.synced_version,
+                               source=self.group.rollout.generate(tagged))
+        if queue:
+            self.pending.append(entry)
+        return entry
+
+
+def _uids(batch: Batch) -> list[str]:
+    return [str(uid) for uid in batch.non_tensors.get("uid", [])]

@@ -1,0 +1,161 @@
+"""The workers of a split rollout (``rollout.pool``, docs/async.md): a rollout worker that only generates, on a pool
+of its own, and the actor worker that exports its generation weights for it in bounded buckets.
+
+Weights travel between the pools through the driver and Ray's object store (one bucket of at most ``bucket_bytes``
+per object); when to sync and how far generation may run ahead is :mod:`hybridflow.trainer.async_loop`'s business.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.controller import Worker, register
+from hybridflow.engines import RolloutEngine, SamplingParams
+from hybridflow.errors import EngineError, VersionMismatchError
+from hybridflow.workers.roles import ActorRolloutWorker, RoleSpec
+
+__all__ = ["WeightBucket", "pack_weight_buckets", "unpack_weight_buckets", "RolloutWorker", "WeightExportingActor"]
+
+#: default bound of one bucket of a weight sync between pools
+BUCKET_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightBucket:
+    """Named tensors flattened into one buffer per dtype run: ``entries`` = (name, dtype, shape, offset, numel)."""
+
+    buffer: torch.Tensor
+    entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel() * self.buffer.element_size())
+
+
+def pack_weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> list[WeightBucket]:
+    """Weights packed into buckets of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own);
+    one dtype per bucket, bytes copied once."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[WeightBucket] = []
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if not pending:
+            return
+        dtype = pending[0][1].dtype
+        buffer = torch.empty(sum(t.numel() for _, t in pending), dtype=dtype)
+        entries, offset = [], 0
+        for name, tensor in pending:
+            buffer[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+            entries.append((name, dtype, tuple(tensor.shape), offset, tensor.numel()))
+            offset += tensor.numel()
+        buckets.append(WeightBucket(buffer=buffer, entries=tuple(entries)))
+        pending, size = [], 0
+
+    for name, tensor in weights:
+        tensor = tensor.detach().cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and (size + nbytes > bucket_bytes or tensor.dtype != pending[0][1].dtype):
+            flush()
+        pending.append((name, tensor))
+        size += nbytes
+    flush()
+    return buckets
+
+
+def unpack_weight_buckets(buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors of :func:`pack_weight_buckets`, as views into the buckets' buffers (streamed)."""
+    for bucket in buckets:
+        for name, dtype, shape, offset, numel in bucket.entries:
+            if bucket.buffer.dtype != dtype:
+                raise EngineError(f"weight bucket holds {bucket.buffer.dtype} but entry {name!r} says {dtype}")
+            yield name, bucket.buffer[offset:offset + numel].view(shape)
+
+
+class WeightExportingActor(ActorRolloutWorker):
+    """The actor worker of a run with ``rollout.pool``: the hybrid engine plus :meth:`export_generation_weights`."""
+
+    @register(protocol="one_to_all", idempotent=True)
+    def export_generation_weights(self, bucket_bytes: int = BUCKET_BYTES) -> tuple[int, list[WeightBucket]] | None:
+        """(policy version, the full generation weights in buckets) from rank 0; None from the other ranks (every
+        rank runs: gathering sharded weights is collective)."""
+        target = getattr(self.rollout, "weights_target", "hf")
+        weights = self.engine.generation_weights(target=target)
+        if self.rank != 0:
+            for _ in weights:  # consumed on every rank (a collective), kept on rank 0 only
+                pass
+            return None
+        return self.policy_version, pack_weight_buckets(weights, bucket_bytes=bucket_bytes)
+
+
+class RolloutWorker(Worker):
+    """Generates on a pool of its own with weights another pool sends (:meth:`load_weights`); no training engine.
+
+    ``generate`` refuses prompts tagged with a ``policy_version`` other than the weights it holds, so the version a
+    rollout reports is the version it ran at."""
+
+    def __init__(self, spec: RoleSpec) -> None:
+        super().__init__()
+        if spec.rollout_engine is None or spec.rollout_config is None or spec.sampling is None:
+            raise EngineError("the rollout worker needs rollout_engine, rollout_config and sampling in its RoleSpec")
+        from hybridflow import registries
+        from hybridflow.plugins import load_plugins
+
+        torch.set_num_threads(spec.threads)
+        load_plugins()
+        self.spec = spec
+        factory = registries.rollout_engines.get(spec.rollout_engine)
+        self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
+        self.synced = False
+        self.bytes_received = 0
+        self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
+        if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
+            warnings.warn(f'rollout engine "{spec.rollout_engine}" cannot seed its sampling (no "seed" capability)',
+                          stacklevel=1)
+
+    @register(protocol="one_to_all", blocking=False, idempotent=True)
+    def load_weights(self, exported: tuple[int, list[WeightBucket]]) -> int:
+        """Load the actor's exported weights, tagged with its policy version; returns that version."""
+        version, buckets = exported
+        self.rollout.update_weights(unpack_weight_buckets(buckets), version=int(version))
+        self.bytes_received += sum(bucket.nbytes for bucket in buckets)
+        self.synced = True
+        return int(version)
+
+    @register(protocol="one_to_all", idempotent=True)
+    def weights_version(self) -> int:
+        return int(self.rollout.weights_version)
+
+    @register(protocol="dp_compute", blocking=False, idempotent=True)
+    def generate(self, prompts: Batch) -> Batch:
+        expected = prompts.meta.get("policy_version")
+        if not self.synced or (expected is not None and int(expected) != self.rollout.weights_version):
+            raise VersionMismatchError(
+                f"rollout worker asked to generate at policy_version {expected} but holds weights version "
+                f"{self.rollout.weights_version if self.synced else 'none (never synced)'}; sync the weights first")
+        sampling = self.spec.sampling
+        assert sampling is not None
+        if not self._seeded:
+            sampling = replace(sampling, seed=None)
+        elif sampling.seed is not None:  # the actor worker's stream: per iteration and generation replica
+            iteration = int(prompts.meta.get("iteration") or 0)
+            sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                      top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
+                                      seed=sampling.seed + 1000 * iteration + self.rank)
+        out = self.rollout.generate(prompts, sampling)
+        if out.meta.get("policy_version") != self.rollout.weights_version:
+            raise VersionMismatchError(f"rollout engine tagged its output policy_version "
+                                       f"{out.meta.get('policy_version')} but holds weights version "
+                                       f"{self.rollout.weights_version}")
+        return out
+
+    def counters(self) -> dict[str, float]:
+        return {"weight_sync_bytes_received": float(self.bytes_received)}

@@ -1,0 +1,54 @@
+"""The staleness bound of the asynchronous trainer (hybridflow.trainer.async_loop) and its config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.batch import Batch
+from hybridflow.config import load_config
+from hybridflow.errors import ConfigError, VersionMismatchError
+from hybridflow.trainer.async_loop import STALENESS_COLUMN, enforce_staleness
+
+POOLS = ["resource_pools.main.devices_per_node=[2]", "data.batch_size=16"]
+
+
+def _rollout(versions: list[int], n: int = 2) -> Batch:
+    rows = len(versions)
+    batch = Batch({"responses": torch.arange(rows)[:, None], STALENESS_COLUMN: torch.tensor(versions)},
+                  {"uid": [f"p{row // n}" for row in range(rows)]})
+    return batch
+
+
+def test_a_stale_row_drops_its_whole_prompt_group_and_is_counted() -> None:
+    batch = _rollout([5, 5, 3, 5, 4, 4])  # row 2 is 3 versions behind 6: group p1 goes
+    kept, dropped = enforce_staleness(batch, version=6, max_staleness=2)
+    assert dropped == 2 and kept is not None
+    assert kept["responses"][:, 0].tolist() == [0, 1, 4, 5] and list(kept["uid"]) == ["p0", "p0", "p2", "p2"]
+    same, none_dropped = enforce_staleness(batch, version=5, max_staleness=2)
+    assert same is batch and none_dropped == 0
+
+
+def test_nothing_within_the_bound_is_left_returns_none() -> None:
+    kept, dropped = enforce_staleness(_rollout([0, 0, 1, 1]), version=3, max_staleness=1)
+    assert kept is None and dropped == 4
+
+
+def test_a_rollout_newer_than_the_weights_is_an_error() -> None:
+    with pytest.raises(VersionMismatchError, match="policy_version 4 reached weights of version 3"):
+        enforce_staleness(_rollout([3, 4]), version=3, max_staleness=1)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.max_staleness=1"], "rollout.pool is not set"),
+    (["rollout.pool=main"], "is the actor's pool"),
+    (["rollout.pool=nowhere"], "not a pool of resource_pools"),
+    (["algorithm.rollout_correction=tis", "actor.recompute_log_probs=false"], "recompute_log_probs=true"),
+    (["resource_pools.gen.devices_per_node=[3]", "rollout.pool=gen"], "multiple of the rollout"),
+])
+def test_async_keys_are_checked_at_load(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*POOLS, *overrides])
+    config = load_config(None, [*POOLS, "resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen",
+                                "trainer.max_staleness=2", "algorithm.rollout_correction=mis"])
+    assert (config.rollout.pool, config.trainer.max_staleness) == ("gen", 2)
