@@ -210,7 +210,7 @@ class ActorRolloutWorker(_TrainingRole):
             raise ConfigError(
                 f'rollout.tensor_parallel_size={tensor} needs a training engine that reshards into a tensor-parallel '
                 f'generation layout; "{self.spec.engine}" does not describe its mesh (no parallel_layout()). Set '
-                "rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron)")
+                "rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron, deepspeed)")
         training = describe()
         try:
             return GenerationLayout(tensor=tensor, training=training)
