@@ -167,6 +167,8 @@ def _report(world: int, tensor: int, results: list[dict[str, Any]]) -> list[dict
                "training_resident_weight_bytes": max(r[scheme]["training_resident"] for r in results)}
         if scheme == "hybridflow":
             row["generation_seconds"] = round(max(r[scheme]["generation_seconds"] for r in results), 3)
+            # while generating (after the handover), counted from storages: training shards + rollout weights
+            row["generation_resident_weight_bytes"] = max(r[scheme]["generation_resident"] for r in results)
         rows.append(row)
     return rows
 
