@@ -128,3 +128,6 @@ def test_grpo_with_deepspeed_zero3_actor_generates_at_tg2(tmp_path: Path, tiny_c
         assert edge["bytes_per_rank"] == edge["lower_bound_bytes_per_rank"], edge
         # each rank received part of its half of the model (it held the rest in its ZeRO-3 partition)
         assert all(0 < moved < model_bytes // 2 for moved in edge["bytes_per_rank"]), (edge, model_bytes)
+        # while generating, counted from storages: the ZeRO-3 partition (M/2, padded) next to the bound tg = 2 shards
+        # (M/2 + the norms' other halves); DeepSpeed owns its partitions, nothing is parked (docs/deepspeed.md)
+        assert all(model_bytes <= held < model_bytes + 4096 for held in row["weight_bytes"]["generation"]), row
