@@ -4,8 +4,10 @@ the HybridFlow paper compares with, all three run for real on the same FSDP shar
 For each FSDP d → generation (pg = 1, tg) case on d local CPU processes (gloo): the ``fsdp`` training engine (row
 weights sharded on dim 1 at tg > 1, as the trainer sets it up) and the ``hf`` rollout engine at tg, then
 
-- ``hybridflow``: the engine's default handover (reshard planner, views of the FSDP shards where they coincide) bound
-  by the rollout engine (no copy), which sleeps after generating (drops every reference);
+- ``hybridflow``: the engine's default handover as the actor worker runs it (reshard planner, views of the FSDP
+  shards where they coincide, every other FSDP shard parked in the generation shard containing it: ``park=True``)
+  bound by the rollout engine (no copy), which sleeps after generating (drops every reference), then
+  ``end_generation()`` gives the FSDP shards their storage back;
 - ``full_gather`` (DeepSpeed-Chat): every rank all-gathers the whole model (``DTensor.full_tensor`` per parameter,
   all kept), cuts its generation shard and copies it into the rollout engine;
 - ``two_copies`` (OpenRLHF): the rollout engine keeps its own copy resident in both phases, synchronised each
@@ -14,8 +16,9 @@ weights sharded on dim 1 at tg > 1, as the trainer sets it up) and the ``hf`` ro
 Prints one ``RESULT {json}`` line per (case, scheme): worst-rank bytes received (counted from the executor's buffers
 for ``hybridflow``; the all-gathered tensors' bytes for the baselines) and lower bound, their ratio, worst-rank peak
 resident weight bytes (distinct storages of training and rollout weights, plus what a scheme holds gathered) and its
-ratio to M/tg + one bucket, training-phase resident bytes, and for ``hybridflow`` the generation seconds (worst rank,
-same global prompt batch: split over d/tg generation replicas). Simplified: CPU and gloo, fp32, a tiny Qwen2-shaped
+ratio to M/tg + one bucket (the plan's largest: ``BUCKET_BYTES``, or one parameter's cost where that alone is
+more), training-phase resident bytes, and for ``hybridflow`` the generation seconds (worst rank, same global prompt
+batch: split over d/tg generation replicas). Simplified: CPU and gloo, fp32, a tiny Qwen2-shaped
 model (hidden 256, 4 layers, 8/4 heads); wall times say nothing about GPUs.
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp python bench/hybrid_engine.py`` (``--quick``: d = 2 only).
@@ -88,11 +91,15 @@ def _case(rank: int, world: int, group: Any, tensor: int) -> dict[str, Any]:
     def local_of(parameter: torch.Tensor) -> torch.Tensor:
         return parameter.to_local() if isinstance(parameter, DTensor) else parameter.detach()
 
-    out: dict[str, Any] = {"model_bytes": model_bytes, "training_only": count_storage_bytes(training)}
+    from hybridflow_fsdp.handover import handover_plan
+
+    # "one bucket": the plan's largest (a parameter larger than BUCKET_BYTES gets a bucket of its own)
+    out: dict[str, Any] = {"model_bytes": model_bytes, "training_only": count_storage_bytes(training),
+                           "bucket_cost": handover_plan(engine, tensor=tensor).max_bucket_cost()}
     rollout.sleep()
     # --- hybridflow: the trainer's path ---------------------------------------------------------------------
     rollout.wake()
-    rollout.update_weights(engine.generation_weights(tensor_parallel_size=tensor), version=1, bind=True)
+    rollout.update_weights(engine.generation_weights(tensor_parallel_size=tensor, park=True), version=1, bind=True)
     stats = engine.last_handover_stats
     assert stats is not None
     resident = count_storage_bytes(training + rollout_tensors())
@@ -102,6 +109,7 @@ def _case(rank: int, world: int, group: Any, tensor: int) -> dict[str, Any]:
     generated = rollout.generate(mine, greedy)
     seconds = time.perf_counter() - started
     rollout.sleep()
+    engine.end_generation()
     out["hybridflow"] = {"received": stats.bytes_received, "lower_bound": stats.lower_bound_bytes,
                          "peak_resident": resident + stats.peak_gathered_bytes, "generation_resident": resident,
                          "training_resident": count_storage_bytes(training + rollout_tensors()),
@@ -144,7 +152,8 @@ def _box_slices(layout: Any, name: str, rank: int) -> tuple[slice, ...]:
 
 def _report(world: int, tensor: int, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     model = results[0]["model_bytes"]
-    budget = model // tensor + BUCKET_BYTES
+    bucket = max(BUCKET_BYTES, *(r["bucket_cost"] for r in results))
+    budget = model // tensor + bucket
     lower = max(r["hybridflow"]["lower_bound"] for r in results)
     rows = []
     for scheme in ("hybridflow", "full_gather", "two_copies"):
@@ -153,11 +162,13 @@ def _report(world: int, tensor: int, results: list[dict[str, Any]]) -> list[dict
         row = {"case": f"fsdp d={world} -> pg=1 tg={tensor}", "scheme": scheme, "model_bytes": model,
                "bytes_received": received, "lower_bound_bytes": lower,
                "bytes_over_lower_bound": round(received / lower, 3) if lower else None,
-               "peak_resident_weight_bytes": peak, "budget_bytes": budget,
+               "peak_resident_weight_bytes": peak, "bucket_bytes": bucket, "budget_bytes": budget,
                "peak_over_budget": round(peak / budget, 3),
                "training_resident_weight_bytes": max(r[scheme]["training_resident"] for r in results)}
         if scheme == "hybridflow":
             row["generation_seconds"] = round(max(r[scheme]["generation_seconds"] for r in results), 3)
+            # while generating (after the handover), counted from storages: training shards + rollout weights
+            row["generation_resident_weight_bytes"] = max(r[scheme]["generation_resident"] for r in results)
         rows.append(row)
     return rows
 

@@ -102,3 +102,32 @@ def test_grpo_with_deepspeed_actor_and_vllm_rollout_learns(tmp_path: Path, tiny_
     ledger = read_ledger(tmp_path / "v")
     assert all(row["nodes"]["actor.generate"]["policy_versions"] == [row["iteration"]] for row in ledger)
     assert all(sum(e["bytes"] for e in row["edges"] if e["protocol"] == "reshard") > 0 for row in ledger)
+
+
+def test_grpo_with_deepspeed_zero3_actor_generates_at_tg2(tmp_path: Path, tiny_config) -> None:  # type: ignore[no-untyped-def]
+    """``rollout.tensor_parallel_size=2`` with a ZeRO-3 actor: the worker draws the generation layout inside the
+    deepspeed engine's mesh (``parallel_layout()``), the planner moves each rank's tensor-parallel shards out of the
+    ZeRO-3 partitions, and the hf engine generates tensor-parallel; every handover moved exactly the lower bound."""
+    from hybridflow.presets import preset_model_config
+
+    history = run(tiny_config(tmp_path / "tg2", "actor.engine=deepspeed", "actor.extra.zero_stage=3",
+                              "model.preset=tiny-qwen2-4h", "rollout.tensor_parallel_size=2",
+                              "trainer.total_steps=1", "trainer.checkpoint_every=0", "trainer.seed=0"))
+    assert [m["actor/policy_version"] for m in history] == [1.0]
+    assert all(m["response/length_mean"] > 0 and math.isfinite(m["grad_norm"]) for m in history)
+    values = preset_model_config("tiny-qwen2-4h")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ledger = read_ledger(tmp_path / "tg2")
+    assert len(ledger) == 1
+    for row in ledger:
+        edge = next(e for e in row["edges"] if e["target"] == "actor.rollout_engine")
+        assert edge["protocol"] == "reshard", edge
+        assert edge["bytes_per_rank"] == edge["lower_bound_bytes_per_rank"], edge
+        # each rank received part of its half of the model (it held the rest in its ZeRO-3 partition)
+        assert all(0 < moved < model_bytes // 2 for moved in edge["bytes_per_rank"]), (edge, model_bytes)
+        # while generating, counted from storages: the ZeRO-3 partition (M/2, padded) next to the bound tg = 2 shards
+        # (M/2 + the norms' other halves); DeepSpeed owns its partitions, nothing is parked (docs/deepspeed.md)
+        assert all(model_bytes <= held < model_bytes + 4096 for held in row["weight_bytes"]["generation"]), row

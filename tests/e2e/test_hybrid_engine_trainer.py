@@ -1,8 +1,9 @@
 """The 3D-HybridEngine on the trainer's path (Ray, 2 workers, FSDP d = 2): the actor generates at the configured
 generation layout (tg = 1, or tg = 2 with micro-DP 1), its weights handed over by the reshard planner (the ledger's
-reshard edge: bytes counted from the executor's buffers = the lower bound, per rank), the rollout engine binding
-the generation shards (views of the FSDP shards where they coincide) so that no rank holds a weight twice while
-generating, and greedy generation at tg = 2 equal to tg = 1 token for token."""
+reshard edge: bytes counted from the executor's buffers = the lower bound, per rank), the rollout engine binding the
+generation shards (views of the FSDP shards where they coincide, the other FSDP shards parked in the generation
+shards that contain them) so that no rank holds a weight twice while generating, and greedy generation at tg = 2
+equal to tg = 1 token for token."""
 
 from __future__ import annotations
 
@@ -43,13 +44,12 @@ def _check_ledger(run_dir: Path, tensor: int, model_bytes: int, norm_bytes: int)
         training, generation = row["weight_bytes"]["training"], row["weight_bytes"]["generation"]
         # training: the FSDP shard only (the rollout engine asleep holds nothing)
         assert training == [model_bytes // 2] * 2, (training, model_bytes)
-        if tensor == 2:
-            # generation at d = tg: the generation shards are the FSDP shards (views, bound by the engine) plus
-            # the gathered norms: M/tg + less than one bucket, never a second copy
-            assert generation == [model_bytes // 2 + norm_bytes] * 2, (generation, model_bytes, norm_bytes)
-        else:
-            # tg = 1: the full model bound from the planner's buffers next to the FSDP shard, nothing more
-            assert generation == [model_bytes + model_bytes // 2] * 2, (generation, model_bytes)
+        # generation: every weight once. d = tg: the generation shards are the FSDP shards (views, bound by the
+        # engine) and the gathered norms, whose FSDP halves are parked in them: M/tg + the norms' other halves.
+        # tg = 1: the full model bound from the planner's buffers, the FSDP shards parked in it: exactly M.
+        # A second copy (an FSDP shard kept next to the generation buffer holding it) fails here.
+        expected = model_bytes // 2 + norm_bytes // 2 if tensor == 2 else model_bytes
+        assert generation == [expected] * 2, (generation, model_bytes, norm_bytes)
 
 
 def _greedy(config) -> tuple[torch.Tensor, Trainer]:  # type: ignore[no-untyped-def]

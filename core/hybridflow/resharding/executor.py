@@ -6,7 +6,7 @@ It trusts the plan; building one is :func:`hybridflow.resharding.plan_reshard`'s
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,7 @@ def execute_reshard(
     rank: int,
     group: Any = None,
     views: bool = False,
+    on_release: Callable[[str, Mapping[str, torch.Tensor]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
     """Move this rank's training shards to its generation shards; every rank of ``group`` must call it with the
     same plan.
@@ -138,6 +139,8 @@ def execute_reshard(
     memory.add(source_bytes)
     src_index, stage_index = _Index(plan.source, rank), _Index(plan.staging, rank)
     staged_mode = plan.staging is not plan.target
+    if on_release is not None and staged_mode:
+        raise ReshardError(f"on_release needs a direct plan; strategy {plan.strategy!r} stages full tensors first.")
     tgt_index = _Index(plan.target, rank) if staged_mode else stage_index
     if world > 1:
         for ranks in plan.collective_groups():
@@ -175,6 +178,8 @@ def execute_reshard(
             tensor = local_shards.pop(name, None)
             if tensor is not None and name not in kept:
                 memory.sub(_nbytes(tensor))
+                if on_release is not None:
+                    on_release(name, staging)
             del tensor
         for prepared in pending:
             s, r = prepared.communicate(rank, staging, stage_index, group, memory, device)
@@ -187,6 +192,8 @@ def execute_reshard(
         tensor = local_shards.pop(name)
         if name not in kept:
             memory.sub(_nbytes(tensor))
+            if on_release is not None:
+                on_release(name, targets)
     target_bytes = sum(_nbytes(t) for t in targets.values())
     stats = ReshardStats(
         rank=rank, bytes_sent=sent, bytes_received=received, peak_bytes=memory.peak,

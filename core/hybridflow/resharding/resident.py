@@ -15,12 +15,16 @@ __all__ = ["count_storage_bytes"]
 
 def count_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Σ ``nbytes`` over the distinct storages (by device and data pointer) behind ``tensors``; empty storages
-    (freed parameters) count 0. DTensors count their local shard."""
+    (freed parameters) count 0. DTensors count their local shard; DeepSpeed ZeRO-3 parameters their partition
+    (``ds_tensor``, whose storage may be a flat buffer shared by several partitions: counted once) besides their
+    own data (empty unless gathered)."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        if storage.nbytes() == 0:
-            continue
-        seen[(str(local.device), storage.data_ptr())] = storage.nbytes()
+        partition = getattr(tensor, "ds_tensor", None)
+        for held in (local, partition) if isinstance(partition, torch.Tensor) else (local,):
+            storage = held.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            seen[(str(held.device), storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

@@ -186,6 +186,9 @@ class ActorRolloutWorker(_TrainingRole):
         if self.generation_layout is not None:
             self._check_tensor_rank(self.generation_layout.coords(self.rank).tensor)
         self._bind = "bind" in inspect.signature(self.rollout.update_weights).parameters
+        # a training engine that can park its shards in the bound generation shards (fsdp): one copy while generating
+        produce = getattr(self.engine, "generation_weights", None)
+        self._park = self._bind and produce is not None and "park" in inspect.signature(produce).parameters
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
         self._agent: AgentRollout | None = None  # rollout.multi_turn's agent loop, built on first use
@@ -207,7 +210,7 @@ class ActorRolloutWorker(_TrainingRole):
             raise ConfigError(
                 f'rollout.tensor_parallel_size={tensor} needs a training engine that reshards into a tensor-parallel '
                 f'generation layout; "{self.spec.engine}" does not describe its mesh (no parallel_layout()). Set '
-                "rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron)")
+                "rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron, deepspeed)")
         training = describe()
         try:
             return GenerationLayout(tensor=tensor, training=training)
@@ -280,11 +283,12 @@ class ActorRolloutWorker(_TrainingRole):
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank, plan=self.faults)
         target = getattr(self.rollout, "weights_target", "hf")
         layout = self.generation_layout
+        produce: Callable[..., Iterable[tuple[str, torch.Tensor]]] = self.engine.generation_weights
+        options: dict[str, Any] = {"park": True} if self._park else {}
         if layout is None:
-            weights = self.engine.generation_weights(target=target)
+            weights = produce(target=target, **options)
         else:  # an engine that reshards into tensor-parallel layouts (parallel_layout() checked at start) takes tg
-            produce: Callable[..., Iterable[tuple[str, torch.Tensor]]] = self.engine.generation_weights
-            weights = produce(target=target, tensor_parallel_size=layout.tensor)
+            weights = produce(target=target, tensor_parallel_size=layout.tensor, **options)
         if self._bind:  # the handover's shards become the engine's weights: no second copy
             self.rollout.update_weights(weights, version=self.policy_version, bind=True)  # type: ignore[call-arg]
         else:
@@ -303,6 +307,14 @@ class ActorRolloutWorker(_TrainingRole):
 
     @register(protocol="generation_mesh", blocking=False, idempotent=True)
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
+        try:
+            return self._generate(prompts, greedy)
+        finally:  # parked training shards come home (after the rollout engine slept: their buffers then go)
+            end = getattr(self.engine, "end_generation", None)
+            if end is not None:
+                end()
+
+    def _generate(self, prompts: Batch, greedy: bool) -> Batch:
         self._sync_weights(_iteration(prompts))
         sampling = self.spec.sampling
         assert sampling is not None

@@ -3,7 +3,9 @@
 ZeRO-3: each rank's flat partitions are described by :class:`~hybridflow_deepspeed.layouts.ZeroPartitionSpec` and
 moved by the planner's ``hybridflow`` plan (built once per target layout, then reused), so a rank receives exactly
 what it lacks: the lower bound. ZeRO-1/2 keep the full parameters on every rank, so the tg = 1 target is already
-held: the weights are yielded without communication and 0 bytes received is the lower bound.
+held: the weights are yielded without communication and 0 bytes received is the lower bound. At generation
+tensor-parallel size tg > 1 (the trainer's ``rollout.tensor_parallel_size``) every stage goes through the planner to
+the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``.
 Planning and moving bytes belong to :mod:`hybridflow.resharding`. Stability: public.
 """
 
@@ -145,6 +147,14 @@ class WeightHandover:
         if engine.options.zero_stage == 3:
             return iter(self.reshard(self.generation_layout(), name=target).items())
         return self._replicated(target)
+
+    def shard_weights(self, *, target: str = "hf", tensor: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's tensor-parallel shards of generation layout (pg = 1, tg = ``tensor``), Hugging Face-named;
+        moved by the planner (a collective over all ranks, under every ZeRO stage: ZeRO-1/2 ranks hold the
+        parameters whole and receive nothing)."""
+        if target not in TARGETS:
+            raise ConfigError(f"generation_weights target must be one of {list(TARGETS)}; got {target!r}")
+        return iter(self.reshard(self.generation_layout(tensor=tensor), name=target).items())
 
     def _replicated(self, target: str) -> Iterator[tuple[str, torch.Tensor]]:
         engine = self._engine

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hybridflow.engines import ROLES, TrainingEngineConfig
 from hybridflow.errors import ConfigError
+from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_deepspeed import checkpoint, handover
 from hybridflow_deepspeed.runtime import build_deepspeed_config, init_deepspeed_distributed, parse_options
 from hybridflow_fsdp.distributed import ensure_process_group
@@ -123,11 +124,25 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
         checkpoint.export_hf(self, path)
 
-    def generation_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights for a tg = 1 generation engine (a collective under ZeRO-3: every rank must consume the whole
-        iterator); bytes received are in ``last_handover_stats`` once it is exhausted."""
+    def parallel_layout(self) -> ParallelLayout:
+        """The training mesh the reshard planner sees: ``d`` data ranks, one shard group (ZeRO-3 partitions every
+        parameter over them; under ZeRO-1/2 each rank holds them whole and slices what a generation layout asks)."""
+        return ParallelLayout(data=self.world_size, data_sharded=True)
+
+    def generation_weights(self, *, target: str = "hf",
+                           tensor_parallel_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights of generation layout (pg = 1, tg = ``tensor_parallel_size``) drawn inside
+        :meth:`parallel_layout` (stride grouping), Hugging Face-named: full tensors at tg = 1, tensor-parallel shards
+        above (column/vocab dim 0, row dim 1, norms whole), moved by the reshard planner. A collective under ZeRO-3
+        (and at tg > 1): every rank must consume the whole iterator; bytes received are in ``last_handover_stats``
+        once it is exhausted."""
         self._check_role("generation_weights", ("actor", "reference"))
-        return self.handover.full_weights(target=target)
+        if tensor_parallel_size < 1 or self.world_size % tensor_parallel_size:
+            raise ConfigError(f"generation tensor_parallel_size {tensor_parallel_size} must divide the deepspeed "
+                              f"engine's {self.world_size} ranks; pick one of the divisors of {self.world_size}")
+        if tensor_parallel_size == 1:
+            return self.handover.full_weights(target=target)
+        return self.handover.shard_weights(target=target, tensor=tensor_parallel_size)
 
     def reshard_weights(self, target: Any) -> dict[str, torch.Tensor]:
         """This rank's shards of a generation layout ``target`` (a :class:`hybridflow.resharding.ModelLayout` over

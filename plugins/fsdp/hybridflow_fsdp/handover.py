@@ -7,7 +7,12 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   layout (d ranks) to the generation layout (pg = 1, tg; micro-DP d / tg, stride grouping): the plan is built once
   and reused, bytes are counted from the buffers the executor actually sent and received (in bounded buckets), next
   to the plan's lower bound, and generation shards that coincide with the FSDP shard are views of it. The whole
-  generation model is produced before the first tensor is yielded.
+  generation model is produced before the first tensor is yielded. With ``park=True`` (the actor worker's default
+  when its rollout engine binds the shards) every other FSDP shard is *parked* in the generation shard that contains
+  it: once the executor has copied it there (bucket by bucket), its FSDP storage is released, so while generating a
+  rank holds its weights once (M/(tg·pg) plus what its micro-DP group sent). :func:`restore_training_shards` (the
+  engine's ``end_generation()``) gives each FSDP shard its storage back from that generation shard, parameter by
+  parameter, bit for bit; a forward or a state_dict call on the model does it first too.
 - ``"stream"`` (tg = 1 only): one ``DTensor.full_tensor`` per parameter, so only one gathered parameter is alive at a
   time; bytes received are computed as the payload each rank lacked (full − shard), not counted from buffers.
 """
@@ -15,9 +20,10 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
 __all__ = ["HandoverStats", "stream_generation_weights", "reshard_generation_weights", "handover_plan",
-           "fsdp_shard_dims", "TARGETS", "PATHS", "DEFAULT_PATH"]
+           "fsdp_shard_dims", "restore_training_shards", "parked_bytes", "TARGETS", "PATHS", "DEFAULT_PATH"]
 
 TARGETS = ("hf",)
 PATHS = ("reshard", "stream")
@@ -43,7 +49,8 @@ class HandoverStats:
     ``path="reshard"``: ``bytes_received``/``bytes_sent`` are the executor's counts of the buffers it received and
     sent, ``lower_bound_bytes`` what this rank had to receive at least (its generation shards minus what it held),
     ``aliased_bytes`` the generation shards handed over as views of the training storage, ``peak_gathered_bytes``
-    the executor's memory high-water mark above max(source, target) footprint. ``path="stream"``:
+    the executor's memory high-water mark above max(source, target) footprint, ``parked_bytes`` the FSDP storage
+    released while generating (``park=True``: those shards live on in their generation shards). ``path="stream"``:
     ``bytes_received`` is computed (full tensor − own shard per parameter), ``peak_gathered_bytes`` the largest full
     tensor alive at once.
     """
@@ -61,6 +68,7 @@ class HandoverStats:
     lower_bound_bytes: int | None = None
     aliased_bytes: int = 0
     tensor_parallel_size: int = 1
+    parked_bytes: int = 0
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -130,15 +138,18 @@ def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan
     return plans[tensor]
 
 
-def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf",
-                               tensor: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf", tensor: int = 1,
+                               park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf name, this rank's generation shard)`` for generation layout (pg = 1, tg = ``tensor``), moved by the
     reshard planner's cached plan (stride grouping: only the micro-DP group's pieces travel); a collective: every
     rank must consume the whole iterator.
 
     Shards whose box this rank's FSDP shard already is (column/vocab weights at d == tg, row weights too when the
     engine shards them along dim 1) are views of the training storage, not copies: the consumer must not write
-    into them. ``last_handover_stats`` gets the executor's counts and the plan's lower bound.
+    into them. With ``park`` every other FSDP shard whose box lies inside this rank's generation shard is released
+    once copied there (see the module docstring): the consumer must not write into those generation shards either
+    until :func:`restore_training_shards`. ``last_handover_stats`` gets the executor's counts and the plan's lower
+    bound.
     """
     from torch.distributed.tensor import DTensor
 
@@ -146,19 +157,116 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
 
     if target not in TARGETS:
         raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
+    restore_training_shards(engine)  # a previous handover's parked shards come home before anything reads them
     started = time.perf_counter()
     engine.last_handover_stats = None
     parameters = dict(engine.model.named_parameters())
     plan = handover_plan(engine, tensor=tensor)
+    parked: dict[str, _Parked] = {}
+    release = None
+    if park:
+        _install_restore_hooks(engine)
+        _PARKED[engine] = parked
+        homes = _parking_slices(plan, engine.rank)
+        owners = {name: (p.to_local() if isinstance(p, DTensor) else p) for name, p in parameters.items()}
+
+        def release(name: str, targets: Mapping[str, torch.Tensor]) -> None:
+            home = targets.get(name)
+            if name not in homes or home is None:
+                return
+            storage = owners[name].untyped_storage()
+            if storage.nbytes() == 0:
+                return
+            parked[name] = _Parked(local=owners[name], nbytes=storage.nbytes(), home=home, slices=homes[name])
+            storage.resize_(0)  # the shard lives on in ``home``; every view of the storage (FSDP's too) sees it go
+
     with torch.no_grad():
         local = {name: (p.to_local() if isinstance(p, DTensor) else p).detach() for name, p in parameters.items()}
-        shards, stats = execute_reshard(plan, local, rank=engine.rank, views=True)
+        shards, stats = execute_reshard(plan, local, rank=engine.rank, views=True, on_release=release)
     engine.last_handover_stats = HandoverStats(
         rank=engine.rank, world_size=engine.world_size, parameters=len(parameters), bytes_total=stats.target_bytes,
         bytes_local=stats.source_bytes, bytes_received=stats.bytes_received, peak_gathered_bytes=stats.peak_extra_bytes,
         seconds=time.perf_counter() - started, path="reshard", bytes_sent=stats.bytes_sent,
         lower_bound_bytes=plan.lower_bound_bytes(engine.rank), aliased_bytes=stats.aliased_bytes,
-        tensor_parallel_size=tensor,
+        tensor_parallel_size=tensor, parked_bytes=sum(slot.nbytes for slot in parked.values()),
     )
     for name in parameters:
         yield name, shards.pop(name)
+
+
+@dataclass(slots=True)
+class _Parked:
+    """An FSDP shard whose storage is released while generating: ``home[slices]`` holds its values."""
+
+    local: torch.Tensor  # the FSDP local shard (a view of FSDP's padded per-parameter storage)
+    nbytes: int  # that storage's size before it was released (padding included)
+    home: torch.Tensor  # the generation shard it lies in
+    slices: tuple[slice, ...] | None  # where in ``home``; None for an empty shard (uneven FSDP chunks)
+
+
+#: engine → its parked shards by parameter name (absent or empty: nothing parked)
+_PARKED: weakref.WeakKeyDictionary[Any, dict[str, _Parked]] = weakref.WeakKeyDictionary()
+_HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _parking_slices(plan: ReshardPlan, rank: int) -> dict[str, tuple[slice, ...] | None]:
+    """Parameters whose FSDP shard on ``rank`` lies whole inside this rank's (unfused) generation shard of the same
+    name, with the slices of the generation shard that hold it (None: an empty FSDP shard)."""
+    out: dict[str, tuple[slice, ...] | None] = {}
+    for name, spec in plan.source.params.items():
+        target = plan.target.params.get(name)
+        sources = spec.pieces(plan.source.mesh, rank)
+        targets = target.pieces(plan.target.mesh, rank) if target is not None else ()
+        if len(sources) != 1 or len(targets) != 1 or targets[0].canonical != sources[0].canonical:
+            continue
+        (source,), (home,) = sources, targets
+        if any(stop <= start for start, stop in source.box):
+            out[name] = None
+        elif all(h0 <= s0 and s1 <= h1 for (s0, s1), (h0, h1) in zip(source.box, home.box, strict=True)):
+            out[name] = home.local_slices(source.box)
+    return out
+
+
+def parked_bytes(engine: FSDPTrainingEngine) -> int:
+    """FSDP storage bytes released now (parked in generation shards); 0 when every shard is home."""
+    return sum(slot.nbytes for slot in _PARKED.get(engine, {}).values())
+
+
+def restore_training_shards(engine: FSDPTrainingEngine) -> int:
+    """Give every parked FSDP shard its storage back, copied from the generation shard it lay in (padding zeroed, as
+    FSDP keeps it), one parameter at a time, dropping this module's reference to each generation shard as it goes;
+    returns the bytes restored. A no-op when nothing is parked."""
+    parked = _PARKED.pop(engine, None)
+    restored = 0
+    if not parked:
+        return restored
+    with torch.no_grad():
+        for name in list(parked):
+            slot = parked.pop(name)
+            storage = slot.local.untyped_storage()
+            storage.resize_(slot.nbytes)
+            torch.empty(0, dtype=torch.uint8, device=slot.local.device).set_(storage).zero_()
+            if slot.slices is not None:
+                slot.local.copy_(slot.home[slot.slices])
+            restored += slot.nbytes
+            del slot
+    return restored
+
+
+def _install_restore_hooks(engine: FSDPTrainingEngine) -> None:
+    """Once per engine: a forward or state_dict call on the model (before FSDP's own all-gather) and a
+    load_state_dict restore parked shards first, so a caller that skips ``end_generation()`` never reads freed
+    storage."""
+    if engine in _HOOKED:
+        return
+    _HOOKED.add(engine)
+    ref = weakref.ref(engine)
+
+    def restore(*_: Any, **__: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            restore_training_shards(owner)
+
+    engine.model.register_forward_pre_hook(restore, prepend=True)
+    engine.model.register_state_dict_pre_hook(restore)  # type: ignore[no-untyped-call]
+    engine.model.register_load_state_dict_pre_hook(restore)  # type: ignore[no-untyped-call]

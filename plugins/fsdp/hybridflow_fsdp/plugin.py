@@ -73,6 +73,7 @@ def hybridflow_report_capabilities() -> dict[str, str]:
                    "shards over torch.distributed tensor groups (Llama/Qwen2); sleep frees weights, wake + "
                    "update_weights (copied, or bound zero-copy with bind=True)",
         "handover": "reshard (default): the 3D-HybridEngine planner and executor to the generation layout (pg=1, tg), "
-                    "views of the FSDP shards where they coincide, bytes counted from buffers next to the lower "
-                    "bound; stream (actor.extra.handover=stream, tg=1 only): per-parameter DTensor all-gather",
+                    "views of the FSDP shards where they coincide, the other FSDP shards parked in the generation "
+                    "shards while generating (park=True), bytes counted from buffers next to the lower bound; "
+                    "stream (actor.extra.handover=stream, tg=1 only): per-parameter DTensor all-gather",
     }

@@ -146,13 +146,14 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
         checkpoint.export_hf(self, path)
 
-    def generation_weights(self, *, target: str = "hf",
-                           tensor_parallel_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def generation_weights(self, *, target: str = "hf", tensor_parallel_size: int = 1,
+                           park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights of generation layout (pg = 1, tg = ``tensor_parallel_size``), HF-named: full tensors
         at tg = 1, tensor-parallel shards (column/vocab dim 0, row dim 1, norms whole) above. A collective: every
         rank must consume the whole iterator. Default path ``reshard`` (the planner; shards that coincide with the
-        FSDP shard are views of it); ``extra.handover=stream`` gathers full tensors one by one (tg = 1 only). Bytes
-        are in ``last_handover_stats`` once it is exhausted."""
+        FSDP shard are views of it; ``park``: every other FSDP shard's storage is released once copied into its
+        generation shard, until :meth:`end_generation`); ``extra.handover=stream`` gathers full tensors one by one
+        (tg = 1 only, never parks). Bytes are in ``last_handover_stats`` once it is exhausted."""
         self._check_role("generation_weights", ("actor", "reference"))
         path = self.config.extra.get("handover", handover.DEFAULT_PATH)
         if path not in handover.PATHS:
@@ -165,7 +166,12 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                 raise ConfigError(f"actor.extra.handover=stream gathers full weights (tg = 1) but generation asks "
                                   f"for tg = {tensor_parallel_size}; remove actor.extra.handover (default reshard)")
             return handover.stream_generation_weights(self, target=target)
-        return handover.reshard_generation_weights(self, target=target, tensor=tensor_parallel_size)
+        return handover.reshard_generation_weights(self, target=target, tensor=tensor_parallel_size, park=park)
+
+    def end_generation(self) -> None:
+        """Give the FSDP shards parked by ``generation_weights(park=True)`` their storage back (bit for bit, from the
+        generation shards); a no-op when none is parked."""
+        handover.restore_training_shards(self)
 
     def release(self) -> None:
         """Drop the model and optimizer (the process group stays, it belongs to the worker)."""

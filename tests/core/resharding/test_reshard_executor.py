@@ -107,3 +107,26 @@ def test_wrong_shards_are_rejected() -> None:
     del shards["model.norm.weight"]
     with pytest.raises(ReshardError, match="missing"):
         execute_reshard(plan_reshard(source, target), shards, rank=0)
+
+
+def test_on_release_sees_each_released_source_copied_into_its_target() -> None:
+    """``on_release`` fires once per source shard the plan stops reading (not for a view's base), with the bucket's
+    target shards already holding that source's bytes; a staged (baseline) plan refuses it."""
+    source = build_tensor_parallel_layout(SHAPES, tensor=1)
+    target = build_tensor_parallel_layout(SHAPES, mesh=GenerationLayout(tensor=1, training=source.mesh))
+    full = full_weights(source)
+    seen: dict[str, bool] = {}
+
+    def release(name: str, targets: object) -> None:
+        assert isinstance(targets, dict)
+        seen[name] = torch.equal(targets[name], full[name])
+
+    plan = plan_reshard(source, target, bucket_bytes=BUCKET)
+    execute_reshard(plan, source.extract_shards(full, 0), rank=0, on_release=release)
+    assert seen.keys() == set(SHAPES) and all(seen.values()), seen
+    seen.clear()
+    _, stats = execute_reshard(plan, source.extract_shards(full, 0), rank=0, views=True, on_release=release)
+    assert seen == {} and stats.aliased_bytes > 0, "a shard that is a view of its source is never released"
+    with pytest.raises(ReshardError, match="on_release"):
+        execute_reshard(plan_reshard(source, target, strategy="full_gather"), source.extract_shards(full, 0),
+                        rank=0, on_release=release)
