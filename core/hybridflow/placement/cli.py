@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-run", type=Path, default=None, metavar="RUN_DIR",
                         help=f"run the remap advisor on RUN_DIR ({PLAN_FILE} + ledger.jsonl)")
     parser.add_argument("--remaining", type=int, default=None, help="iterations left in the run (with --from-run)")
+    parser.add_argument("--calibrate-with", type=Path, nargs="*", default=[], metavar="RUN_DIR",
+                        help="earlier runs (plan.json + ledger.jsonl) the advisor calibrates from too, e.g. one at "
+                             "another data-parallel size (with --from-run)")
     return parser
 
 
@@ -104,11 +107,13 @@ def _run_advisor(args: argparse.Namespace) -> int:
     if args.remaining is None:
         print("hybridflow plan: --from-run needs --remaining N (iterations left).", file=sys.stderr)
         return 2
-    recommendation = advise_remap(args.from_run, args.remaining)
+    recommendation = advise_remap(args.from_run, args.remaining, calibration_runs=args.calibrate_with)
     if args.json:
         print(json.dumps(recommendation.to_json(), indent=2))
     else:
         print(("REMAP: " if recommendation.remap else "KEEP: ") + recommendation.reason)
+        if recommendation.calibration:
+            print(f"  calibration: {recommendation.calibration}")
         for node, ratio in recommendation.drift.items():
             print(f"  drift {node}: observed/predicted = {ratio:.2f}")
         for key, value in recommendation.transition.items():

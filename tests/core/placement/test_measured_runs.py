@@ -153,3 +153,12 @@ def test_run_advisor_checks_every_n_steps_on_the_growing_ledger(tmp_path: Path) 
 def test_run_advisor_needs_a_plan(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer\.plan"):
         RunAdvisor(tmp_path, every=2, total_steps=4)
+
+
+def test_cli_calibrates_with_earlier_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridflow.placement.cli import main
+
+    current, probe = _run_dir(tmp_path, "colocate"), _run_dir(tmp_path, "standalone")
+    assert main(["--from-run", str(current), "--remaining", "5", "--calibrate-with", str(probe)]) == 0
+    out = capsys.readouterr().out
+    assert "calibration: fit_efficiency_to_runs on 2 runs" in out
