@@ -211,8 +211,8 @@ def replay(dataflow: Dataflow, placement: Placement, rows: list[dict[str, Any]])
     return max(t.end for t in schedule_dataflow(dataflow, set_of_role, seconds))
 
 
-def correlations(reports: list[dict[str, Any]], key: str) -> dict[str, float]:
-    values, observed = [r[key] for r in reports], [r["measured_s"] for r in reports]
+def correlations(reports: list[dict[str, Any]], key: str, measured: str = "measured_s") -> dict[str, float]:
+    values, observed = [r[key] for r in reports], [r[measured] for r in reports]
     return {"spearman": round(spearman(values, observed), 3), "kendall": round(kendall(values, observed), 3)}
 
 
@@ -233,6 +233,8 @@ def report_of(name: str, inputs: PlanInputs, measured: dict[str, Any], fitted: E
         "placement": name, "sets": name_of(placement, devices), "used_for": used_for,
         "measured_s": round(statistics.median(measured["walls"]), 3),
         "measured_steps_s": [round(w, 3) for w in measured["walls"]],
+        "measured_fastest_quarter_s": round(statistics.median(sorted(measured["walls"])[:max(1, len(measured["walls"])
+                                                                                              // 4)]), 3),
         "predicted_s": round(plan.iteration_seconds, 3),
         "predicted_prior_s": round(predict(inputs, record, inputs.efficiency, dataflow).iteration_seconds, 3),
         "predicted_serialised_s": round(predict(inputs, record, fitted, serialised_ppo()).iteration_seconds, 3),
@@ -284,6 +286,9 @@ def analyse(inputs: PlanInputs, measured: dict[int, dict[str, dict[str, Any]]]) 
             if all(key in r for r in reports):
                 scores[key.removesuffix("_s")] = {"all": correlations(reports, key),
                                                   "held_out": correlations(held_out, key)}
+        scores["predicted_vs_fastest_quarter"] = {
+            "all": correlations(reports, "predicted_s", "measured_fastest_quarter_s"),
+            "held_out": correlations(held_out, "predicted_s", "measured_fastest_quarter_s")}
         print("SPEARMAN " + json.dumps(scores), flush=True)
         summary["runs"][seed] = scores
     return summary

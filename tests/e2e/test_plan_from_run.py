@@ -65,8 +65,13 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     in_run = [json.loads(line) for line in (run_dir / "advisor.jsonl").read_text().splitlines()]
     assert [line["step"] for line in in_run] == [1] and in_run[0]["remaining_iterations"] == 1
     assert json.loads((run_dir / "summary.json").read_text())["advisor"][0]["step"] == 1
-    if in_run[0]["drift"]:
-        assert in_run[0]["transition"]["measured"] == 1.0 and in_run[0]["transition"]["process_group_seconds"] > 0
+    assert trainer.advisor is not None and trainer.advisor.setup_seconds > 0  # this run's start-up, measured
+    assert "placement advisor (1 checks" in capsys.readouterr().out  # printed at the end of the run
+    if in_run[0]["drift"]:  # then it priced a transition with it: start-up per changed model
+        transition = in_run[0]["transition"]
+        assert transition["measured"] == 1.0
+        assert transition["process_group_seconds"] == pytest.approx(
+            transition["models_changed"] * trainer.advisor.setup_seconds / 3)
 
     # the trainer's role.method nodes are matched to the planner's stages
     inputs, record = load_plan_record(run_dir)
