@@ -230,6 +230,15 @@ class RunAdvisor:
     def __init__(self, run_dir: str | Path, *, every: int, total_steps: int, setup_seconds: float = 0.0,
                  calibration_runs: Sequence[str | Path] = ()) -> None:
         self.run_dir = Path(run_dir)
+        if every < 1:
+            raise ConfigError(f"trainer.advisor_runs lists runs to calibrate from, but trainer.advisor_every={every} "
+                              "runs no check; fix: set trainer.advisor_every to a number of steps, or drop "
+                              "trainer.advisor_runs.")
+        for other in calibration_runs:
+            missing = [name for name in ("plan.json", "ledger.jsonl") if not (Path(other) / name).exists()]
+            if missing:
+                raise ConfigError(f"trainer.advisor_runs: {other} lacks {' and '.join(missing)}; expected the run "
+                                  "directory of an earlier `hybridflow train` with trainer.plan set.")
         if not (self.run_dir / "plan.json").exists():
             raise ConfigError(f"trainer.advisor_every={every} compares a plan's predictions with the run, but "
                               f"{self.run_dir} has no plan.json; fix: set trainer.plan to the output of "

@@ -113,7 +113,7 @@ class Trainer:
         from hybridflow.controller import init_ray
 
         self._copy_plan()
-        if self.config.trainer.advisor_every:  # ConfigError now if there is no plan to compare with
+        if self.config.trainer.advisor_every or self.config.trainer.advisor_runs:  # ConfigErrors before workers
             from hybridflow.placement.advisor import RunAdvisor
 
             self.advisor = RunAdvisor(self.run_dir, every=self.config.trainer.advisor_every,

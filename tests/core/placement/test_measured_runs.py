@@ -162,3 +162,11 @@ def test_cli_calibrates_with_earlier_runs(tmp_path: Path, capsys: pytest.Capture
     assert main(["--from-run", str(current), "--remaining", "5", "--calibrate-with", str(probe)]) == 0
     out = capsys.readouterr().out
     assert "calibration: fit_efficiency_to_runs on 2 runs" in out
+
+
+def test_run_advisor_refuses_calibration_runs_it_cannot_use(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path, "colocate")
+    with pytest.raises(ConfigError, match=r"advisor_every=0"):
+        RunAdvisor(run_dir, every=0, total_steps=4, calibration_runs=[run_dir])
+    with pytest.raises(ConfigError, match=r"lacks plan\.json and ledger\.jsonl"):
+        RunAdvisor(run_dir, every=2, total_steps=4, calibration_runs=[tmp_path / "nowhere"])
