@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--profile", default="a100-80gb", help=f"device profile: {', '.join(DEVICE_PROFILES)}")
     parser.add_argument("--device-memory-gb", type=float, default=None, help="override the profile's memory")
+    parser.add_argument("--compute-units", type=float, default=None,
+                        help="cores the devices share when there are fewer than devices (CPU slots on a small box)")
     parser.add_argument("--batch", type=int, default=1024, help="prompts per iteration")
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     parser.add_argument("--prompt-length", type=int, default=1024)
@@ -130,7 +132,8 @@ def main(argv: list[str]) -> int:
             return _run_advisor(args)
         dataflow = get_dataflow(args.algorithm)
         models = {role: parse_model(getattr(args, role) or args.model) for role in dataflow.roles}
-        cluster = build_cluster(args.profile, args.devices, args.devices_per_node, args.device_memory_gb)
+        cluster = build_cluster(args.profile, args.devices, args.devices_per_node, args.device_memory_gb,
+                                compute_units=args.compute_units)
         workload = Workload(prompts=args.batch, samples_per_prompt=args.samples_per_prompt,
                             prompt_length=args.prompt_length, response_length=args.response_length,
                             mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size)
