@@ -1,16 +1,19 @@
 """Check the placement simulator against real PPO iterations on this CPU box: predicted vs measured ranking.
 
 PPO with actor, critic, reference (kl_coef > 0) and a reward model, all the tiny Qwen2 preset, on 4 CPU worker
-slots (0.5 CPU each). Each placement runs ``--warmup`` + ``--steps`` iterations of ``hybridflow train``'s Trainer;
-node times are taken from the controller's call records as *busy* seconds (the slowest rank's time inside the
-method, as the ledger's ``busy_seconds``), since spans from dispatch include the wait behind colocated calls and,
-for the generation submitted ahead, behind the previous step's actor update. The simulator (CPU profile) is
-calibrated two ways: ``fit_efficiency`` on the colocated run alone, and ``fit_efficiency_to_runs`` on the
-colocated (DP 4) and standalone (DP 1) runs; the split and the placements the calibrated search ranks fastest and
-slowest are held out. Layouts are data-parallel only (the fsdp engine's; the hf rollout has tg = 1).
-Simplified: one seed, medians over few steps on a shared box.
-Run:  OMP_NUM_THREADS=1 .venv/bin/python bench/placement_validation.py [--steps 8 --warmup 2 --extra 2]
-Prints ``MEASURED`` per run, one ``RESULT {json}`` line per placement and ``SUMMARY {json}`` (Spearman, Kendall).
+slots (0.5 CPU each) of a box with ``os.cpu_count()`` cores. Seven fixed placements (colocated, standalone and five
+splits) run ``--warmup`` + ``--steps`` iterations of ``hybridflow train``'s Trainer each, once per seed
+(``--seeds 0,1``: two separate runs). Node times are the controller's *busy* seconds (the slowest rank's time
+inside the method, as the ledger's ``busy_seconds``). Per run the simulator (CPU profile, the cluster's cores
+shared by its 4 slots) is calibrated by ``fit_efficiency_to_runs`` on that run's colocated (DP 4) and standalone
+(DP 1) placements and ranks the other five, held out; a second score calibrates on the other seed's run (a held-out
+run). Layouts are data-parallel only (the fsdp engine's; the hf rollout has tg = 1). The trainer's lookahead (the
+next generation submitted behind the actor's update) is off: the simulator times one iteration's dataflow.
+Simplified: medians over few steps on a shared box.
+Run:  OMP_NUM_THREADS=1 .venv/bin/python bench/placement_validation.py [--seeds 0,1 --steps 8 --warmup 2]
+      ... --run-root DIR --analyse-only    (re-analyse saved runs: DIR/seed<s>/<placement>/{busy.jsonl,measured.json})
+Prints ``MEASURED`` per placement, one ``RESULT {json}`` line per placement and run, ``SPEARMAN {json}`` per run
+and ``SUMMARY {json}``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +40,23 @@ from hybridflow.placement.dataflow import Dataflow, Stage, get_dataflow
 from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
 from hybridflow.placement.profiles import Efficiency
 from hybridflow.placement.record import PlanInputs, PlanRecord, plan_inputs, retime_plan
-from hybridflow.placement.search import Plan, enumerate_allocations, set_partitions
+from hybridflow.placement.search import Plan
 
 ROLES = ("actor", "critic", "reference", "reward")
 SLOTS = 4
 Placement = tuple[tuple[str, ...], ...]
-FIXED: dict[str, tuple[Placement, tuple[int, ...]]] = {
+A, C, R, W = ROLES
+#: name → (sets, slots per set); every set's data-parallel size divides the 24 prompts and 96 rows
+PLACEMENTS: dict[str, tuple[Placement, tuple[int, ...]]] = {
     "colocate": ((ROLES,), (4,)),
-    "split-ar|cr": ((("actor", "reference"), ("critic", "reward")), (2, 2)),
-    "standalone": (tuple((r,) for r in ROLES), (1, 1, 1, 1)),
+    "standalone": (((A,), (C,), (R,), (W,)), (1, 1, 1, 1)),
+    "split-ar|cw": (((A, R), (C, W)), (2, 2)),
+    "split-a|crw": (((A,), (C, R, W)), (2, 2)),
+    "split-acr|w": (((A, C, R), (W,)), (3, 1)),
+    "split-a|cr|w": (((A,), (C, R), (W,)), (1, 1, 2)),
+    "split-aw|c|r": (((A, W), (C,), (R,)), (2, 1, 1)),
 }
+CALIBRATION = ("colocate", "standalone")
 
 
 def serialised_ppo() -> Dataflow:
@@ -65,13 +75,16 @@ def serialised_ppo() -> Dataflow:
         Stage(name="weight_sync", role="actor", kind="transition", after=("actor_update",))))
 
 
-def build_inputs(batch: int, samples: int, prompt_length: int, response_length: int) -> PlanInputs:
+def build_inputs(batch: int, samples: int, prompt_length: int, response_length: int,
+                 cores: int | None = None) -> PlanInputs:
+    """The bench's search inputs: four tiny Qwen2 models, 4 CPU slots sharing ``cores`` cores (the box's)."""
     from hybridflow.testing.fixtures import tiny_model_config
 
     model = model_from_hf_config({**tiny_model_config(), "torch_dtype": "float32"}, name="tiny-qwen2")
     workload = Workload(prompts=batch, samples_per_prompt=samples, prompt_length=prompt_length,
                         response_length=response_length, mini_batches=1, micro_batch_size=32)
-    return plan_inputs("ppo", {r: model for r in ROLES}, build_cluster("cpu", SLOTS, SLOTS), workload)
+    cluster = replace(build_cluster("cpu", SLOTS, SLOTS), compute_units=cores or os.cpu_count() or SLOTS)
+    return plan_inputs("ppo", {r: model for r in ROLES}, cluster, workload)
 
 
 def data_parallel_record(placement: Placement, devices: tuple[int, ...]) -> PlanRecord:
@@ -81,22 +94,13 @@ def data_parallel_record(placement: Placement, devices: tuple[int, ...]) -> Plan
                       generation={"actor": GenerationConfig(pipeline=1, tensor=1)})
 
 
-def predict(inputs: PlanInputs, record: PlanRecord, efficiency: Efficiency, dataflow: Dataflow) -> Plan:
-    usable = inputs.cluster.device.memory_bytes * efficiency.usable_memory_fraction
-    return retime_plan(LayoutPlanner(inputs.simulator(efficiency), dataflow, inputs.models), record, usable)
-
-
 def name_of(placement: Placement, devices: tuple[int, ...]) -> str:
     return " | ".join(f"{'+'.join(g)}:{n}" for g, n in zip(placement, devices))
 
 
-def candidates() -> list[tuple[Placement, tuple[int, ...]]]:
-    """Every placement of the four models × every allocation of the 4 slots (data-parallel layouts only)."""
-    out = []
-    for placement in set_partitions(ROLES):
-        for devices in enumerate_allocations(SLOTS, [1] * len(placement)):
-            out.append((placement, tuple(devices)))
-    return out
+def predict(inputs: PlanInputs, record: PlanRecord, efficiency: Efficiency, dataflow: Dataflow) -> Plan:
+    usable = inputs.cluster.device.memory_bytes * efficiency.usable_memory_fraction
+    return retime_plan(LayoutPlanner(inputs.simulator(efficiency), dataflow, inputs.models), record, usable)
 
 
 # --- measuring ------------------------------------------------------------------------------------------------
@@ -110,13 +114,14 @@ def busy_seconds(calls: list[tuple[str, float]]) -> dict[str, float]:
     return busy
 
 
-def trainer_overrides(run_dir: Path, placement: Placement, devices: tuple[int, ...], args: argparse.Namespace
-                      ) -> list[str]:
+def trainer_overrides(run_dir: Path, placement: Placement, devices: tuple[int, ...], args: argparse.Namespace,
+                      seed: int) -> list[str]:
     pools = {f"pool{i}": {"devices_per_node": [n], "device": "cpu", "cpus_per_worker": 0.5}
              for i, n in enumerate(devices)}
     roles = [f"{role}.pool=pool{i}" for i, group in enumerate(placement) for role in group]
     return [f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false",
-            "trainer.resume=never", "trainer.val_every=0", "trainer.checkpoint_every=0",
+            "trainer.resume=never", "trainer.val_every=0", "trainer.checkpoint_every=0", f"trainer.seed={seed}",
+            "trainer.lookahead=false",
             f"trainer.total_steps={args.warmup + args.steps}",
             "trainer.deadline_s=300", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
             "actor.recompute_log_probs=true", "reward.model={preset: tiny-qwen2}", f"data.batch_size={args.batch}",
@@ -124,14 +129,15 @@ def trainer_overrides(run_dir: Path, placement: Placement, devices: tuple[int, .
             f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}", *roles]
 
 
-def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args: argparse.Namespace
+def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args: argparse.Namespace, seed: int
             ) -> dict[str, Any]:
-    """Run the Trainer; return per-step wall seconds and busy rows (also written to RUN_DIR/busy.jsonl)."""
+    """Run the Trainer; return per-step wall seconds and busy rows (written to RUN_DIR/busy.jsonl and
+    RUN_DIR/measured.json)."""
     from hybridflow.config import load_config
     from hybridflow.trainer import Trainer
 
     example = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
-    config = load_config(example, trainer_overrides(run_dir, placement, devices, args))
+    config = load_config(example, trainer_overrides(run_dir, placement, devices, args, seed))
     calls: list[tuple[str, float]] = []
 
     def observe(record: Any) -> None:
@@ -156,7 +162,16 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
     finally:
         trainer.close()
     (run_dir / "busy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"walls": walls, "rows": rows, "setup_s": setup, "run_dir": run_dir}
+    (run_dir / "measured.json").write_text(json.dumps({"walls": walls, "setup_s": setup, "seed": seed,
+                                                       "load": os.getloadavg()}) + "\n")
+    return load_measured(run_dir)
+
+
+def load_measured(run_dir: Path) -> dict[str, Any]:
+    """A saved measurement: per-step wall seconds, busy rows, set-up seconds."""
+    saved = json.loads((run_dir / "measured.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "busy.jsonl").read_text().splitlines() if line.strip()]
+    return {**saved, "rows": rows, "run_dir": run_dir}
 
 
 # --- ranking statistics ---------------------------------------------------------------------------------------
@@ -196,9 +211,87 @@ def replay(dataflow: Dataflow, placement: Placement, rows: list[dict[str, Any]])
     return max(t.end for t in schedule_dataflow(dataflow, set_of_role, seconds))
 
 
-def correlations(reports: list[dict[str, Any]], key: str) -> dict[str, float]:
-    values, observed = [r[key] for r in reports], [r["measured_s"] for r in reports]
+def correlations(reports: list[dict[str, Any]], key: str, measured: str = "measured_s") -> dict[str, float]:
+    values, observed = [r[key] for r in reports], [r[measured] for r in reports]
     return {"spearman": round(spearman(values, observed), 3), "kendall": round(kendall(values, observed), 3)}
+
+
+
+
+def run_dir_of(root: Path, seed: int, name: str) -> Path:
+    return root / f"seed{seed}" / name.replace("|", "_")
+
+
+def report_of(name: str, inputs: PlanInputs, measured: dict[str, Any], fitted: Efficiency, used_for: str,
+              dataflow: Dataflow) -> dict[str, Any]:
+    placement, devices = PLACEMENTS[name]
+    record = data_parallel_record(placement, devices)
+    plan = predict(inputs, record, fitted, dataflow)
+    no_sharing = replace(inputs, cluster=replace(inputs.cluster, compute_units=None))
+    kinds = {s.name: s.kind for s in dataflow.stages}
+    return {
+        "placement": name, "sets": name_of(placement, devices), "used_for": used_for,
+        "measured_s": round(statistics.median(measured["walls"]), 3),
+        "measured_steps_s": [round(w, 3) for w in measured["walls"]],
+        "measured_fastest_quarter_s": round(statistics.median(sorted(measured["walls"])[:max(1, len(measured["walls"])
+                                                                                              // 4)]), 3),
+        "predicted_s": round(plan.iteration_seconds, 3),
+        "predicted_prior_s": round(predict(inputs, record, inputs.efficiency, dataflow).iteration_seconds, 3),
+        "predicted_serialised_s": round(predict(inputs, record, fitted, serialised_ppo()).iteration_seconds, 3),
+        "predicted_no_core_sharing_s": round(predict(no_sharing, record, fitted, dataflow).iteration_seconds, 3),
+        "replayed_observed_nodes_s": round(replay(dataflow, placement, measured["rows"]), 3),
+        "nodes": [{"node": c.node, "predicted": round(c.predicted, 3), "observed": round(c.observed_median, 3),
+                   "ratio": round(c.ratio, 2)} for c in compare_nodes(plan, measured["rows"], kinds)],
+        "setup_s": round(measured["setup_s"], 1), "load": measured.get("load"),
+    }
+
+
+def calibrate(inputs: PlanInputs, runs: dict[str, dict[str, Any]]) -> Efficiency:
+    """``fit_efficiency_to_runs`` on one run's colocated and standalone placements."""
+    fitted, _ = fit_efficiency_to_runs(inputs, [(data_parallel_record(*PLACEMENTS[n]), runs[n]["rows"])
+                                                for n in CALIBRATION])
+    return fitted
+
+
+def analyse(inputs: PlanInputs, measured: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per run: calibrate on its colocated + standalone runs, rank all seven; across runs: calibrate on one run,
+    rank the other's seven. Prints RESULT and SPEARMAN lines; returns the summary."""
+    dataflow = get_dataflow("ppo")  # the driver dispatches the paper's dataflow
+    fits = {seed: calibrate(inputs, runs) for seed, runs in measured.items() if set(CALIBRATION) <= set(runs)}
+    summary: dict[str, Any] = {"runs": {}}
+    for seed, runs in measured.items():
+        if seed not in fits:
+            continue
+        one_run, _ = fit_efficiency(inputs, data_parallel_record(*PLACEMENTS["colocate"]), runs["colocate"]["rows"])
+        reports = []
+        for name, result in runs.items():
+            report = report_of(name, inputs, result, fits[seed], "calibration" if name in CALIBRATION
+                               else "held-out", dataflow)
+            report["predicted_one_run_s"] = round(predict(inputs, data_parallel_record(*PLACEMENTS[name]), one_run,
+                                                          dataflow).iteration_seconds, 3)
+            others = [s for s in fits if s != seed]
+            if others:
+                report["predicted_other_run_s"] = round(predict(
+                    inputs, data_parallel_record(*PLACEMENTS[name]), fits[others[0]], dataflow).iteration_seconds, 3)
+            report["seed"] = seed
+            reports.append(report)
+            print("RESULT " + json.dumps(report), flush=True)
+        held_out = [r for r in reports if r["used_for"] == "held-out"]
+        scores: dict[str, Any] = {"seed": seed, "placements": len(reports), "held_out": len(held_out),
+                                  "fitted": {k: round(v, 5) for k, v in asdict(fits[seed]).items()},
+                                  "measured_order": [r["placement"] for r in sorted(reports,
+                                                                                    key=lambda r: r["measured_s"])]}
+        for key in ("predicted_s", "predicted_other_run_s", "predicted_no_core_sharing_s", "predicted_prior_s",
+                    "predicted_one_run_s", "predicted_serialised_s", "replayed_observed_nodes_s"):
+            if all(key in r for r in reports):
+                scores[key.removesuffix("_s")] = {"all": correlations(reports, key),
+                                                  "held_out": correlations(held_out, key)}
+        scores["predicted_vs_fastest_quarter"] = {
+            "all": correlations(reports, "predicted_s", "measured_fastest_quarter_s"),
+            "held_out": correlations(held_out, "predicted_s", "measured_fastest_quarter_s")}
+        print("SPEARMAN " + json.dumps(scores), flush=True)
+        summary["runs"][seed] = scores
+    return summary
 
 
 def main() -> None:
@@ -208,71 +301,36 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=24, help="prompts per iteration (24·n divides 1, 2, 3, 4)")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=16)
-    parser.add_argument("--extra", type=int, default=2, help="held-out placements beyond split-ar|cr, picked by the "
-                        "calibrated prediction (fastest and slowest not yet measured)")
+    parser.add_argument("--seeds", default="0,1", help="one run of every placement per seed")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--cores", type=int, default=None, help="cores the 4 slots share (default: this box's)")
     parser.add_argument("--run-root", type=Path, default=None)
+    parser.add_argument("--analyse-only", action="store_true", help="re-analyse the runs saved under --run-root")
     args = parser.parse_args()
-    from hybridflow.controller import init_ray
-
-    init_ray(num_cpus=4, object_store_memory=300_000_000)
     root = args.run_root or Path(tempfile.mkdtemp(prefix="placement-validation-"))
-    inputs = build_inputs(args.batch, args.samples, 8, args.response_length)
-    dispatched, serialised = get_dataflow("ppo"), serialised_ppo()  # the driver dispatches the paper's dataflow
-    kinds = {s.name: s.kind for s in dispatched.stages}
-    todo = [FIXED["colocate"], FIXED["standalone"], FIXED["split-ar|cr"]]
-    calibration_runs = set(todo[:2])
-    measured: dict[tuple[Placement, tuple[int, ...]], dict[str, Any]] = {}
-    one_run: Efficiency | None = None
-    two_run: Efficiency | None = None
-    while todo:
-        placement, devices = todo.pop(0)
-        run_dir = root / name_of(placement, devices).replace(" | ", "__").replace(":", "-").replace("+", "_")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        result = measure(run_dir, placement, devices, args)
-        measured[(placement, devices)] = result
-        print("MEASURED " + json.dumps({"placement": name_of(placement, devices), "steps_s": [
-            round(w, 3) for w in result["walls"]], "setup_s": round(result["setup_s"], 1)}), flush=True)
-        if one_run is None:  # the single-run calibration fit_efficiency offers: colocated only
-            one_run, _ = fit_efficiency(inputs, data_parallel_record(placement, devices), result["rows"])
-        elif two_run is None:  # colocated (DP 4) + standalone (DP 1): separates compute from sync latency
-            two_run, _ = fit_efficiency_to_runs(inputs, [(data_parallel_record(*key), m["rows"])
-                                                         for key, m in measured.items()])
-            ranked = sorted((predict(inputs, data_parallel_record(p, d), two_run, dispatched).iteration_seconds,
-                             (p, d)) for p, d in candidates())
-            fresh = [c for _, c in ranked if c not in set(FIXED.values())]
-            todo += (fresh[:1] + fresh[-1:])[:args.extra]
-            print("CALIBRATION " + json.dumps({"one_run": asdict(one_run), "two_runs": asdict(two_run)}))
-            print("PREDICTED_ORDER " + json.dumps([[name_of(*c), round(s, 3)] for s, c in ranked]), flush=True)
-    assert one_run is not None and two_run is not None, "needs the colocated and standalone runs"
-    reports = []
-    for (placement, devices), result in measured.items():
-        record = data_parallel_record(placement, devices)
-        plan = predict(inputs, record, two_run, dispatched)
-        report = {
-            "placement": name_of(placement, devices), "kind": plan.kind,
-            "used_for": "calibration" if (placement, devices) in calibration_runs else "held-out",
-            "measured_s": round(statistics.median(result["walls"]), 3),
-            "measured_steps_s": [round(w, 3) for w in result["walls"]], "setup_s": round(result["setup_s"], 1),
-            "predicted_prior_s": round(predict(inputs, record, inputs.efficiency, dispatched).iteration_seconds, 3),
-            "predicted_one_run_s": round(predict(inputs, record, one_run, dispatched).iteration_seconds, 3),
-            "predicted_s": round(plan.iteration_seconds, 3),
-            "predicted_serialised_s": round(predict(inputs, record, two_run, serialised).iteration_seconds, 3),
-            "replayed_observed_nodes_s": round(replay(dispatched, placement, result["rows"]), 3),
-            "nodes": [{"node": c.node, "predicted": round(c.predicted, 3), "observed": round(c.observed_median, 3),
-                       "ratio": round(c.ratio, 2)} for c in compare_nodes(plan, result["rows"], kinds)],
-            "run_dir": str(result["run_dir"]),
-        }
-        reports.append(report)
-        print("RESULT " + json.dumps(report), flush=True)
-    held_out = [r for r in reports if r["used_for"] == "held-out"]
-    summary: dict[str, Any] = {
-        "placements": len(reports), "held_out": len(held_out),
-        "measured_order": [r["placement"] for r in sorted(reports, key=lambda r: r["measured_s"])],
-        "predicted_order": [r["placement"] for r in sorted(reports, key=lambda r: r["predicted_s"])]}
-    for key in ("predicted_prior_s", "predicted_one_run_s", "predicted_s", "predicted_serialised_s",
-                "replayed_observed_nodes_s"):
-        summary[key.removesuffix("_s")] = {"all": correlations(reports, key), "held_out": correlations(held_out, key)}
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = args.placements.split(",")
+    inputs = build_inputs(args.batch, args.samples, 8, args.response_length, args.cores)
+    measured: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in seeds}
+    for seed in seeds:
+        for name in names:
+            run_dir = run_dir_of(root, seed, name)
+            if (run_dir / "measured.json").exists():
+                measured[seed][name] = load_measured(run_dir)
+                continue
+            if args.analyse_only:
+                continue
+            from hybridflow.controller import init_ray
+
+            init_ray(num_cpus=4, object_store_memory=300_000_000)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            measured[seed][name] = measure(run_dir, *PLACEMENTS[name], args, seed)
+            result = measured[seed][name]
+            print("MEASURED " + json.dumps({"seed": seed, "placement": name, "steps_s": [
+                round(w, 3) for w in result["walls"]], "setup_s": round(result["setup_s"], 1),
+                "load": result["load"]}), flush=True)
+    print("SUMMARY " + json.dumps(analyse(inputs, measured)), flush=True)
+    print(f"runs saved under {root}")
 
 
 if __name__ == "__main__":

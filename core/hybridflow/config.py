@@ -319,6 +319,11 @@ class TrainerConfig(_Section):
     deadline_s: float = Field(default=900.0, gt=0)
     threads_per_worker: int = Field(default=1, gt=0)
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
+    # remap advisor (docs/placement.md): every advisor_every steps compare the plan's predicted node times with the
+    # ledger's and record in RUN_DIR/advisor.jsonl whether a remap pays (0 = off; needs trainer.plan); advisor_runs:
+    # earlier run dirs (plan.json + ledger.jsonl) it calibrates from too, e.g. one at another data-parallel size
+    advisor_every: int = Field(default=0, ge=0)
+    advisor_runs: list[str] = Field(default_factory=list)
     # dispatch the next iteration's generation while the actor update runs (same calls, same order on the workers;
     # off before a checkpoint and on the last step); see docs/controller.md
     lookahead: bool = True

@@ -131,6 +131,8 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "resource_pools.main.devices_per_node": [["resource_pools.main.devices_per_node=[4]"]],
         "trainer.run_dir": [[f"trainer.run_dir={tmp / 'other-run'}"]],
         "trainer.plan": [[f"trainer.plan={plan_dir}"]],
+        # earlier runs the periodic advisor calibrates from: the trainer refuses them without trainer.advisor_every
+        "trainer.advisor_runs": [[f"trainer.advisor_runs=[{json.dumps(str(tmp / 'earlier-run'))}]"]],
         "ray.address": [["ray.address=ray://127.0.0.1:10001"]],
         "ray.allow_remote_without_auth": [["ray.address=ray://127.0.0.1:10001",
                                            "ray.allow_remote_without_auth=true"]],

@@ -1,5 +1,6 @@
-"""Plan → train → advise on a real run: `hybridflow plan --output`, `hybridflow train` with the fragment and
-``trainer.plan``, then `hybridflow plan --from-run RUN_DIR --remaining N` on the trainer's own ledger."""
+"""Plan → train → advise on a real run: `hybridflow plan --output`, `hybridflow train` with the fragment,
+``trainer.plan`` and the periodic advisor (``trainer.advisor_every``), then `hybridflow plan --from-run RUN_DIR
+--remaining N` on the trainer's own ledger."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     config = load_config(config_file, [
         f"trainer.run_dir={run_dir}", f"trainer.plan={plan_dir}", "trainer.progress=false",
         "trainer.tensorboard=false", "trainer.resume=never", "trainer.total_steps=2", "trainer.checkpoint_every=0",
+        "trainer.advisor_every=1",
         "actor.kl_loss_coef=0.001", "reward.model={preset: tiny-qwen2}",
         "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0"])
     trainer = Trainer(config, progress=False)
@@ -59,6 +61,17 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     finally:
         trainer.close()
     assert (run_dir / "plan.json").read_bytes() == (plan_dir / "plan.json").read_bytes()
+    # the trainer's own check after step 1 of 2 (none after the last), with transition costs measured on this run
+    in_run = [json.loads(line) for line in (run_dir / "advisor.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in in_run] == [1] and in_run[0]["remaining_iterations"] == 1
+    assert json.loads((run_dir / "summary.json").read_text())["advisor"][0]["step"] == 1
+    assert trainer.advisor is not None and trainer.advisor.setup_seconds > 0  # this run's start-up, measured
+    assert "placement advisor (1 checks" in capsys.readouterr().out  # printed at the end of the run
+    if in_run[0]["drift"]:  # then it priced a transition with it: start-up per changed model
+        transition = in_run[0]["transition"]
+        assert transition["measured"] == 1.0
+        assert transition["process_group_seconds"] == pytest.approx(
+            transition["models_changed"] * trainer.advisor.setup_seconds / 3)
 
     # the trainer's role.method nodes are matched to the planner's stages
     inputs, record = load_plan_record(run_dir)
@@ -75,8 +88,8 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     assert hybridflow(["plan", "--from-run", str(run_dir), "--remaining", "1000", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     lines = (run_dir / "advisor.jsonl").read_text().splitlines()
-    assert len(lines) == 1
-    written = json.loads(lines[0])
+    assert len(lines) == 2
+    written = json.loads(lines[-1])
     assert {k: v for k, v in written.items() if k != "time"} == {k: v for k, v in printed.items() if k != "time"}
     assert printed["remaining_iterations"] == 1000
     assert printed["current_plan"] == "colocate {actor, reference, reward}:2"
@@ -91,7 +104,7 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     assert hybridflow(["report", str(run_dir), "--remaining", "1000", "--json"]) == 0
     verdict = json.loads(capsys.readouterr().out)["advisor"]
     assert {k: v for k, v in verdict.items() if k != "time"} == {k: v for k, v in printed.items() if k != "time"}
-    assert len((run_dir / "advisor.jsonl").read_text().splitlines()) == 1
+    assert len((run_dir / "advisor.jsonl").read_text().splitlines()) == 2
     assert "<h2>Placement advisor</h2>" in (run_dir / "report.html").read_text()
 
 

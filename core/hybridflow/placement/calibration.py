@@ -216,54 +216,68 @@ def _nonnegative_least_squares(rows: list[list[float]], targets: list[float]) ->
     return best
 
 
-def fit_efficiency_to_runs(inputs: PlanInputs, runs: Sequence[tuple[PlanRecord, Sequence[Mapping[str, Any]]]]
-                           ) -> tuple[Efficiency, list[list[NodeComparison]]]:
+def fit_efficiency_to_runs(inputs: PlanInputs, runs: Sequence[tuple[PlanRecord, Sequence[Mapping[str, Any]]]],
+                           rounds: int = 4) -> tuple[Efficiency, list[list[NodeComparison]]]:
     """Fit each kind's compute efficiency and the shared ``sync_latency_seconds`` to several runs at once.
 
-    Each measured node is modelled as a_kind · compute + fixed + hops · latency (+ the transition overhead if it
-    covers the weight sync): compute and fixed come from re-timing the run's plan at the prior efficiency and at
-    half of it, hops from re-timing at a latency of 1 s and 0. The scales a_kind, the latency and the overhead are
-    the non-negative least-squares solution over every node of every run, weighted by 1/observed (relative
-    errors). Runs whose models all have one data-parallel size cannot tell
-    compute from latency; give runs of different sizes. Returns the fitted efficiency and, per run, the comparison
-    under it.
+    Each measured node is modelled as stretch · (a_kind · compute + fixed + hops · latency (+ the transition
+    overhead if it covers the weight sync)): compute and fixed come from re-timing the run's plan at the prior
+    efficiency and at half of it, hops from re-timing at a latency of 1 s and 0, all on devices with compute of
+    their own. ``stretch`` is how much the cluster's shared cores (:attr:`Cluster.compute_units`) slow the node
+    down where stages overlap; it depends on the fit, so with shared cores the fit is repeated ``rounds`` times,
+    each time with the stretches of the previous fit (1 without sharing). The scales a_kind, the latency and the
+    overhead are the non-negative least-squares solution over every node of every run, weighted by 1/observed
+    (relative errors). Runs whose models all have one data-parallel size cannot tell compute from latency; give
+    runs of different sizes. Returns the fitted efficiency and, per run, the comparison under it.
 
     Raises:
         ConfigError: no run has a node both measured and predicted.
     """
     prior = replace(inputs.efficiency, sync_latency_seconds=0.0, transition_overhead_seconds=0.0)
     half = prior.scaled(**{name: 0.5 for names in _KIND_FIELDS.values() for name in names})
+    own = replace(inputs, cluster=replace(inputs.cluster, compute_units=None))  # every device its own compute
     kinds = list(_KIND_FIELDS)
-    matrix: list[list[float]] = []
-    targets: list[float] = []
-    for record, rows in runs:
-        at_prior = _time_nodes(inputs, record, rows, prior)
-        at_half = {c.node: c.predicted for c in _time_nodes(inputs, record, rows, half)}
-        at_latency = {c.node: c.predicted for c in _time_nodes(inputs, record, rows,
+    terms: list[tuple[int, str, list[float], float, float]] = []  # run, node, coefficients, fixed, observed
+    for index, (record, rows) in enumerate(runs):
+        at_prior = _time_nodes(own, record, rows, prior)
+        at_half = {c.node: c.predicted for c in _time_nodes(own, record, rows, half)}
+        at_latency = {c.node: c.predicted for c in _time_nodes(own, record, rows,
                                                                 replace(prior, sync_latency_seconds=1.0))}
         for c in at_prior:
             if c.observed_median <= 0 or c.kind not in (*kinds, "transition"):
                 continue
             compute = at_half[c.node] - c.predicted
-            fixed = c.predicted - compute
             hops = at_latency[c.node] - c.predicted
-            weight = 1 / c.observed_median
             overhead = float(sum(inputs.dataflow.stage(s).kind == "transition" for s in c.stages))
-            matrix.append([weight * (compute if c.kind == kind else 0.0) for kind in kinds]
-                          + [weight * hops, weight * overhead])
-            targets.append(weight * (c.observed_median - fixed))
-    if not matrix:
+            terms.append((index, c.node, [compute if c.kind == kind else 0.0 for kind in kinds] + [hops, overhead],
+                          c.predicted - compute, c.observed_median))
+    if not terms:
         raise ConfigError("No measured node matches a predicted stage in any run; check the ledgers' node names "
                           f"against {sorted(TRAINER_NODES)} or the dataflow's stage names.")
-    solution = _nonnegative_least_squares(matrix, targets)
-    factors: dict[str, float] = {}
-    for index, kind in enumerate(kinds):
-        if any(row[index] for row in matrix):  # a kind no run measured keeps its prior efficiency
-            for name in _KIND_FIELDS[kind]:
-                factors[name] = 1 / solution[index] if solution[index] > 0 else 1e4
-    overhead = solution[-1] if any(row[-1] for row in matrix) else inputs.efficiency.transition_overhead_seconds
-    efficiency = replace(prior.scaled(**factors), sync_latency_seconds=solution[-2],
-                         transition_overhead_seconds=overhead)
+    stretch: dict[tuple[int, str], float] = {}
+    efficiency = inputs.efficiency
+    for _ in range(rounds if inputs.cluster.compute_units is not None else 1):
+        matrix, targets = [], []
+        for index, node, coefficients, fixed, observed in terms:
+            factor = stretch.get((index, node), 1.0)
+            matrix.append([factor * value / observed for value in coefficients])
+            targets.append((observed - factor * fixed) / observed)
+        solution = _nonnegative_least_squares(matrix, targets)
+        factors: dict[str, float] = {}
+        for index, kind in enumerate(kinds):
+            if any(row[index] for row in matrix):  # a kind no run measured keeps its prior efficiency
+                for name in _KIND_FIELDS[kind]:
+                    factors[name] = 1 / solution[index] if solution[index] > 0 else 1e4
+        overhead = solution[-1] if any(row[-1] for row in matrix) else inputs.efficiency.transition_overhead_seconds
+        efficiency = replace(prior.scaled(**factors), sync_latency_seconds=solution[-2],
+                             transition_overhead_seconds=overhead)
+        if inputs.cluster.compute_units is None:
+            break
+        for index, (record, rows) in enumerate(runs):
+            alone = {c.node: c.predicted for c in _time_nodes(own, record, rows, efficiency)}
+            for c in _time_nodes(inputs, record, rows, efficiency):
+                if alone.get(c.node, 0.0) > 0:
+                    stretch[(index, c.node)] = c.predicted / alone[c.node]
     return efficiency, [_time_nodes(inputs, record, rows, efficiency) for record, rows in runs]
 
 

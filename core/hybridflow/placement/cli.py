@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--profile", default="a100-80gb", help=f"device profile: {', '.join(DEVICE_PROFILES)}")
     parser.add_argument("--device-memory-gb", type=float, default=None, help="override the profile's memory")
+    parser.add_argument("--compute-units", type=float, default=None,
+                        help="cores the devices share when there are fewer than devices (CPU slots on a small box)")
     parser.add_argument("--batch", type=int, default=1024, help="prompts per iteration")
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     parser.add_argument("--prompt-length", type=int, default=1024)
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-run", type=Path, default=None, metavar="RUN_DIR",
                         help=f"run the remap advisor on RUN_DIR ({PLAN_FILE} + ledger.jsonl)")
     parser.add_argument("--remaining", type=int, default=None, help="iterations left in the run (with --from-run)")
+    parser.add_argument("--calibrate-with", type=Path, nargs="*", default=[], metavar="RUN_DIR",
+                        help="earlier runs (plan.json + ledger.jsonl) the advisor calibrates from too, e.g. one at "
+                             "another data-parallel size (with --from-run)")
     return parser
 
 
@@ -104,11 +109,13 @@ def _run_advisor(args: argparse.Namespace) -> int:
     if args.remaining is None:
         print("hybridflow plan: --from-run needs --remaining N (iterations left).", file=sys.stderr)
         return 2
-    recommendation = advise_remap(args.from_run, args.remaining)
+    recommendation = advise_remap(args.from_run, args.remaining, calibration_runs=args.calibrate_with)
     if args.json:
         print(json.dumps(recommendation.to_json(), indent=2))
     else:
         print(("REMAP: " if recommendation.remap else "KEEP: ") + recommendation.reason)
+        if recommendation.calibration:
+            print(f"  calibration: {recommendation.calibration}")
         for node, ratio in recommendation.drift.items():
             print(f"  drift {node}: observed/predicted = {ratio:.2f}")
         for key, value in recommendation.transition.items():
@@ -125,7 +132,8 @@ def main(argv: list[str]) -> int:
             return _run_advisor(args)
         dataflow = get_dataflow(args.algorithm)
         models = {role: parse_model(getattr(args, role) or args.model) for role in dataflow.roles}
-        cluster = build_cluster(args.profile, args.devices, args.devices_per_node, args.device_memory_gb)
+        cluster = build_cluster(args.profile, args.devices, args.devices_per_node, args.device_memory_gb,
+                                compute_units=args.compute_units)
         workload = Workload(prompts=args.batch, samples_per_prompt=args.samples_per_prompt,
                             prompt_length=args.prompt_length, response_length=args.response_length,
                             mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size)

@@ -98,16 +98,26 @@ class Efficiency:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cluster:
-    """``num_devices`` devices of one profile, ``devices_per_node`` per node."""
+    """``num_devices`` devices of one profile, ``devices_per_node`` per node.
+
+    ``compute_units``: how many devices' worth of compute the cluster really has when its devices are slots that
+    share it (CPU worker slots on a box with fewer cores than slots). None (GPUs): every device computes on its
+    own. When set, stages running at the same time on more devices than this share it (processor sharing), so
+    overlapping disjoint sets buys nothing once the cores are busy.
+    """
 
     device: DeviceProfile
     num_devices: int
     devices_per_node: int
+    compute_units: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_devices < 1 or self.devices_per_node < 1:
             raise ConfigError(f"Cluster needs >= 1 device and >= 1 device per node, got {self.num_devices} "
                               f"devices and {self.devices_per_node} per node.")
+        if self.compute_units is not None and self.compute_units <= 0:
+            raise ConfigError(f"Cluster.compute_units must be > 0 (or None: every device has its own compute), "
+                              f"got {self.compute_units}.")
 
     def link(self, group_size: int, stride: int = 1) -> InterconnectProfile:
         """The slowest link a communication group of ``group_size`` ranks at ``stride`` crosses."""
@@ -152,11 +162,13 @@ def get_device_profile(name: str) -> DeviceProfile:
 
 
 def build_cluster(profile: str | DeviceProfile, num_devices: int, devices_per_node: int = 8,
-                  memory_gb: float | None = None) -> Cluster:
-    """Build a :class:`Cluster`, optionally overriding the per-device memory (decimal GB)."""
+                  memory_gb: float | None = None, compute_units: float | None = None) -> Cluster:
+    """Build a :class:`Cluster`, optionally overriding the per-device memory (decimal GB); ``compute_units`` when
+    the devices share fewer cores than they are (see :class:`Cluster`)."""
     device = get_device_profile(profile) if isinstance(profile, str) else profile
     if memory_gb is not None:
         if memory_gb <= 0:
             raise ConfigError(f"Device memory must be > 0 GB, got {memory_gb}.")
         device = replace(device, memory_bytes=memory_gb * GB)
-    return Cluster(device=device, num_devices=num_devices, devices_per_node=min(devices_per_node, num_devices))
+    return Cluster(device=device, num_devices=num_devices, devices_per_node=min(devices_per_node, num_devices),
+                   compute_units=compute_units)

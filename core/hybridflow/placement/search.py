@@ -21,7 +21,8 @@ from hybridflow.placement.models import ModelSpec
 from hybridflow.placement.simulator import Simulator
 
 __all__ = ["set_partitions", "classify_placement", "enumerate_allocations", "schedule_dataflow", "StageTiming",
-           "Plan", "SearchResult", "search_placements", "evaluate_placement", "choose_allocation_unit"]
+           "Plan", "SearchResult", "search_placements", "evaluate_placement", "choose_allocation_unit",
+           "explain_choice"]
 
 Placement = tuple[tuple[str, ...], ...]
 
@@ -82,19 +83,62 @@ class StageTiming:
         return self.start + self.seconds
 
 
-def schedule_dataflow(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_seconds: Mapping[str, float]
+def schedule_dataflow(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_seconds: Mapping[str, float],
+                      *, set_devices: Sequence[int] | None = None, compute_units: float | None = None
                       ) -> list[StageTiming]:
-    """List-schedule stages in dispatch order: each waits for its dependencies and for its set to be free."""
-    end: dict[str, float] = {}
-    free: dict[int, float] = {}
-    timings = []
+    """List-schedule stages in dispatch order: each waits for its dependencies and for its set to be free.
+
+    With ``compute_units`` (devices that share fewer cores than they are, :attr:`Cluster.compute_units`) and each
+    set's device count in ``set_devices``, stages that run at the same time share the compute: while the running
+    stages' sets hold D devices, each progresses at min(1, compute_units / D) of its full speed (processor
+    sharing), so its seconds stretch. Without them every set computes on its own (the GPU case).
+    """
+    if compute_units is None or set_devices is None or sum(set_devices) <= compute_units:
+        end: dict[str, float] = {}
+        free: dict[int, float] = {}
+        timings = []
+        for stage in dataflow.stages:
+            index = set_of_role[stage.role]
+            start = max([free.get(index, 0.0), *(end[dep] for dep in stage.after)])
+            seconds = stage_seconds[stage.name]
+            timings.append(StageTiming(name=stage.name, role=stage.role, set_index=index, start=start,
+                                       seconds=seconds))
+            end[stage.name] = free[index] = start + seconds
+        return timings
+    return _shared_schedule(dataflow, set_of_role, stage_seconds, set_devices, compute_units)
+
+
+def _shared_schedule(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_seconds: Mapping[str, float],
+                     set_devices: Sequence[int], compute_units: float) -> list[StageTiming]:
+    """Event simulation of :func:`schedule_dataflow` under processor sharing (same dispatch order per set)."""
+    queues: dict[int, list[str]] = {}
     for stage in dataflow.stages:
-        index = set_of_role[stage.role]
-        start = max([free.get(index, 0.0), *(end[dep] for dep in stage.after)])
-        seconds = stage_seconds[stage.name]
-        timings.append(StageTiming(name=stage.name, role=stage.role, set_index=index, start=start, seconds=seconds))
-        end[stage.name] = free[index] = start + seconds
-    return timings
+        queues.setdefault(set_of_role[stage.role], []).append(stage.name)
+    after = {stage.name: stage.after for stage in dataflow.stages}
+    role = {stage.name: stage.role for stage in dataflow.stages}
+    done: dict[str, float] = {}
+    started: dict[str, float] = {}
+    remaining: dict[str, float] = {}  # running stages: seconds left at full speed
+    now = 0.0
+    while len(done) < len(after):
+        for index, queue in queues.items():
+            busy = any(set_of_role[role[name]] == index for name in remaining)
+            if queue and not busy and all(dep in done for dep in after[queue[0]]):
+                name = queue.pop(0)
+                started[name], remaining[name] = now, stage_seconds[name]
+        if not remaining:  # a dependency cycle cannot happen (Dataflow checks order); guard anyway
+            raise PlacementError(f"Dataflow {dataflow.algorithm!r} cannot make progress at t={now:.3f} s.")
+        demand = sum(set_devices[set_of_role[role[name]]] for name in remaining)
+        rate = min(1.0, compute_units / demand)
+        step = min(remaining.values()) / rate
+        now += step
+        for name in list(remaining):
+            remaining[name] -= step * rate
+            if remaining[name] <= 1e-12 * max(1.0, stage_seconds[name]):
+                del remaining[name]
+                done[name] = now
+    return [StageTiming(name=s.name, role=s.role, set_index=set_of_role[s.role], start=started[s.name],
+                        seconds=done[s.name] - started[s.name]) for s in dataflow.stages]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +161,24 @@ class Plan:
     def describe(self) -> str:
         sets = " | ".join(f"{{{', '.join(group)}}}:{n}" for group, n in zip(self.placement, self.devices))
         return f"{self.kind} {sets}"
+
+    @property
+    def overlap_seconds(self) -> float:
+        """Stage seconds that ran while another set was busy: Σ stage seconds − iteration (0 when colocated)."""
+        return sum(t.seconds for t in self.timings) - self.iteration_seconds
+
+    def idle_fraction(self) -> float:
+        """Share of the plan's device-seconds that no stage uses: Σ devices·(iteration − busy) over Σ devices·it."""
+        total = sum(self.devices) * self.iteration_seconds
+        busy = sum(self.devices[t.set_index] * t.seconds for t in self.timings)
+        return max(0.0, 1 - busy / total) if total > 0 else 0.0
+
+    def idle_seconds_per_set(self) -> dict[str, float]:
+        """Per set (named by its models): seconds of the iteration in which it runs no stage."""
+        busy: dict[int, float] = {}
+        for t in self.timings:
+            busy[t.set_index] = busy.get(t.set_index, 0.0) + t.seconds
+        return {"+".join(group): self.iteration_seconds - busy.get(i, 0.0) for i, group in enumerate(self.placement)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -192,7 +254,8 @@ def evaluate_placement(planner: LayoutPlanner, placement: Placement, devices: Se
         layouts.update(group_layouts)
         set_of_role.update({role: index for role in group})
     stage_seconds = {name: s for layout in layouts.values() for name, s in layout.stage_seconds.items()}
-    timings = schedule_dataflow(planner.dataflow, set_of_role, stage_seconds)
+    timings = schedule_dataflow(planner.dataflow, set_of_role, stage_seconds, set_devices=devices,
+                                compute_units=planner.simulator.cluster.compute_units)
     return Plan(placement=placement, devices=tuple(devices), layouts=layouts, timings=tuple(timings)), ""
 
 
@@ -252,6 +315,25 @@ def search_placements(simulator: Simulator, dataflow: Dataflow, models: Mapping[
     return SearchResult(best=best_per_placement[0], runners_up=best_per_placement[1:1 + top], infeasible=infeasible,
                         placements_considered=len(candidates), allocations_evaluated=evaluated,
                         wall_seconds=time.perf_counter() - started, floors=floors)
+
+
+def explain_choice(best: Plan, others: Sequence[Plan]) -> str:
+    """Why ``best`` beats the best plan of each other kind among ``others``, in the cost model's own terms: the
+    stage seconds a placement overlaps across disjoint sets against the device time it leaves idle (a model on
+    fewer devices runs each stage longer; a set with nothing to run waits)."""
+    parts = [f"{best.kind} {best.iteration_seconds:.1f} s (overlaps {best.overlap_seconds:.1f} s of stages, "
+             f"{best.idle_fraction():.0%} of device time idle)"]
+    seen = {best.kind}
+    for plan in sorted(others, key=lambda p: p.iteration_seconds):
+        if plan.kind in seen:
+            continue
+        seen.add(plan.kind)
+        idle = max(plan.idle_seconds_per_set().items(), key=lambda item: item[1])
+        slower = plan.iteration_seconds / best.iteration_seconds - 1
+        parts.append(f"{plan.kind} {plan.iteration_seconds:.1f} s (+{slower:.0%}: "
+                     f"overlaps {plan.overlap_seconds:.1f} s, {plan.idle_fraction():.0%} of device time idle, "
+                     f"{{{idle[0]}}} idle {idle[1]:.1f} s of {plan.iteration_seconds:.1f})")
+    return "; ".join(parts)
 
 
 def _name(placement: Placement) -> str:

@@ -33,6 +33,7 @@ from hybridflow.trainer.validation import Validation, build_validation
 
 if TYPE_CHECKING:
     from hybridflow.controller import CallObserver
+    from hybridflow.placement.advisor import RunAdvisor
 
 __all__ = ["Trainer"]
 
@@ -106,6 +107,7 @@ class Trainer:
         self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
         self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
         self._last_step_end: float | None = None
+        self.advisor: RunAdvisor | None = None  # trainer.advisor_every: the periodic placement check
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults,
                                      run_dir=self.run_dir)
         #: the observers of this run's group calls (shared by its groups; append to watch them): the ledger's and
@@ -117,6 +119,13 @@ class Trainer:
         from hybridflow.controller import init_ray
 
         self._copy_plan()
+        if self.config.trainer.advisor_every or self.config.trainer.advisor_runs:  # ConfigErrors before workers
+            from hybridflow.placement.advisor import RunAdvisor
+
+            self.advisor = RunAdvisor(self.run_dir, every=self.config.trainer.advisor_every,
+                                      total_steps=self.config.trainer.total_steps,
+                                      calibration_runs=self.config.trainer.advisor_runs)
+        started = time.perf_counter()
         ray_config = self.config.ray
         if ray_config.address is None:
             init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
@@ -139,6 +148,8 @@ class Trainer:
         placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
                                                     placement=placement))
+        if self.advisor is not None:  # the measured start-up is what a remap's restart pays
+            self.advisor.setup_seconds = time.perf_counter() - started
         self._maybe_resume()
 
     def _copy_plan(self) -> None:
@@ -391,6 +402,8 @@ class Trainer:
         self.writer.write(self.step, metrics)
         self.rollouts.write(self.step, runtime.samples)
         self.step += 1
+        if self.advisor is not None:
+            self.advisor.after_step(self.step)  # appends its decision to RUN_DIR/advisor.jsonl when due
         return metrics
 
     def validate_if_due(self) -> dict[str, float]:
@@ -421,6 +434,9 @@ class Trainer:
                 self.validate_if_due()
                 if every and (self.step % every == 0 or self.step == total):
                     self.supervisor.save_checkpoint()
-        (self.run_dir / "summary.json").write_text(json.dumps({"steps": self.step, "last": history[-1] if history
-                                                               else {}}, indent=1))
+        summary: dict[str, Any] = {"steps": self.step, "last": history[-1] if history else {}}
+        if self.advisor is not None:
+            print(self.advisor.summary(), flush=True)
+            summary["advisor"] = [r.to_json() for r in self.advisor.history]
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return history

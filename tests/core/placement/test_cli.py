@@ -48,3 +48,11 @@ def test_from_run_writes_advisor_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "KEEP" in capsys.readouterr().out
     assert len((tmp_path / "advisor.jsonl").read_text().splitlines()) == 1
     assert main(["--from-run", str(tmp_path)]) == 2
+
+
+def test_plan_records_shared_cores(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "tiny", "--devices", "4", "--devices-per-node", "4", "--profile", "cpu", "--batch", "24",
+                 "--compute-units", "2", "--output", str(tmp_path)]) == 0
+    capsys.readouterr()
+    inputs, _ = load_plan_record(tmp_path)
+    assert inputs.cluster.compute_units == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -133,3 +134,105 @@ def test_faster_devices_never_slow_the_best_plan(scale: float) -> None:
     slow_best = search_placements(Simulator(cluster=cluster, workload=Workload()), dataflow, models).best
     fast_best = search_placements(Simulator(cluster=fast, workload=Workload()), dataflow, models).best
     assert fast_best.iteration_seconds <= slow_best.iteration_seconds
+
+
+# --- the paper's crossover on its grid (bench/placement.py) ----------------------------------------------------
+@functools.cache  # each grid cell is searched once per session
+def _best_of_each_kind(size: str, devices: int, efficiency=None):  # type: ignore[no-untyped-def]
+    from hybridflow.placement import Efficiency
+
+    dataflow = get_dataflow("ppo")
+    models = {role: LLAMA_PRESETS[size] for role in dataflow.roles}
+    simulator = Simulator(cluster=build_cluster("a100", devices), workload=Workload(),
+                          efficiency=efficiency or Efficiency())
+    result = search_placements(simulator, dataflow, models, top=60)
+    plans = [result.best, *result.runners_up]
+    return result, {kind: next(p for p in plans if p.kind == kind) for kind in ("colocate", "split", "standalone")}
+
+
+def test_colocate_wins_small_clusters_and_split_wins_large_ones_for_the_papers_reason() -> None:
+    from hybridflow.placement.search import explain_choice
+
+    small, _ = _best_of_each_kind("7b", 16)
+    assert small.best.kind == "colocate"
+    for size in ("13b", "70b"):
+        large, best = _best_of_each_kind(size, 128)
+        assert large.best.kind == "split"
+        # the split overlaps the actor's and the critic's updates on disjoint halves; colocated, each model's
+        # stages run on all 128 devices, where the fixed batch leaves each device too little work
+        split, colocate = best["split"], best["colocate"]
+        assert split.overlap_seconds > colocate.iteration_seconds - split.iteration_seconds > 0
+        assert colocate.overlap_seconds == pytest.approx(0.0, abs=1e-9) and colocate.idle_fraction() < 1e-9
+        reason = explain_choice(large.best, large.runners_up)
+        assert reason.startswith("split") and "colocate" in reason and "standalone" in reason
+
+
+def test_the_crossover_needs_the_small_local_batch_loss() -> None:
+    """Without the saturation of small per-device batches (perfect strong scaling) colocating 7B/13B models wins at
+    every scale: the split's overlap never pays for halving each model's devices. The crossover is that effect."""
+    from hybridflow.placement import Efficiency
+
+    perfect = Efficiency(saturation_tokens=0.0)
+    for size in ("7b", "13b"):
+        assert _best_of_each_kind(size, 128)[0].best.kind == "split"
+        assert _best_of_each_kind(size, 128, perfect)[0].best.kind == "colocate"
+
+
+def test_standalone_loses_on_the_grid_because_its_scoring_devices_idle() -> None:
+    """Standalone gives the reference and the reward model devices of their own, which wait through generation and
+    both updates: over 70 % of the iteration idle on the paper's grid, ~40 % of all device time, against ~10–20 %
+    for the best split. What it saves (scoring overlapped with the actor's log-probs) is smaller than what the
+    idle devices cost the actor and critic (docs/placement.md)."""
+    for size in ("7b", "70b"):
+        _, best = _best_of_each_kind(size, 128)
+        standalone, split = best["standalone"], best["split"]
+        assert standalone.iteration_seconds > split.iteration_seconds
+        idle = standalone.idle_seconds_per_set()
+        assert idle["reference"] > 0.7 * standalone.iteration_seconds
+        assert idle["reward"] > 0.7 * standalone.iteration_seconds
+        assert standalone.idle_fraction() > split.idle_fraction() + 0.15
+
+
+# --- sets that share cores (CPU slots on a small box) ----------------------------------------------------------
+def test_shared_cores_stretch_overlapping_stages_and_nothing_else() -> None:
+    dataflow = get_dataflow("ppo")
+    seconds = {s.name: 1.0 for s in dataflow.stages}
+    standalone = {r: i for i, r in enumerate(dataflow.roles)}
+    own = schedule_dataflow(dataflow, standalone, seconds)
+    enough = schedule_dataflow(dataflow, standalone, seconds, set_devices=[1, 1, 1, 1], compute_units=4)
+    assert [(t.start, t.seconds) for t in own] == [(t.start, t.seconds) for t in enough]
+    shared = {t.name: t for t in schedule_dataflow(dataflow, standalone, seconds, set_devices=[1, 1, 1, 1],
+                                                   compute_units=2)}
+    assert shared["generate"].seconds == pytest.approx(1.0)  # alone on the box
+    # four scoring stages on four 1-device sets share 2 cores: each at half speed
+    for name in ("old_log_probs", "ref_log_probs", "values", "reward"):
+        assert shared[name].start == pytest.approx(1.0) and shared[name].seconds == pytest.approx(2.0)
+    # the two updates overlap (2 devices busy on 2 cores: full speed), then the weight sync runs alone
+    assert shared["critic_update"].seconds == pytest.approx(1.0)
+    assert shared["actor_update"].seconds == pytest.approx(1.0)
+    assert max(t.end for t in shared.values()) == pytest.approx(5.0)
+    # a colocated set of 4 devices on 2 cores runs every stage at half speed
+    colocated = schedule_dataflow(dataflow, {r: 0 for r in dataflow.roles}, seconds, set_devices=[4],
+                                  compute_units=2)
+    assert all(t.seconds == pytest.approx(2.0) for t in colocated)
+
+
+def test_shared_cores_reach_the_search_through_the_cluster() -> None:
+    from dataclasses import replace
+
+    from hybridflow.placement import parse_model
+
+    dataflow = get_dataflow("ppo")
+    models = {role: parse_model("tiny") for role in dataflow.roles}
+    workload = Workload(prompts=24, samples_per_prompt=4, prompt_length=8, response_length=16, mini_batches=1,
+                        micro_batch_size=32)
+    own = build_cluster("cpu", 4, 4)
+    placements = [tuple((r,) for r in dataflow.roles)]
+    alone = search_placements(Simulator(cluster=own, workload=workload), dataflow, models, placements=placements)
+    shared = search_placements(Simulator(cluster=replace(own, compute_units=2), workload=workload), dataflow,
+                               models, placements=placements)
+    alone_s = {t.name: t.seconds for t in alone.best.timings}
+    shared_s = {t.name: t.seconds for t in shared.best.timings}
+    assert shared_s["generate"] == pytest.approx(alone_s["generate"])  # alone on the box
+    assert shared_s["ref_log_probs"] == pytest.approx(2 * alone_s["ref_log_probs"])  # 4 scoring stages, 2 cores
+    assert shared.best.iteration_seconds > alone.best.iteration_seconds
