@@ -83,6 +83,11 @@ class HFTrainingEngineBase(abc.ABC):
         """Called before the forward of micro-batch ``index`` of the ``count`` in a mini-batch (default: nothing)."""
         return None
 
+    def _memory_metrics(self) -> dict[str, float]:
+        """Metrics counted from this rank's tensors after a train step (weights, trainable parameters, optimizer
+        state); default: none."""
+        return {}
+
     def _capture_scores(self, module: torch.nn.Module) -> None:
         """Record the output of ``module``'s ``score`` head on every forward (reward models)."""
         head = getattr(module, "score", None)
@@ -223,6 +228,7 @@ class HFTrainingEngineBase(abc.ABC):
             steps += 1
         metrics = {key: value / steps for key, value in totals.items()}
         metrics.update(lr=self._current_lr(), optimizer_steps=float(steps))
+        metrics.update(self._memory_metrics())
         return metrics
 
     # --- state ----------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from hybridflow.resharding import ReshardPlan
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
-__all__ = ["HandoverStats", "stream_generation_weights", "reshard_generation_weights", "handover_plan",
-           "fsdp_shard_dims", "TARGETS", "PATHS", "DEFAULT_PATH"]
+__all__ = ["HandoverStats", "generation_parameters", "stream_generation_weights", "reshard_generation_weights",
+           "handover_plan", "fsdp_shard_dims", "TARGETS", "PATHS", "DEFAULT_PATH"]
 
 TARGETS = ("hf",)
 PATHS = ("reshard", "stream")
@@ -63,6 +63,23 @@ class HandoverStats:
     tensor_parallel_size: int = 1
 
 
+def _base_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
+    """The model's parameters by HF name, LoRA adapter factors left out."""
+    from hybridflow_fsdp.lora import is_adapter_name
+
+    return {name: p for name, p in engine.model.named_parameters() if not is_adapter_name(name)}
+
+
+def generation_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
+    """What generation receives, by HF name: the model's parameters, with LoRA adapters (``actor.lora``) merged
+    into their base weights (``W + B·A·scale``, fresh tensors in the weight's placement; a collective)."""
+    from hybridflow_fsdp.lora import merged_parameters
+
+    if engine.config.lora is None:
+        return dict(engine.model.named_parameters())
+    return merged_parameters(engine.model)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -81,7 +98,7 @@ def stream_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf")
     total = local = received = peak = count = 0
     engine.last_handover_stats = None
     with torch.no_grad():
-        for name, parameter in engine.model.named_parameters():
+        for name, parameter in generation_parameters(engine).items():
             if isinstance(parameter, DTensor):
                 shard = parameter.to_local()
                 full = parameter.full_tensor()
@@ -105,7 +122,7 @@ def fsdp_shard_dims(engine: FSDPTrainingEngine) -> dict[str, int]:
     from torch.distributed.tensor import DTensor, Shard
 
     dims = {}
-    for name, parameter in engine.model.named_parameters():
+    for name, parameter in _base_parameters(engine).items():
         placement = parameter.placements[0] if isinstance(parameter, DTensor) else None
         dims[name] = placement.dim if isinstance(placement, Shard) else 0
     return dims
@@ -119,7 +136,7 @@ def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan
 
     plans = engine._handover_plans
     if tensor not in plans:
-        parameters = dict(engine.model.named_parameters())
+        parameters = _base_parameters(engine)
         shapes = {name: tuple(p.shape) for name, p in parameters.items()}
         dtype = next(iter(parameters.values())).dtype
         source = build_fsdp_training_layout(shapes, data=engine.world_size, dtype=dtype,
@@ -148,7 +165,7 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
         raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
     started = time.perf_counter()
     engine.last_handover_stats = None
-    parameters = dict(engine.model.named_parameters())
+    parameters = generation_parameters(engine)
     plan = handover_plan(engine, tensor=tensor)
     with torch.no_grad():
         local = {name: (p.to_local() if isinstance(p, DTensor) else p).detach() for name, p in parameters.items()}
