@@ -22,6 +22,7 @@ from hybridflow.errors import CheckpointError, ConfigError
 from hybridflow.testing.contracts.rollout import build_prompt_batch, prepare_model, read_weights
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID
+from hybridflow.trainer.build import build_lora_config
 from hybridflow_fsdp.lora import LoRALinear, lora_modules
 from hybridflow_fsdp.rollout import HFRolloutEngine
 from hybridflow_fsdp.training import FSDPTrainingEngine
@@ -166,5 +167,11 @@ def test_bad_lora_settings_are_refused_with_the_fix(model_path: Path) -> None:
         load_config(None, ["actor.lora.alpha=8"])
     with pytest.raises(ConfigError, match="target_modules is empty"):
         load_config(None, ["actor.lora.rank=4", "actor.lora.target_modules=[]"])
-    config = load_config(None, ["actor.lora.rank=4", "actor.lora.target_modules=[q_proj, v_proj]"])
-    assert config.actor.lora is not None and config.actor.lora.target_modules == ["q_proj", "v_proj"]
+    # every key reaches the engine config the trainer builds
+    config = load_config(None, ["actor.lora.rank=4", "actor.lora.alpha=2", "actor.lora.dropout=0.25",
+                                "actor.lora.target_modules=[q_proj, v_proj]"])
+    assert build_lora_config(config.actor) == LoraConfig(rank=4, alpha=2.0, dropout=0.25,
+                                                         target_modules=("q_proj", "v_proj"))
+    assert build_lora_config(load_config(None, []).actor) is None
+    example = Path(__file__).resolve().parents[3] / "examples" / "grpo_arithmetic_lora.yaml"
+    assert build_lora_config(load_config(example).actor) == LoraConfig(rank=8, alpha=16.0)
