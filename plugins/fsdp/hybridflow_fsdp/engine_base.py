@@ -42,8 +42,8 @@ class HFTrainingEngineBase(abc.ABC):
 
     Subclasses set ``role``, ``config``, ``device``, ``rank``, ``world_size``, ``_version`` and ``_captured_scores``
     and fill in the hooks: :meth:`_forward_module` (what a forward calls), :meth:`_backward`,
-    :meth:`_optimizer_step` and :meth:`_current_lr`; :meth:`_response_logits`, :meth:`_inference_context` and
-    :meth:`_before_micro` have defaults.
+    :meth:`_optimizer_step` and :meth:`_current_lr`; :meth:`_response_logits`, :meth:`_inference_context`,
+    :meth:`_before_micro` and :meth:`_memory_metrics` have defaults.
     """
 
     role: str

@@ -10,6 +10,9 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   generation model is produced before the first tensor is yielded.
 - ``"stream"`` (tg = 1 only): one ``DTensor.full_tensor`` per parameter, so only one gathered parameter is alive at a
   time; bytes received are computed as the payload each rank lacked (full − shard), not counted from buffers.
+
+With LoRA (``actor.lora``) both paths hand over the base model's parameters with the adapters merged into their
+weights (:func:`generation_parameters`); the adapter factors themselves never reach the rollout engine.
 """
 
 from __future__ import annotations
