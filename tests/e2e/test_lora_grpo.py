@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from hybridflow.batch import Batch
@@ -47,6 +48,7 @@ def _hf_log_probs(model_dir: Path, batch: Batch) -> torch.Tensor:
     return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
+@pytest.mark.slow  # one 16-step trainer run and an export: ~40 CPU-seconds
 def test_grpo_learns_with_lora_and_exports_the_merged_model(tmp_path: Path, tiny_config) -> None:
     (tmp_path / "digits.py").write_text(REWARD)
     run_dir = tmp_path / "run"

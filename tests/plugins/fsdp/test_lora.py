@@ -175,3 +175,41 @@ def test_bad_lora_settings_are_refused_with_the_fix(model_path: Path) -> None:
     assert build_lora_config(load_config(None, []).actor) is None
     example = Path(__file__).resolve().parents[3] / "examples" / "grpo_arithmetic_lora.yaml"
     assert build_lora_config(load_config(example).actor) == LoraConfig(rank=8, alpha=16.0)
+
+
+def _sharded_lora_rank(rank: int, world_size: int, model_path: str, workdir: str) -> None:
+    """Module-level (spawned): a LoRA actor FSDP-sharded over 2 ranks trains, hands over on both paths, resumes."""
+    actor = build_actor(Path(model_path), lora=LoraConfig(rank=4, target_modules=("q_proj", "o_proj", "up_proj")),
+                        micro_batch_size=2)
+    batch = build_training_batch(rows=8).chunk(world_size)[rank]
+    actor.train_step(batch, loss_fn=sequence_mean_nll)
+    reshard = {name: tensor.clone() for name, tensor in actor.generation_weights()}
+    from hybridflow_fsdp.handover import stream_generation_weights
+
+    stream = {name: tensor.clone() for name, tensor in stream_generation_weights(actor)}
+    actor.export_hf(f"{workdir}/exported")
+    actor.save_checkpoint(f"{workdir}/checkpoint")
+    straight = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)]
+    actor.load_checkpoint(f"{workdir}/checkpoint")
+    resumed = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)]
+    torch.save({"reshard": reshard, "stream": stream, "straight": straight, "resumed": resumed,
+                "sharded": actor.sharded}, f"{workdir}/rank{rank}.pt")
+
+
+def test_sharded_adapters_merge_on_both_handover_paths_and_resume(model_path: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from hybridflow.testing.contracts.spawn import run_rank_groups
+
+    run_rank_groups([(_sharded_lora_rank, 2, (str(model_path), str(tmp_path)))], workdir=tmp_path, timeout_s=240)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    exported = load_file(tmp_path / "exported" / "model.safetensors")  # merged on rank 0 from the full state
+    for result in results:
+        assert result["sharded"] and result["straight"] == result["resumed"]
+        # each rank's shards (reshard) and full tensors (stream) are the merged weights the export holds
+        assert result["stream"].keys() - {"lm_head.weight"} == exported.keys()
+        assert all(torch.allclose(result["stream"][name], exported[name], atol=1e-6) for name in exported)
+        merged = "model.layers.0.self_attn.o_proj.weight"
+        assert not torch.equal(exported[merged], read_weights(model_path)[merged])
+    for name in exported:  # the two ranks' reshard shards together are the full merged tensor (tg = 1: full each)
+        assert all(torch.allclose(r["reshard"][name], exported[name], atol=1e-6) for r in results), name
