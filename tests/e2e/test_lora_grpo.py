@@ -24,9 +24,10 @@ def digit_share(*, responses, ground_truths, data_sources, extra=None):
 '''
 PROMPTS = ["3+4=", "12+9=", "7+7=", "0+5="]
 STEPS = 16
-# mean reward of the first 4 steps → of the last 4, lr 0.1, rank 8 (all-linear), measured on trainer.seed 0, 1, 2:
-#   (filled in from the measurements)
-MARGIN = 0.05
+# mean reward of the first 4 steps → of the last 8, lr 0.1, rank 8 (all-linear), measured on trainer.seed 0, 1, 2:
+#   0.238 → 0.301, 0.262 → 0.318, 0.254 → 0.315   (rises 0.063, 0.056, 0.061; the test runs seed 0)
+# (lr 0.03 rises as much in 20 steps: 0.257 → 0.337 over the first/last 4 on seed 0.)
+MARGIN = 0.035
 
 
 def _prompts(tokenizer: Any, version: int) -> Batch:
@@ -66,7 +67,7 @@ def test_grpo_learns_with_lora_and_exports_the_merged_model(tmp_path: Path, tiny
         trainer.close()
 
     rewards = [m["reward/mean"] for m in history]
-    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + MARGIN, rewards
+    assert sum(rewards[-8:]) / 8 > sum(rewards[:4]) / 4 + MARGIN, rewards
     # the rollout generated with the merged weights W + B·A·scale: its log-probs are the training engine's
     mask = generated["response_mask"].bool()
     assert torch.allclose(generated["rollout_log_probs"][mask], engine_log_probs[mask], atol=1e-4)
