@@ -196,7 +196,8 @@ def base_fingerprint(model: nn.Module) -> list[float]:
     from torch.distributed.tensor import DTensor
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    totals = torch.zeros(2, dtype=torch.float64)
+    device = next(iter(model.parameters())).device  # (on the parameters' device: nccl reduces CUDA tensors only)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     for name, parameter in model.named_parameters():
         if is_adapter_name(name):
             continue
@@ -206,10 +207,10 @@ def base_fingerprint(model: nn.Module) -> list[float]:
             continue  # a replicated (unsharded) parameter: counted once, on rank 0
         else:
             values = parameter.detach().double()
-        totals += torch.stack([values.sum(), values.square().sum()]).cpu()
+        totals += torch.stack([values.sum(), values.square().sum()]).to(device)
     if distributed:
         dist.all_reduce(totals)
-    return [float(value) for value in totals]
+    return [float(value) for value in totals.cpu()]
 
 
 def describe_adapters(model: nn.Module, config: LoraConfig, *, base: Mapping[str, Any]) -> dict[str, Any]:
