@@ -136,7 +136,27 @@ def _actor_only(key: str, instead: str = "") -> str:
             f"actor.{key}{instead}, and remove critic.{key}")
 
 
+class LoraSection(_Section):
+    """``actor.lora``: train low-rank adapters on the actor's linear layers instead of every weight (docs/fsdp.md)."""
+
+    rank: int  # the adapters' inner dimension r (required: there is no LoRA without it)
+    alpha: float = Field(default=16.0, gt=0)  # the adapters' product is scaled by alpha / rank
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # on the adapters' input, in training
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"  # module names (q_proj, ...) or every linear
+
+    @model_validator(mode="after")
+    def _positive_rank(self) -> LoraSection:
+        if self.rank <= 0:
+            raise ValueError(f"lora.rank = {self.rank}: the adapters' inner dimension must be a positive integer. "
+                             "Fix: set actor.lora.rank to e.g. 8 (or remove actor.lora to train every weight)")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("lora.target_modules is empty: it must name at least one module. Fix: list module "
+                             'names (e.g. [q_proj, v_proj]) or set "all-linear"')
+        return self
+
+
 class ActorConfig(_TrainedRole):
+    lora: LoraSection | None = None  # LoRA adapters (fsdp engine); None: full fine-tuning
     clip_ratio_low: float = Field(default=0.2, ge=0)
     clip_ratio_high: float = Field(default=0.2, ge=0)
     entropy_coef: float = 0.0

@@ -52,6 +52,8 @@ __all__ = [
     "ModelSpec",
     "ParallelConfig",
     "OptimConfig",
+    "LoraConfig",
+    "LORA_ALL_LINEAR",
     "TrainingEngineConfig",
     "SamplingParams",
     "RolloutEngineConfig",
@@ -149,6 +151,46 @@ class OptimConfig:
         _positive("grad_clip", self.grad_clip, allow_zero=True)
 
 
+#: ``LoraConfig.target_modules`` value meaning every linear layer except the output head (as peft's "all-linear")
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA): each targeted linear layer computes ``x W^T + (x A^T B^T) * alpha / rank``; only
+    A [rank, in] and B [out, rank] train, W stays frozen.
+
+    ``target_modules``: module names as peft matches them (a module matches a name equal to its qualified name or to
+    its last dotted components, e.g. ``q_proj``), or ``"all-linear"``. ``dropout`` applies to the adapters' input.
+    An engine that does not train adapters must refuse a config with ``lora`` set (stability: public).
+    """
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = LORA_ALL_LINEAR
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ConfigError(f"lora.rank must be a positive integer (the adapters' inner dimension, e.g. 8); got "
+                              f"{self.rank!r}")
+        _positive("lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1); got {self.dropout}")
+        if isinstance(self.target_modules, str) and self.target_modules != LORA_ALL_LINEAR:
+            raise ConfigError(f'lora.target_modules must be a list of module names (e.g. [q_proj, v_proj]) or '
+                              f'"{LORA_ALL_LINEAR}"; got {self.target_modules!r}')
+        if not isinstance(self.target_modules, str) and (
+                not self.target_modules or not all(isinstance(n, str) and n for n in self.target_modules)):
+            raise ConfigError(f"lora.target_modules must name at least one module (e.g. [q_proj, v_proj]); got "
+                              f"{list(self.target_modules)!r}")
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor of the adapters' product."""
+        return self.alpha / self.rank
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingEngineConfig:
     """Everything a training engine factory needs besides the role and device."""
@@ -159,6 +201,8 @@ class TrainingEngineConfig:
     micro_batch_size: int = 8
     mixed_precision: Literal["none", "bf16"] = "none"
     gradient_checkpointing: bool = False
+    #: train low-rank adapters instead of every weight (actor only; engines without LoRA refuse it)
+    lora: LoraConfig | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -139,6 +139,10 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "reliability.faults": [['reliability.faults=["actor.update@2:raise"]']],
         "reliability.deadlines": [['reliability.deadlines={"actor.update_policy": 60}']],
         "*.optim.betas": [["{key}=[0.8, 0.99]"]],
+        # actor.lora needs its rank: set one with each other key
+        "actor.lora.alpha": [["actor.lora.rank=4", "actor.lora.alpha=4"]],
+        "actor.lora.dropout": [["actor.lora.rank=4", "actor.lora.dropout=0.1"]],
+        "actor.lora.target_modules": [["actor.lora.rank=4", 'actor.lora.target_modules=["q_proj"]']],
         "trainer.loggers": [["trainer.loggers=[jsonl]"]],
         "rollout.multi_turn.tools": [['rollout.multi_turn.tools=["calculator"]']],
         "rollout.multi_turn.tool_options": [['rollout.multi_turn.tools=["python"]',

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import Config, ModelConfig, ParallelSection, check_pool_batches
 from hybridflow.engines import (
+    LoraConfig,
     ModelSpec,
     OptimConfig,
     ParallelConfig,
@@ -84,6 +85,17 @@ def _optim(config: Config, section: Any) -> OptimConfig:
     return OptimConfig(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
                        warmup_steps=optim.warmup_steps, total_steps=config.trainer.total_steps,
                        schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, grad_clip=optim.grad_clip)
+
+
+def build_lora_config(section: Any) -> LoraConfig | None:
+    """The engine's :class:`LoraConfig` from a role section's ``lora`` (None when the section has none or it is
+    unset)."""
+    lora = getattr(section, "lora", None)
+    if lora is None:
+        return None
+    targets = lora.target_modules
+    return LoraConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                      target_modules=targets if isinstance(targets, str) else tuple(targets))
 
 
 def resolve_section(config: Config, declaration: RoleDeclaration) -> Any:
@@ -190,6 +202,7 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             optim=_optim(config, section) if trainable else OptimConfig(),
             micro_batch_size=section.micro_batch_size, mixed_precision=getattr(section, "mixed_precision", "none"),
             gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
+            lora=build_lora_config(section) if kind == "actor" else None,
             extra=dict(getattr(section, "extra", {})))
         options: dict[str, Any] = {}
         if kind == "actor":

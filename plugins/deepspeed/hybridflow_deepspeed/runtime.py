@@ -68,6 +68,9 @@ def parse_options(role: str, config: TrainingEngineConfig) -> DeepSpeedOptions:
             f"tensor_parallel_size={config.parallel.tensor_parallel_size}, pipeline_parallel_size="
             f"{config.parallel.pipeline_parallel_size}. Use the megatron engine for tensor/pipeline parallelism."
         )
+    if config.lora is not None:
+        raise ConfigError(f"{role}.lora: the deepspeed engine does not train LoRA adapters; the fsdp engine does. Fix: "
+                          f"set {role}.engine=fsdp, or remove {role}.lora to train every weight")
     if config.mixed_precision not in ("none", "bf16"):
         raise ConfigError(f'{role}.mixed_precision must be "none" or "bf16"; got {config.mixed_precision!r}')
     if config.model.dtype != "float32":

@@ -1,7 +1,9 @@
 """Distributed checkpoints of the FSDP engine (torch.distributed.checkpoint) and export of an HF model directory.
 
 Checkpoints hold model, optimizer, scheduler, optimizer-step count and every RNG state, so a resumed run continues
-bit-identically; all ranks must see the same filesystem. Deciding when to checkpoint is the trainer's business.
+bit-identically; all ranks must see the same filesystem. With LoRA they hold only the adapters and their optimizer
+state, plus a reference to the base (spec and weight fingerprint) that loading checks. Deciding when to checkpoint
+is the trainer's business.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import CheckpointError
+from hybridflow_fsdp.lora import check_same_base, describe_adapters, is_adapter_name, lora_modules, merge_state_dict
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -52,9 +55,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _state_dicts(engine: FSDPTrainingEngine) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    """Model and optimizer state; with LoRA only the adapters (the frozen base is referenced, not stored)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
-    state: dict[str, Any] = {"model": get_model_state_dict(engine.model)}
+    lora = engine.config.lora is not None
+    model = get_model_state_dict(engine.model, options=StateDictOptions(ignore_frozen_params=lora))
+    if lora:  # (ignore_frozen_params keeps a tied head's key: the adapters are all a LoRA checkpoint holds)
+        model = {name: tensor for name, tensor in model.items() if is_adapter_name(name)}
+    state: dict[str, Any] = {"model": model}
     if engine.optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(engine.model, engine.optimizer)
     return state
@@ -76,6 +88,7 @@ def save(engine: FSDPTrainingEngine, path: str) -> None:
         "version": engine.state_version(),
         "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "rng": rng_state(),
+        "lora": _adapters(engine),
     }
     torch.save(extra, staging / _EXTRA.format(rank=engine.rank))
     dist.barrier()
@@ -88,7 +101,11 @@ def save(engine: FSDPTrainingEngine, path: str) -> None:
 
 def load(engine: FSDPTrainingEngine, path: str) -> None:
     """Restore what :func:`save` wrote; the world size and role must match the saving run."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.checkpoint.state_dict_loader import load as load_distributed
 
     directory = Path(path)
@@ -110,9 +127,20 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
             f"checkpoint {path} was written by a {extra['role']} on {extra['world_size']} ranks; this engine is a "
             f"{engine.role} on {engine.world_size} ranks. Resume with the same role and world size."
         )
+    adapters = _adapters(engine)
+    if (extra.get("lora") is None) != (adapters is None):
+        have = "LoRA adapters only" if adapters is None else "every weight (full fine-tuning)"
+        raise CheckpointError(f"checkpoint {path} holds {have}; this engine "
+                              f"{'trains LoRA adapters' if adapters else 'trains every weight'}. Resume with the "
+                              "run's actor.lora setting")
+    if adapters is not None:
+        mismatch = check_same_base(extra["lora"], adapters, where=f"checkpoint {path}")
+        if mismatch:
+            raise CheckpointError(mismatch)
     state = _state_dicts(engine)
     load_distributed(state, checkpoint_id=str(directory))
-    set_model_state_dict(engine.model, state["model"])
+    set_model_state_dict(engine.model, state["model"],
+                         options=StateDictOptions(strict=adapters is None))
     if engine.optimizer is not None:
         set_optimizer_state_dict(engine.model, engine.optimizer, state["optimizer"])
     if engine.scheduler is not None and extra["scheduler"] is not None:
@@ -120,6 +148,15 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
     engine._version = int(extra["version"])
     set_rng_state(extra["rng"])
     dist.barrier()
+
+
+def _adapters(engine: FSDPTrainingEngine) -> dict[str, Any] | None:
+    """The LoRA description a checkpoint records (None without LoRA); a collective (the base fingerprint)."""
+    if engine.config.lora is None:
+        return None
+    spec = engine.config.model
+    return describe_adapters(engine.model, engine.config.lora,
+                             base={"path": spec.path, "seed": spec.seed, "dtype": spec.dtype})
 
 
 def _unwrapped_class_name(model: torch.nn.Module) -> str:
@@ -134,7 +171,9 @@ def export_hf(engine: FSDPTrainingEngine, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(engine.model, options=options)
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(engine.model, options=options))
+    if engine.rank == 0 and engine.config.lora is not None:  # the base model with the adapters merged in
+        state = merge_state_dict(state, {name: module.scale for name, module in lora_modules(engine.model).items()})
     if engine.rank == 0:
         directory = Path(path)
         directory.mkdir(parents=True, exist_ok=True)
@@ -143,7 +182,7 @@ def export_hf(engine: FSDPTrainingEngine, path: str) -> None:
             state.pop("lm_head.weight", None)
         config.architectures = [_unwrapped_class_name(engine.model)]
         config.save_pretrained(directory)
-        tensors = {name: cast(torch.Tensor, tensor).contiguous() for name, tensor in state.items()}
+        tensors = {name: tensor.contiguous() for name, tensor in state.items()}
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         source = engine.config.model.path
         for name in TOKENIZER_FILES if source else ():

@@ -42,8 +42,8 @@ class HFTrainingEngineBase(abc.ABC):
 
     Subclasses set ``role``, ``config``, ``device``, ``rank``, ``world_size``, ``_version`` and ``_captured_scores``
     and fill in the hooks: :meth:`_forward_module` (what a forward calls), :meth:`_backward`,
-    :meth:`_optimizer_step` and :meth:`_current_lr`; :meth:`_response_logits`, :meth:`_inference_context` and
-    :meth:`_before_micro` have defaults.
+    :meth:`_optimizer_step` and :meth:`_current_lr`; :meth:`_response_logits`, :meth:`_inference_context`,
+    :meth:`_before_micro` and :meth:`_memory_metrics` have defaults.
     """
 
     role: str
@@ -82,6 +82,11 @@ class HFTrainingEngineBase(abc.ABC):
     def _before_micro(self, index: int, count: int) -> None:
         """Called before the forward of micro-batch ``index`` of the ``count`` in a mini-batch (default: nothing)."""
         return None
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """Metrics counted from this rank's tensors after a train step (weights, trainable parameters, optimizer
+        state); default: none."""
+        return {}
 
     def _capture_scores(self, module: torch.nn.Module) -> None:
         """Record the output of ``module``'s ``score`` head on every forward (reward models)."""
@@ -223,6 +228,7 @@ class HFTrainingEngineBase(abc.ABC):
             steps += 1
         metrics = {key: value / steps for key, value in totals.items()}
         metrics.update(lr=self._current_lr(), optimizer_steps=float(steps))
+        metrics.update(self._memory_metrics())
         return metrics
 
     # --- state ----------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The ``fsdp`` checkpoint exporter: one role's torch distributed checkpoint → an HF ``config.json`` +
 ``model.safetensors``, read in this process without a process group (``no_dist``), whatever world size wrote it.
 
-Which checkpoint and where to write are :mod:`hybridflow.export`'s; the tokenizer is written there too.
+A LoRA run's checkpoint holds only adapters: the base is rebuilt from the run's model spec (checked against the
+fingerprint the checkpoint recorded) and the adapters are merged into it. Which checkpoint and where to write are
+:mod:`hybridflow.export`'s; the tokenizer is written there too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, cast
 import torch
 
 from hybridflow.errors import CheckpointError
+from hybridflow_fsdp.lora import apply_lora, is_adapter_name, unload_merged
 
 __all__ = ["export_checkpoint", "write_hf_weights"]
 
@@ -37,8 +40,16 @@ def load_checkpoint_model(checkpoint: Path, spec: Any) -> torch.nn.Module:
     from hybridflow_fsdp.models import build_model
 
     model = build_model(spec.engine_config.model, role=spec.role)
+    lora = getattr(spec.engine_config, "lora", None)
+    if lora is not None:  # the checkpoint holds the adapters; the base comes from the run's model spec
+        apply_lora(model, lora, seed=spec.engine_config.model.seed)
+        model_spec = spec.engine_config.model
+        _check_adapter_base(checkpoint, model, lora,
+                            base={"path": model_spec.path, "seed": model_spec.seed, "dtype": model_spec.dtype})
     available = _checkpoint_keys(checkpoint)
     state = model.state_dict()
+    if lora is not None:
+        state = {name: tensor for name, tensor in state.items() if is_adapter_name(name)}
     tied = set(getattr(model, "_tied_weights_keys", None) or ()) if getattr(model.config, "tie_word_embeddings",
                                                                             False) else set()
     wanted = {name: tensor for name, tensor in state.items() if f"{_MODEL_KEY}.{name}" in available}
@@ -51,7 +62,27 @@ def load_checkpoint_model(checkpoint: Path, spec: Any) -> torch.nn.Module:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         load({_MODEL_KEY: wanted}, checkpoint_id=str(checkpoint), no_dist=True)
     model.load_state_dict(wanted, strict=False)
+    unload_merged(model)  # (no adapters: nothing to do)
     return model
+
+
+def _check_adapter_base(checkpoint: Path, model: torch.nn.Module, lora: Any, *, base: dict[str, Any]) -> None:
+    """The checkpoint holds adapters (its rank-0 engine state says so) trained on the base ``model`` now has."""
+    from hybridflow_fsdp.lora import check_same_base, describe_adapters
+
+    extra_file = checkpoint / "engine_state_rank0.pt"
+    try:
+        saved = torch.load(extra_file, weights_only=True).get("lora") if extra_file.exists() else None
+    except Exception as exc:  # any unpickling failure: not our file, or corrupted
+        raise CheckpointError(f"{extra_file} could not be loaded safely ({type(exc).__name__}: {exc})") from exc
+    if saved is None:
+        state = "has no lora entry" if extra_file.exists() else "is missing"
+        raise CheckpointError(f"the run's config trains LoRA adapters (actor.lora) but fsdp checkpoint {checkpoint} "
+                              f"records none ({extra_file.name} {state}); it was written by another run, or "
+                              "manifest.json was changed")
+    mismatch = check_same_base(saved, describe_adapters(model, lora, base=base), where=f"fsdp checkpoint {checkpoint}")
+    if mismatch:
+        raise CheckpointError(mismatch)
 
 
 def write_hf_weights(model: torch.nn.Module, out_dir: Path) -> None:

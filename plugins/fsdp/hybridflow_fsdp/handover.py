@@ -15,6 +15,9 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   parameter, bit for bit; a forward or a state_dict call on the model does it first too.
 - ``"stream"`` (tg = 1 only): one ``DTensor.full_tensor`` per parameter, so only one gathered parameter is alive at a
   time; bytes received are computed as the payload each rank lacked (full − shard), not counted from buffers.
+
+With LoRA (``actor.lora``) both paths hand over the base model's parameters with the adapters merged into their
+weights (:func:`generation_parameters`); the adapter factors themselves never reach the rollout engine.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ if TYPE_CHECKING:
     from hybridflow.resharding import ReshardPlan
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
-__all__ = ["HandoverStats", "stream_generation_weights", "reshard_generation_weights", "handover_plan",
-           "fsdp_shard_dims", "restore_training_shards", "parked_bytes", "TARGETS", "PATHS", "DEFAULT_PATH"]
+__all__ = ["HandoverStats", "generation_parameters", "stream_generation_weights", "reshard_generation_weights",
+           "handover_plan", "fsdp_shard_dims", "restore_training_shards", "parked_bytes", "TARGETS", "PATHS",
+           "DEFAULT_PATH"]
 
 TARGETS = ("hf",)
 PATHS = ("reshard", "stream")
@@ -71,6 +75,23 @@ class HandoverStats:
     parked_bytes: int = 0
 
 
+def _base_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
+    """The model's parameters by HF name, LoRA adapter factors left out."""
+    from hybridflow_fsdp.lora import is_adapter_name
+
+    return {name: p for name, p in engine.model.named_parameters() if not is_adapter_name(name)}
+
+
+def generation_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
+    """What generation receives, by HF name: the model's parameters, with LoRA adapters (``actor.lora``) merged
+    into their base weights (``W + B·A·scale``, fresh tensors in the weight's placement; a collective)."""
+    from hybridflow_fsdp.lora import merged_parameters
+
+    if engine.config.lora is None:
+        return dict(engine.model.named_parameters())
+    return merged_parameters(engine.model)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -89,7 +110,7 @@ def stream_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf")
     total = local = received = peak = count = 0
     engine.last_handover_stats = None
     with torch.no_grad():
-        for name, parameter in engine.model.named_parameters():
+        for name, parameter in generation_parameters(engine).items():
             if isinstance(parameter, DTensor):
                 shard = parameter.to_local()
                 full = parameter.full_tensor()
@@ -113,7 +134,7 @@ def fsdp_shard_dims(engine: FSDPTrainingEngine) -> dict[str, int]:
     from torch.distributed.tensor import DTensor, Shard
 
     dims = {}
-    for name, parameter in engine.model.named_parameters():
+    for name, parameter in _base_parameters(engine).items():
         placement = parameter.placements[0] if isinstance(parameter, DTensor) else None
         dims[name] = placement.dim if isinstance(placement, Shard) else 0
     return dims
@@ -127,7 +148,7 @@ def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan
 
     plans = engine._handover_plans
     if tensor not in plans:
-        parameters = dict(engine.model.named_parameters())
+        parameters = _base_parameters(engine)
         shapes = {name: tuple(p.shape) for name, p in parameters.items()}
         dtype = next(iter(parameters.values())).dtype
         source = build_fsdp_training_layout(shapes, data=engine.world_size, dtype=dtype,
@@ -160,7 +181,7 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
     restore_training_shards(engine)  # a previous handover's parked shards come home before anything reads them
     started = time.perf_counter()
     engine.last_handover_stats = None
-    parameters = dict(engine.model.named_parameters())
+    parameters = generation_parameters(engine)
     plan = handover_plan(engine, tensor=tensor)
     parked: dict[str, _Parked] = {}
     release = None

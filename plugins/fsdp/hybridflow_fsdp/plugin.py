@@ -68,7 +68,8 @@ def hybridflow_register_layouts(registry: Any) -> None:
 def hybridflow_report_capabilities() -> dict[str, str]:
     return {
         "training": "FSDP2 fully_shard over data-parallel ranks (gloo on CPU, nccl on CUDA); tp = pp = 1; "
-                    "unsharded on a single fp32 rank",
+                    "unsharded on a single fp32 rank; LoRA adapters on the actor (actor.lora, merged for generation "
+                    "and export)",
         "rollout": "hf: KV-cache sampling (lean Qwen2/Llama decoder, HF forward otherwise); tg > 1: Megatron-style "
                    "shards over torch.distributed tensor groups (Llama/Qwen2); sleep frees weights, wake + "
                    "update_weights (copied, or bound zero-copy with bind=True)",

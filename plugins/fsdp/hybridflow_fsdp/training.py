@@ -24,8 +24,9 @@ from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
 from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
 from hybridflow_fsdp.engine_base import TRAINABLE_ROLES, HFTrainingEngineBase, enable_gradient_checkpointing
 from hybridflow_fsdp.fast_decode import build_lean_decoder
+from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
-from hybridflow_fsdp.optim import build_optimizer, build_scheduler
+from hybridflow_fsdp.optim import build_optimizer, build_scheduler, count_state_bytes
 
 if TYPE_CHECKING:
 
@@ -64,6 +65,10 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.mesh = build_data_parallel_mesh(device, self.world_size)
         attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
         model = build_model(config.model, role=role, attn_implementation=attn_implementation)
+        if config.lora is not None:  # freeze the base, wrap the targeted layers (before sharding: FSDP2 shards both)
+            if role != "actor":
+                raise ConfigError(f"lora trains the actor's adapters; this engine is a {role}. Fix: remove {role}.lora")
+            apply_lora(model, config.lora, seed=config.model.seed)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
             enable_gradient_checkpointing(model)
         self.trainable = role in TRAINABLE_ROLES
@@ -83,11 +88,11 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
         self.lean = None
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
-        if (not self.sharded and role in ("actor", "reference") and not checkpointing
-                and config.extra.get("lean_forward", True)):
+        if (not self.sharded and role in ("actor", "reference") and not checkpointing and config.lora is None
+                and config.extra.get("lean_forward", True)):  # (the lean forward reads base weights: no adapters)
             self.lean = build_lean_decoder(self.model)
-        self.optimizer = (build_optimizer(self.model.parameters(), config.optim, fused=not self.sharded)
-                          if self.trainable else None)
+        trained = adapter_parameters(self.model) if config.lora is not None else self.model.parameters()
+        self.optimizer = build_optimizer(trained, config.optim, fused=not self.sharded) if self.trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer is not None else None
         self._version = 0
         self.last_handover_stats: handover.HandoverStats | None = None
@@ -128,6 +133,10 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
     def _current_lr(self) -> float:
         assert self.scheduler is not None
         return float(self.scheduler.get_last_lr()[0])
+
+    def _memory_metrics(self) -> dict[str, float]:
+        return {f"{self.role}/{key}": float(value) for key, value in count_state_bytes(self.model,
+                                                                                     self.optimizer).items()}
 
     # --- state ----------------------------------------------------------------------------------------------
     def parallel_layout(self) -> ParallelLayout:

@@ -34,6 +34,9 @@ def _check_unsupported_keys(role: str, config: TrainingEngineConfig) -> None:
     if config.mixed_precision != "none":
         raise ConfigError(f"{role}.mixed_precision={config.mixed_precision!r}: the megatron engine computes in the "
                           f"model's dtype. Fix: set {role}.model.dtype=bfloat16 and {role}.mixed_precision=none")
+    if config.lora is not None:
+        raise ConfigError(f"{role}.lora: the megatron engine does not train LoRA adapters; the fsdp engine does. Fix: "
+                          f"set {role}.engine=fsdp, or remove {role}.lora to train every weight")
     if config.gradient_checkpointing:
         raise ConfigError(f"{role}.gradient_checkpointing=true: the megatron engine takes activation recomputation "
                           f"from Megatron's TransformerConfig. Fix: set {role}.gradient_checkpointing=false and "

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.engines import ModelSpec, OptimConfig, TrainingEngineConfig
+from hybridflow.engines import LoraConfig, ModelSpec, OptimConfig, TrainingEngineConfig
 from hybridflow.errors import CheckpointError, ConfigError
 from hybridflow.testing.contracts.rollout import prepare_model
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
@@ -39,6 +39,7 @@ def config(path: Path, **options: Any) -> TrainingEngineConfig:
     ({"extra": {"offload_optimizer": "yes"}}, "offload_optimizer must be true or false"),
     ({"extra": {"timeout_s": "soon"}}, "timeout_s must be a positive number of seconds; got 'soon'"),
     ({"mixed_precision": "fp16"}, 'mixed_precision must be "none" or "bf16"'),
+    ({"lora": LoraConfig(rank=4)}, "actor.lora: the deepspeed engine does not train LoRA adapters; the fsdp engine"),
 ])
 def test_bad_options_are_refused_with_the_fix(options: dict[str, Any], message: str) -> None:
     from hybridflow_deepspeed.training import DeepSpeedTrainingEngine

@@ -1,0 +1,215 @@
+"""LoRA on the fsdp engine (1 gloo rank, in process): only the adapters train and hold optimizer state (counted from
+tensors, against full fine-tuning), generation receives the merged weights and reflects the update, checkpoints
+hold only the adapters and resume bit-identically, and bad settings are refused with the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.engines import (
+    LoraConfig,
+    ModelSpec,
+    OptimConfig,
+    RolloutEngineConfig,
+    SamplingParams,
+    TrainingEngineConfig,
+)
+from hybridflow.errors import CheckpointError, ConfigError
+from hybridflow.testing.contracts.rollout import build_prompt_batch, prepare_model, read_weights
+from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
+from hybridflow.testing.fixtures import EOS_ID, PAD_ID
+from hybridflow.trainer.build import build_lora_config
+from hybridflow_fsdp.lora import LoRALinear, lora_modules
+from hybridflow_fsdp.rollout import HFRolloutEngine
+from hybridflow_fsdp.training import FSDPTrainingEngine
+
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_model(tmp_path_factory.mktemp("fsdp_lora"))
+
+
+def build_actor(path: Path, lora: LoraConfig | None = LORA, **options: object) -> FSDPTrainingEngine:
+    config = TrainingEngineConfig(model=ModelSpec(path=str(path)), optim=OptimConfig(lr=3e-2), lora=lora,
+                                  **options)  # type: ignore[arg-type]
+    return FSDPTrainingEngine(role="actor", config=config)
+
+
+def test_only_adapters_train_and_hold_optimizer_state(model_path: Path) -> None:
+    batch = build_training_batch(rows=8)
+    lora = build_actor(model_path)
+    full = build_actor(model_path, lora=None, extra={"lean_forward": False})  # the HF forward, as LoRA runs it
+    wrapped = lora_modules(lora.model)
+    assert sorted({name.rsplit(".", 1)[-1] for name in wrapped}) == ["down_proj", "q_proj", "v_proj"]
+    assert len(wrapped) == 3 * 2  # per decoder layer
+    # B starts at zero: the wrapped model is the base model exactly
+    assert torch.equal(lora.compute_log_probs(batch)["log_probs"], full.compute_log_probs(batch)["log_probs"])
+
+    losses = [lora.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(4)]
+    metrics = lora.train_step(batch, loss_fn=sequence_mean_nll)
+    assert metrics["loss"] < losses[0] - 0.05, losses
+    base = read_weights(model_path)
+    state = dict(lora.model.named_parameters())
+    frozen = [name for name in base if name in state]
+    assert len(frozen) == len(base) == 26  # every base weight (the tied head is stored once, as the embeddings)
+    assert all(torch.equal(state[name].detach(), base[name]) for name in frozen), "the base weights moved"
+    assert all(state[f"{name}.lora_B"].abs().max() > 0 for name in wrapped), "an adapter did not train"
+
+    # the optimizer steps only the adapters, and holds state only for them
+    adapters = {id(p) for name, p in state.items() if name.endswith((".lora_A", ".lora_B"))}
+    assert lora.optimizer is not None and {id(p) for p in lora.optimizer.state} == adapters
+    expected_params = sum(m.lora_A.numel() + m.lora_B.numel() for m in wrapped.values())
+    assert metrics["actor/trainable_params"] == metrics["actor/optimizer_params"] == expected_params
+    assert expected_params == sum(4 * (m.in_features + m.out_features) for m in wrapped.values())
+    moments = 2 * expected_params * 4  # AdamW's exp_avg and exp_avg_sq in fp32, plus one step count per tensor
+    assert moments < metrics["actor/optimizer_state_bytes"] <= moments + len(adapters) * 8
+
+    # against full fine-tuning on the same model: every weight trains, ~40x the optimizer state on this tiny model
+    full_metrics = full.train_step(batch, loss_fn=sequence_mean_nll)
+    total = sum(t.numel() for t in base.values())
+    assert full_metrics["actor/trainable_params"] == total
+    assert full_metrics["actor/optimizer_state_bytes"] > 2 * total * 4
+    assert metrics["actor/optimizer_state_bytes"] * 20 < full_metrics["actor/optimizer_state_bytes"]
+    assert metrics["actor/weight_bytes"] == full_metrics["actor/weight_bytes"] + expected_params * 4
+
+
+def test_generation_gets_merged_weights_and_reflects_the_update(model_path: Path) -> None:
+    actor = build_actor(model_path)
+    batch = build_training_batch(rows=8)
+    for _ in range(4):
+        actor.train_step(batch, loss_fn=sequence_mean_nll)
+    weights = {name: tensor.clone() for name, tensor in actor.generation_weights()}
+    base = read_weights(model_path)
+    assert weights.keys() == {n for n in dict(actor.model.named_parameters()) if not n.endswith(("_A", "_B"))}
+    module = actor.model.get_submodule("model.layers.1.self_attn.q_proj")
+    assert isinstance(module, LoRALinear) and module.scale == 2.0
+    expected = base["model.layers.1.self_attn.q_proj.weight"] + 2.0 * module.lora_B.detach() @ module.lora_A.detach()
+    assert torch.allclose(weights["model.layers.1.self_attn.q_proj.weight"], expected, atol=1e-6, rtol=0)
+    unwrapped = "model.layers.1.self_attn.k_proj.weight"
+    assert torch.equal(weights[unwrapped], base[unwrapped])
+
+    rollout = HFRolloutEngine(config=RolloutEngineConfig(model=ModelSpec(path=str(model_path)), pad_token_id=PAD_ID,
+                                                         eos_token_id=EOS_ID))
+    prompts = build_prompt_batch()
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = rollout.generate(prompts, sampling)
+    rollout.update_weights(actor.generation_weights(), version=actor.state_version())
+    after = rollout.generate(prompts, sampling)
+    # the rollout now computes the trained policy: its log-probs are the actor's (adapters unmerged) ...
+    trained = actor.compute_log_probs(after)["log_probs"]
+    mask = after["response_mask"].bool()
+    assert torch.allclose(after["rollout_log_probs"][mask], trained[mask], atol=1e-5)
+    # ... and no longer the base's
+    base_actor = build_actor(model_path, lora=None)
+    untrained = base_actor.compute_log_probs(after)["log_probs"]
+    assert (untrained[mask] - trained[mask]).abs().max() > 1e-2
+    assert not torch.equal(before["rollout_log_probs"], after["rollout_log_probs"])
+
+
+def test_checkpoint_holds_adapters_and_resumes_bit_identically(model_path: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    actor = build_actor(model_path, lora=LoraConfig(rank=2, dropout=0.1))  # dropout: the RNG state must resume too
+    batch = build_training_batch(rows=8)
+    actor.train_step(batch, loss_fn=sequence_mean_nll)
+    actor.save_checkpoint(str(tmp_path / "ckpt"))
+    keys = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    model_keys = [key for key in keys if key.startswith("model.")]
+    assert model_keys and all(key.endswith((".lora_A", ".lora_B")) for key in model_keys), model_keys
+    assert len(model_keys) == 2 * 7 * 2  # all-linear: 7 projections × 2 layers, A and B each
+    saved = sum(keys[key].size.numel() for key in model_keys)  # type: ignore[union-attr]
+    assert saved == sum(p.numel() for name, p in actor.model.named_parameters() if name.endswith(("_A", "_B")))
+
+    straight = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)]
+    after_straight = {name: t.clone() for name, t in actor.generation_weights()}
+    actor.load_checkpoint(str(tmp_path / "ckpt"))
+    resumed = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)]
+    assert straight == resumed
+    assert all(torch.equal(after_straight[name], t) for name, t in actor.generation_weights())
+
+    fresh = build_actor(model_path, lora=LoraConfig(rank=2, dropout=0.1))
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))
+    assert [fresh.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)] == straight
+
+    # adapters only mean something on their base, with their shapes; a full checkpoint is not an adapter checkpoint
+    with pytest.raises(CheckpointError, match="another base model"):
+        build_actor(prepare_model(tmp_path, seed=1), lora=LoraConfig(rank=2)).load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match="rank"):
+        build_actor(model_path, lora=LoraConfig(rank=3)).load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only"):
+        build_actor(model_path, lora=None).load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_bad_lora_settings_are_refused_with_the_fix(model_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'qproj' names no module of Qwen2ForCausalLM.*Did you mean 'q_proj'"):
+        build_actor(model_path, lora=LoraConfig(rank=4, target_modules=("qproj",)))
+    with pytest.raises(ConfigError, match=r"LoRA wraps nn\.Linear layers only"):
+        build_actor(model_path, lora=LoraConfig(rank=4, target_modules=("self_attn",)))
+    with pytest.raises(ConfigError, match="tied to the input embeddings"):
+        build_actor(model_path, lora=LoraConfig(rank=4, target_modules=("lm_head",)))
+    with pytest.raises(ConfigError, match="lora trains the actor's adapters; this engine is a critic"):
+        FSDPTrainingEngine(role="critic", config=TrainingEngineConfig(model=ModelSpec(path=str(model_path)),
+                                                                      lora=LoraConfig(rank=4)))
+    for bad in ({"rank": 0}, {"rank": -2}, {"rank": 4, "dropout": 1.0}, {"rank": 4, "target_modules": ()},
+                {"rank": 4, "target_modules": "all"}):
+        with pytest.raises(ConfigError, match="lora"):
+            LoraConfig(**bad)  # type: ignore[arg-type]
+    # the same checks at config load, naming the key
+    with pytest.raises(ConfigError, match=r"actor.lora: lora.rank = 0: .*Fix: set actor.lora.rank"):
+        load_config(None, ["actor.lora.rank=0"])
+    with pytest.raises(ConfigError, match=r"actor\.lora\.rank: required but missing"):
+        load_config(None, ["actor.lora.alpha=8"])
+    with pytest.raises(ConfigError, match="target_modules is empty"):
+        load_config(None, ["actor.lora.rank=4", "actor.lora.target_modules=[]"])
+    # every key reaches the engine config the trainer builds
+    config = load_config(None, ["actor.lora.rank=4", "actor.lora.alpha=2", "actor.lora.dropout=0.25",
+                                "actor.lora.target_modules=[q_proj, v_proj]"])
+    assert build_lora_config(config.actor) == LoraConfig(rank=4, alpha=2.0, dropout=0.25,
+                                                         target_modules=("q_proj", "v_proj"))
+    assert build_lora_config(load_config(None, []).actor) is None
+    example = Path(__file__).resolve().parents[3] / "examples" / "grpo_arithmetic_lora.yaml"
+    assert build_lora_config(load_config(example).actor) == LoraConfig(rank=8, alpha=16.0)
+
+
+def _sharded_lora_rank(rank: int, world_size: int, model_path: str, workdir: str) -> None:
+    """Module-level (spawned): a LoRA actor FSDP-sharded over 2 ranks trains, hands over on both paths, resumes."""
+    actor = build_actor(Path(model_path), lora=LoraConfig(rank=4, target_modules=("q_proj", "o_proj", "up_proj")),
+                        micro_batch_size=2)
+    batch = build_training_batch(rows=8).chunk(world_size)[rank]
+    actor.train_step(batch, loss_fn=sequence_mean_nll)
+    reshard = {name: tensor.clone() for name, tensor in actor.generation_weights()}
+    from hybridflow_fsdp.handover import stream_generation_weights
+
+    stream = {name: tensor.clone() for name, tensor in stream_generation_weights(actor)}
+    actor.export_hf(f"{workdir}/exported")
+    actor.save_checkpoint(f"{workdir}/checkpoint")
+    straight = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)]
+    actor.load_checkpoint(f"{workdir}/checkpoint")
+    resumed = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(2)]
+    torch.save({"reshard": reshard, "stream": stream, "straight": straight, "resumed": resumed,
+                "sharded": actor.sharded}, f"{workdir}/rank{rank}.pt")
+
+
+def test_sharded_adapters_merge_on_both_handover_paths_and_resume(model_path: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from hybridflow.testing.contracts.spawn import run_rank_groups
+
+    run_rank_groups([(_sharded_lora_rank, 2, (str(model_path), str(tmp_path)))], workdir=tmp_path, timeout_s=240)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    exported = load_file(tmp_path / "exported" / "model.safetensors")  # merged on rank 0 from the full state
+    for result in results:
+        assert result["sharded"] and result["straight"] == result["resumed"]
+        # each rank's shards (reshard) and full tensors (stream) are the merged weights the export holds
+        assert result["stream"].keys() - {"lm_head.weight"} == exported.keys()
+        assert all(torch.allclose(result["stream"][name], exported[name], atol=1e-6) for name in exported)
+        merged = "model.layers.0.self_attn.o_proj.weight"
+        assert not torch.equal(exported[merged], read_weights(model_path)[merged])
+    for name in exported:  # the two ranks' reshard shards together are the full merged tensor (tg = 1: full each)
+        assert all(torch.allclose(r["reshard"][name], exported[name], atol=1e-6) for r in results), name
