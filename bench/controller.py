@@ -65,8 +65,8 @@ class FloorActor:
         return shard
 
     def reduce(self, shard: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        ids, values = shard
-        return ids.sum(axis=1, dtype=np.float64) + values.sum(axis=1, dtype=np.float64)
+        ids, values = (torch.from_numpy(column) for column in shard)  # the same arithmetic as EchoWorker.reduce
+        return (ids.sum(dim=1).to(torch.float64) + values.sum(dim=1).to(torch.float64)).numpy()
 
 
 def process_cpu_s(pid: int) -> float:

@@ -125,9 +125,9 @@ def groups(ray_session: None, records: list[CallRecord]) -> Iterator[dict[str, W
     wide_pool = ResourcePool("wide", [4], cpus_per_worker=CPUS)
     narrow_pool = ResourcePool("narrow", [2], cpus_per_worker=CPUS)
     wide = WorkerGroup(wide_pool, {"actor": Actor, "reference": Reference}, init_kwargs={"actor": {"offset": 0}},
-                       name="wide", deadline_s=60, observers=[records.append])
+                       name="wide", deadline_s=60, setup_deadline_s=300, observers=[records.append])
     narrow = WorkerGroup(narrow_pool, {"actor": Actor}, init_kwargs={"actor": {"offset": 0}}, name="narrow",
-                         deadline_s=60, observers=[records.append])
+                         deadline_s=60, setup_deadline_s=300, observers=[records.append])
     yield {"wide": wide, "narrow": narrow}
     wide.shutdown()
     narrow.shutdown()
