@@ -104,8 +104,11 @@ class CallHandle:
                     self.failure = exc
                 raise
         try:
-            if not results:
-                results = dict(zip(self.info_refs, ray.get(refs, timeout=10.0)))
+            if not results:  # waited rank by rank: the reports and wanted outputs now in one round trip
+                values = ray.get(refs + wanted, timeout=max(10.0, self.deadline_s))
+                results = dict(zip(self.info_refs, values[: len(refs)]))
+                if wanted:
+                    self.fetched = dict(zip(with_outputs or [], values[len(refs):]))
         except (RayActorError, RayError, GetTimeoutError):
             for rank, ref in self.info_refs.items():  # find which ranks died
                 try:
@@ -145,12 +148,16 @@ class CallHandle:
             if done and pending:  # whatever else is ready by now
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
                 done = done + more
-            for ref in done:
-                try:
-                    report = ray.get(ref, timeout=0)
-                except (RayActorError, RayError) as exc:  # a raised error is a dead process (code errors come back)
-                    dead[rank_of[ref]] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    continue
+            try:  # one round trip for every report that is in
+                reports = ray.get(done, timeout=0)
+            except (RayActorError, RayError):  # a raised error is a dead process (code errors come back): find it
+                reports = []
+                for ref in done:
+                    try:
+                        reports.append(ray.get(ref, timeout=0))
+                    except (RayActorError, RayError) as exc:
+                        dead[rank_of[ref]] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for report in reports:
                 if isinstance(report, RankResult) and not report.ok and not failed:
                     failed, grace_until = True, time.time() + FAILURE_GRACE_S
             ready.extend(done)

@@ -125,9 +125,9 @@ def groups(ray_session: None, records: list[CallRecord]) -> Iterator[dict[str, W
     wide_pool = ResourcePool("wide", [4], cpus_per_worker=CPUS)
     narrow_pool = ResourcePool("narrow", [2], cpus_per_worker=CPUS)
     wide = WorkerGroup(wide_pool, {"actor": Actor, "reference": Reference}, init_kwargs={"actor": {"offset": 0}},
-                       name="wide", deadline_s=60, observers=[records.append])
+                       name="wide", deadline_s=60, setup_deadline_s=300, observers=[records.append])
     narrow = WorkerGroup(narrow_pool, {"actor": Actor}, init_kwargs={"actor": {"offset": 0}}, name="narrow",
-                         deadline_s=60, observers=[records.append])
+                         deadline_s=60, setup_deadline_s=300, observers=[records.append])
     yield {"wide": wide, "narrow": narrow}
     wide.shutdown()
     narrow.shutdown()
@@ -304,3 +304,63 @@ def test_submit_ahead_is_claimed_only_by_the_same_arguments(groups: dict[str, Wo
     assert torch.equal(again.get()["ids"], batch["ids"]) and len(records) == dispatched + 3
     with pytest.raises(ConfigError, match="not a registered method"):
         wide.submit_ahead("actor", "mesh_info", batch)
+
+
+def test_a_blocking_dp_call_costs_one_put_per_shard_one_get_and_one_copy(
+        groups: dict[str, WorkerGroup], records: list[CallRecord], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hot path, counted (not timed): a blocking dp_compute call of a stored batch serialises each input byte
+    once (one ray.put per rank: its shard; the call itself carries only refs), makes one actor call per rank and one
+    ray.get for every report and output, no ray.wait, copies the collected bytes once, checks the version tags on
+    the way in and out, bounds every ray.get by a timeout and tells the observers."""
+    from hybridflow.controller import future as future_module
+    from hybridflow.controller import group as group_module
+    from hybridflow.controller.host import RankPayload
+    from hybridflow.transfer import concat as concat_module
+
+    monkeypatch.setattr(future_module, "FAST_PATH_S", 60.0)  # a slow CI box must not turn counts into timings
+    calls: dict[str, int] = {"put": 0, "get": 0, "wait": 0, "versions": 0}
+    put_bytes: list[int] = []
+    payloads: list[RankPayload] = []
+    real_put, real_get, real_wait = ray.put, ray.get, ray.wait
+
+    def put(value: Any, **kwargs: Any) -> Any:
+        calls["put"] += 1
+        put_bytes.append(value.nbytes() if isinstance(value, Batch) else -1)
+        return real_put(value, **kwargs)
+
+    def get(refs: Any, **kwargs: Any) -> Any:
+        calls["get"] += 1
+        assert kwargs.get("timeout") is not None, "every ray.get of the controller is bounded by a deadline"
+        return real_get(refs, **kwargs)
+
+    def wait(refs: Any, **kwargs: Any) -> Any:
+        calls["wait"] += 1
+        return real_wait(refs, **kwargs)
+
+    def counted(function: Any) -> Any:
+        def check(*args: Any, **kwargs: Any) -> Any:
+            calls["versions"] += 1
+            return function(*args, **kwargs)
+        return check
+
+    def payload(**kwargs: Any) -> RankPayload:
+        payloads.append(RankPayload(**kwargs))
+        return payloads[-1]
+
+    for name, replacement in (("put", put), ("get", get), ("wait", wait)):
+        monkeypatch.setattr(ray, name, replacement)
+    monkeypatch.setattr(group_module, "check_versions", counted(group_module.check_versions))
+    monkeypatch.setattr(concat_module, "check_versions", counted(concat_module.check_versions))
+    monkeypatch.setattr(group_module, "RankPayload", payload)
+    wide = groups["wide"]
+    batch = make(64, columns=1024)  # 512 KiB: 128 KiB shards, above the inline limit
+    assert batch.nbytes() // 4 > group_module.INLINE_BATCH_BYTES
+    copied = dict(concat_module.COPY_STATS)
+    out = wide.actor.row_sums(batch)
+    assert out["sum"].tolist() == batch["ids"].sum(dim=1).tolist() and out.meta == batch.meta
+    assert calls == {"put": 4, "get": 1, "wait": 0, "versions": 2}, calls
+    assert put_bytes == [batch.nbytes() // 4] * 4  # each shard once; never the whole batch, never twice
+    assert len(payloads) == 4 and all(len(ray.cloudpickle.dumps(p)) < 2048 for p in payloads)  # refs, not rows
+    assert concat_module.COPY_STATS["bytes"] - copied["bytes"] == out.nbytes()  # the result, copied once
+    assert concat_module.COPY_STATS["columns"] - copied["columns"] == 1
+    assert records[-1].method == "row_sums" and records[-1].bytes_in_per_rank == (batch.nbytes() // 4,) * 4
