@@ -159,10 +159,17 @@ class TrainingEngineConfig:
     micro_batch_size: int = 8
     mixed_precision: Literal["none", "bf16"] = "none"
     gradient_checkpointing: bool = False
+    #: pack each micro-batch's rows without padding into one sequence (per-row attention) for log-probs, values and
+    #: training; engines without a packed forward run the padded one
+    use_remove_padding: bool = True
+    #: cut micro-batches by a token budget (rows' ``attention_mask`` counts) instead of ``micro_batch_size`` rows
+    max_tokens_per_micro_batch: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
+        if self.max_tokens_per_micro_batch is not None:
+            _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
