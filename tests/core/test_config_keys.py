@@ -137,6 +137,8 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "reliability.faults": [['reliability.faults=["actor.update@2:raise"]']],
         "reliability.deadlines": [['reliability.deadlines={"actor.update_policy": 60}']],
         "*.optim.betas": [["{key}=[0.8, 0.99]"]],
+        # on by default, also where the section is absent (cost_critic), which the generic `not current` misses
+        "*.use_remove_padding": [["{key}=false"]],
         "trainer.loggers": [["trainer.loggers=[jsonl]"]],
         "rollout.multi_turn.tools": [['rollout.multi_turn.tools=["calculator"]']],
         "rollout.multi_turn.tool_options": [['rollout.multi_turn.tools=["python"]',
