@@ -59,35 +59,39 @@ class PackedRows:
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
               responses: torch.Tensor) -> PackedRows:
-    """Pack the tokens with ``attention_mask`` set of each row (in row order) into one sequence.
+    """Pack the tokens with ``attention_mask`` set of each row into one sequence, rows ordered by length (stable).
 
     Position ids are the batch's own (rows restart at 0 in the rollout layout) or computed from the mask as the
-    padded forward computes them, so the packed forward sees each row exactly as the padded one does.
+    padded forward computes them, so the packed forward sees each row exactly as the padded one does. Rows of equal
+    length end up adjacent, so the attention runs them as one batched call.
     """
     rows, width = input_ids.shape
     response_width = responses.shape[1]
-    valid = attention_mask.bool()
+    device = input_ids.device
     if position_ids is None:
         position_ids = compute_position_ids(attention_mask)
+    lengths = attention_mask.bool().sum(1)
+    order = torch.sort(lengths, stable=True).indices
+    valid = attention_mask.bool()[order]
     flat = valid.reshape(-1).nonzero().squeeze(1)
     total = int(flat.numel())
-    lengths = valid.sum(1)
-    cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=input_ids.device)
-    cu_seqlens[1:] = lengths.cumsum(0)
-    packed_index = torch.full((rows * width,), -1, dtype=torch.long, device=input_ids.device)
-    packed_index[flat] = torch.arange(total, device=input_ids.device)
+    cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+    cu_seqlens[1:] = lengths[order].cumsum(0)
+    packed_index = torch.full((rows * width,), -1, dtype=torch.long, device=device)
+    packed_index[flat] = torch.arange(total, device=device)
     response_valid = valid[:, width - response_width:]
     response_packed = packed_index.view(rows, width)[:, width - response_width:][response_valid]
+    layout_index = order[:, None] * response_width + torch.arange(response_width, device=device)[None, :]
     return PackedRows(
-        input_ids=input_ids.reshape(-1)[flat].unsqueeze(0),
-        position_ids=position_ids.reshape(-1)[flat].unsqueeze(0),
+        input_ids=input_ids[order].reshape(-1)[flat].unsqueeze(0),
+        position_ids=position_ids[order].reshape(-1)[flat].unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_length=int(lengths.max()) if rows else 0,
         # a response token with no token before it in its row (an empty prompt) has no prediction in either path;
         # it reads the previous packed position, clamped into range
         predictors=(response_packed - 1).clamp_(min=0),
-        targets=responses[response_valid],
-        scatter_index=response_valid.reshape(-1).nonzero().squeeze(1),
+        targets=responses[order][response_valid],
+        scatter_index=layout_index[response_valid],
         rows=rows,
         response_width=response_width,
     )
@@ -97,21 +101,41 @@ def _varlen_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF attention interface: causal SDPA per row of a packed sequence when ``cu_seq_lens_q`` is passed (the rows
-    do not see each other, and no [N, N] mask is built), HF's SDPA otherwise."""
+    do not see each other, and no [N, N] mask is built; adjacent rows of one length share a batched call), HF's SDPA
+    otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    lengths = [length for length in cu_seqlens.diff().tolist() if length > 0]
-    gqa = key.shape[1] != query.shape[1]
-    outputs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
-                                              enable_gqa=gqa)
-               for q, k, v in zip(torch.split(query, lengths, 2), torch.split(key, lengths, 2),
-                                  torch.split(value, lengths, 2), strict=True)]
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2).contiguous(), None  # [1, N, H, D], as HF's attention functions return
+    heads, dim = query.shape[1], query.shape[3]
+    gqa = key.shape[1] != heads
+    outputs, start = [], 0
+    for length, count in _runs(cu_seqlens.diff().tolist()):
+        span = length * count
+        # rows of one length as a batch [count, heads, length, dim] (a view: the token axis splits into rows)
+        q, k, v = (t[0, :, start:start + span].view(t.shape[1], count, length, dim).transpose(0, 1)
+                   for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=gqa)
+        outputs.append(out.transpose(0, 1).reshape(heads, span, dim))
+        start += span
+    merged = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return merged.transpose(0, 1).unsqueeze(0), None  # [1, N, H, D], as HF's attention functions return
+
+
+def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(length, count) of each run of equal consecutive lengths, zero lengths left out."""
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if length <= 0:
+            continue
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
 
 
 def register_varlen_attention() -> None:

@@ -56,13 +56,19 @@ def test_the_skewed_batch_spans_four_times() -> None:
     assert int(lengths.max()) >= 4 * int(lengths.min())
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_packed_forward_equals_padded_forward_and_gradients(preset: str) -> None:
+def equal_length_batch() -> Batch:
+    """Each length twice, with different tokens (the attention batches rows of one length in one call)."""
+    return Batch.concat([skewed_batch(seed=0), skewed_batch(seed=1)])
+
+
+@pytest.mark.parametrize("preset, batch_kind", [("qwen2", "skewed"), ("llama", "skewed"),
+                                                ("qwen2", "equal_lengths")])
+def test_packed_forward_equals_padded_forward_and_gradients(preset: str, batch_kind: str) -> None:
     """Same model, same rows: packed and padded log-probs/entropy and parameter gradients agree within 1e-5."""
     packing.register_varlen_attention()
     model = build_model(ModelSpec(config=tiny_model_config(**PRESETS[preset]), seed=1), role="actor",
                         attn_implementation=packing.VARLEN_ATTENTION)
-    batch = skewed_batch()
+    batch = skewed_batch() if batch_kind == "skewed" else equal_length_batch()
     mask = batch["response_mask"].bool()
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
     results = []
