@@ -4,7 +4,7 @@ padded against packed (``use_remove_padding``), and packed with token-budget mic
 One process, one thread, an unsharded fp32 engine (the single-rank engine; the two-rank default runs the same HF
 forward through FSDP2, plus collectives that packing does not change). The batch: ``--rows`` rollout-shaped rows,
 left-padded prompts and right-padded responses, total lengths spread evenly over ``--min-length`` …
-``4 × --min-length`` (a 4× span). Variants, measured interleaved (ABC ABC …) so machine load hits all alike:
+``4 × --min-length`` (a 4× span). Variants, measured interleaved (ABCD BCDA …) so machine load hits all alike:
 ``padded`` (HF forward on padded rows, ``use_remove_padding=false, extra.lean_forward=false``; what the two-rank
 default ran), ``padded_lean`` (the single-rank padded default: fast_decode's lean forward), ``packed`` (the default
 now) and ``packed_budget`` (packed, ``max_tokens_per_micro_batch`` = ``--budget``). Prints one ``RESULT {json}``
@@ -96,8 +96,10 @@ def main() -> None:
         for name, options in variants.items()}
     parameters = sum(p.numel() for p in engines["packed"].model.parameters())
     times: dict[str, dict[str, list[float]]] = {name: {"train": [], "log_probs": []} for name in engines}
+    names = list(engines)
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for name, engine in engines.items():
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:  # rotated: no variant always last
+            engine = engines[name]
             start = time.perf_counter()
             engine.train_step(batch, loss_fn=policy_gradient_loss)
             train = time.perf_counter() - start
