@@ -4,7 +4,8 @@ padded against packed (``use_remove_padding``), and packed with token-budget mic
 One process, one thread, an unsharded fp32 engine (the single-rank engine; the two-rank default runs the same HF
 forward through FSDP2, plus collectives that packing does not change). The batch: ``--rows`` rollout-shaped rows,
 left-padded prompts and right-padded responses, total lengths spread evenly over ``--min-length`` …
-``4 × --min-length`` (a 4× span). Variants, measured interleaved (ABCD BCDA …) so machine load hits all alike:
+``4 × --min-length`` (a 4× span; ``--spread long_tail``: most rows short, a few long). Variants, measured
+interleaved (ABCD BCDA …) so machine load hits all alike:
 ``padded`` (HF forward on padded rows, ``use_remove_padding=false, extra.lean_forward=false``; what the two-rank
 default ran), ``padded_lean`` (the single-rank padded default: fast_decode's lean forward), ``packed`` (the default
 now) and ``packed_budget`` (packed, ``max_tokens_per_micro_batch`` = ``--budget``). Prints one ``RESULT {json}``
@@ -37,10 +38,13 @@ from hybridflow.presets import tiny_model_config  # noqa: E402
 from hybridflow_fsdp.training import LOSS_SCALE_TOKENS, FSDPTrainingEngine  # noqa: E402
 
 
-def skewed_batch(rows: int, min_length: int, seed: int = 0) -> Batch:
-    """Rows whose total lengths run evenly from ``min_length`` to ``4 × min_length``; a quarter of each is prompt."""
+def skewed_batch(rows: int, min_length: int, seed: int = 0, *, spread: str = "even") -> Batch:
+    """Rows whose total lengths run from ``min_length`` to ``4 × min_length`` (``even``ly, or ``long_tail``: the
+    cube of an even spread, most rows short and a few long, as RL responses that mostly stop early); a quarter of
+    each is prompt."""
     generator = torch.Generator().manual_seed(seed)
-    totals = [min_length + round(3 * min_length * row / max(rows - 1, 1)) for row in range(rows)]
+    power = 3 if spread == "long_tail" else 1
+    totals = [min_length + round(3 * min_length * (row / max(rows - 1, 1)) ** power) for row in range(rows)]
     prompts = [max(1, total // 4) for total in totals]
     responses = [total - prompt for total, prompt in zip(totals, prompts, strict=True)]
     width_p, width_r = max(prompts), max(responses)
@@ -75,12 +79,13 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--budget", type=int, default=0, help="token budget of packed_budget (0: 8 mean rows)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--spread", choices=("even", "long_tail"), default="even")
     args = parser.parse_args()
     torch.set_num_threads(1)
     heads = max(2, args.hidden // 32)
     model = tiny_model_config(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_layers=args.layers,
                               num_heads=heads, num_kv_heads=max(1, heads // 2), max_position_embeddings=1024)
-    batch = skewed_batch(args.rows, args.min_length)
+    batch = skewed_batch(args.rows, args.min_length, spread=args.spread)
     lengths = batch["attention_mask"].sum(1)
     budget = args.budget or int(lengths.float().mean() * args.micro_batch_size)
     base = TrainingEngineConfig(model=ModelSpec(config=model, seed=0), optim=OptimConfig(lr=1e-4),
@@ -111,7 +116,7 @@ def main() -> None:
                 times[name]["log_probs"].append(log_probs * 1000)
     medians = {name: {kind: statistics.median(values) for kind, values in kinds.items()}
                for name, kinds in times.items()}
-    shape = {"parameters": parameters, "rows": args.rows, "min_length": int(lengths.min()),
+    shape = {"parameters": parameters, "spread": args.spread, "rows": args.rows, "min_length": int(lengths.min()),
              "max_length": int(lengths.max()), "padded_width": int(batch["input_ids"].shape[1]),
              "valid_fraction": round(float(lengths.sum()) / batch["attention_mask"].numel(), 3)}
     for name, result in medians.items():
