@@ -203,10 +203,17 @@ class TrainingEngineConfig:
     gradient_checkpointing: bool = False
     #: train low-rank adapters instead of every weight (actor only; engines without LoRA refuse it)
     lora: LoraConfig | None = None
+    #: pack each micro-batch's rows without padding into one sequence (per-row attention) for log-probs, values and
+    #: training; engines without a packed forward run the padded one
+    use_remove_padding: bool = True
+    #: cut micro-batches by a token budget (rows' ``attention_mask`` counts) instead of ``micro_batch_size`` rows
+    max_tokens_per_micro_batch: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
+        if self.max_tokens_per_micro_batch is not None:
+            _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

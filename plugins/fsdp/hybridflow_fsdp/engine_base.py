@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hybridflow.batch import Batch
 from hybridflow.engines import LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
-from hybridflow_fsdp import forward
+from hybridflow_fsdp import forward, packing
 from hybridflow_fsdp.distributed import check_equal_across_ranks
 
 __all__ = [
@@ -96,10 +96,40 @@ class HFTrainingEngineBase(abc.ABC):
         head.register_forward_hook(lambda _module, _inputs, output: self._captured_scores.append(output))
 
     # --- inference ------------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: Batch) -> Iterator[Batch]:
+    def _micro_batch_rows(self, batch: Batch) -> list[list[int]] | None:
+        """Rows of each micro-batch under ``max_tokens_per_micro_batch`` (None: slices of ``micro_batch_size``).
+
+        Every data-parallel rank runs as many micro-batches (the most any rank needs), so sharded forwards pair up.
+        """
+        budget = getattr(self.config, "max_tokens_per_micro_batch", None)
+        if budget is None:
+            return None
+        key = f"{self.role}.max_tokens_per_micro_batch"
+        tokens = packing.count_row_tokens(batch)
+        bins = packing.count_token_bins(tokens, budget, key=key)
+        if self.world_size > 1:
+            count = torch.tensor([bins], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            bins = min(int(count[0]), len(batch))
+        return packing.partition_by_tokens(tokens, budget, bins=bins, key=key)
+
+    def _micro_batches(self, batch: Batch, rows: list[list[int]] | None = None) -> Iterator[Batch]:
+        groups = self._micro_batch_rows(batch) if rows is None else rows
+        if groups is not None:
+            for group in groups:
+                yield batch.index(group)
+            return
         size = self.config.micro_batch_size
         for start in range(0, len(batch), size):
             yield batch.slice(start, min(start + size, len(batch)))
+
+    @staticmethod
+    def _restore_row_order(tensor: torch.Tensor, rows: list[list[int]] | None) -> torch.Tensor:
+        """Rows concatenated in micro-batch order (``rows``) back to the batch's order."""
+        if rows is None:
+            return tensor
+        order = torch.tensor([row for group in rows for row in group], dtype=torch.long)
+        return torch.empty_like(tensor).index_copy_(0, order, tensor)
 
     def _forward_outputs(self, micro: Batch, *, with_entropy: bool,
                          entropy_metric: bool = False) -> dict[str, torch.Tensor]:
@@ -134,12 +164,13 @@ class HFTrainingEngineBase(abc.ABC):
     def _infer(self, batch: Batch, *, with_entropy: bool, columns: tuple[str, ...]) -> Batch:
         self._forward_module().eval()
         parts: dict[str, list[torch.Tensor]] = {column: [] for column in columns}
+        rows = self._micro_batch_rows(batch)
         with self._inference_context():
-            for micro in self._micro_batches(batch):
+            for micro in self._micro_batches(batch, rows):
                 outputs = self._forward_outputs(micro, with_entropy=with_entropy)
                 for column in columns:
                     parts[column].append(outputs[column].cpu())
-            merged = {c: torch.cat(p) for c, p in parts.items()}
+            merged = {c: self._restore_row_order(torch.cat(p), rows) for c, p in parts.items()}
         # ordinary tensors out (inference tensors cannot be saved for a later backward)
         return Batch({c: t.clone() if t.is_inference() else t for c, t in merged.items()}, meta=batch.meta,
                      batch_size=len(batch))
@@ -168,7 +199,8 @@ class HFTrainingEngineBase(abc.ABC):
         module = self._forward_module()
         module.eval()
         scores = []
-        for micro in self._micro_batches(batch):
+        rows = self._micro_batch_rows(batch)
+        for micro in self._micro_batches(batch, rows):
             self._captured_scores.clear()
             inputs = forward.model_inputs(micro, self.device)
             module(**inputs, use_cache=False)
@@ -176,7 +208,8 @@ class HFTrainingEngineBase(abc.ABC):
             index = forward.last_token_index(inputs["attention_mask"])
             scores.append(per_token.gather(1, index.unsqueeze(1)).squeeze(1).cpu())
         self._captured_scores.clear()
-        return Batch({"scores": torch.cat(scores)}, meta=batch.meta, batch_size=len(batch))
+        return Batch({"scores": self._restore_row_order(torch.cat(scores), rows)}, meta=batch.meta,
+                     batch_size=len(batch))
 
     # --- training -------------------------------------------------------------------------------------------
     def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:

@@ -18,7 +18,7 @@ from hybridflow.batch import Batch
 from hybridflow.engines import ROLES, TrainingEngineConfig
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.layout import ParallelLayout
-from hybridflow_fsdp import checkpoint, forward, handover
+from hybridflow_fsdp import checkpoint, forward, handover, packing
 from hybridflow_fsdp.distributed import apply_fsdp, build_data_parallel_mesh, ensure_process_group
 from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
 from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
@@ -64,11 +64,25 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
             )
         self.mesh = build_data_parallel_mesh(device, self.world_size)
         attn_implementation = str(config.extra.get("attn_implementation", "sdpa"))
+        # padding removal: the rows of a micro-batch packed into one sequence, attention per row (packing.py)
+        self.packed = config.use_remove_padding and role in ("actor", "critic", "reference")
+        if self.packed:
+            if attn_implementation != "sdpa":
+                raise ConfigError(
+                    f"{role}.use_remove_padding=true packs rows for SDPA attention, but {role}.extra."
+                    f"attn_implementation is {attn_implementation!r}. Fix: remove {role}.extra.attn_implementation, "
+                    f"or set {role}.use_remove_padding=false to run {attn_implementation!r} on padded rows.")
+            packing.register_varlen_attention()
+            attn_implementation = packing.VARLEN_ATTENTION
         model = build_model(config.model, role=role, attn_implementation=attn_implementation)
         if config.lora is not None:  # freeze the base, wrap the targeted layers (before sharding: FSDP2 shards both)
             if role != "actor":
                 raise ConfigError(f"lora trains the actor's adapters; this engine is a {role}. Fix: remove {role}.lora")
             apply_lora(model, config.lora, seed=config.model.seed)
+        reason = packing.packing_unsupported_reason(model) if self.packed else None
+        if reason is not None:
+            raise ConfigError(f"{role}.use_remove_padding=true cannot pack this model: {reason}. "
+                              f"Fix: set {role}.use_remove_padding=false.")
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
             enable_gradient_checkpointing(model)
         self.trainable = role in TRAINABLE_ROLES
@@ -85,7 +99,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision,
                                  shard_placement_fn=placement) if self.sharded else model)
         self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
-        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models
+        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models; the
+        # padded path's (use_remove_padding=false): with padding removal the packed forward runs
         self.lean = None
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
         if (not self.sharded and role in ("actor", "reference") and not checkpointing and config.lora is None
@@ -103,6 +118,13 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
     # --- engine_base hooks ----------------------------------------------------------------------------------
     def _forward_module(self) -> torch.nn.Module:
         return self.model
+
+    def _forward_outputs(self, micro: Batch, *, with_entropy: bool,
+                         entropy_metric: bool = False) -> dict[str, torch.Tensor]:
+        if not self.packed:
+            return super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
+        return packing.packed_forward_outputs(self.model, micro, self.device, role=self.role,
+                                              with_entropy=with_entropy, entropy_metric=entropy_metric)
 
     def _response_logits(self, micro: Batch) -> torch.Tensor:
         if self.lean is None:

@@ -42,6 +42,10 @@ def _check_unsupported_keys(role: str, config: TrainingEngineConfig) -> None:
                           f"from Megatron's TransformerConfig. Fix: set {role}.gradient_checkpointing=false and "
                           f"{role}.extra.transformer_overrides: {{recompute_granularity: full, recompute_method: "
                           "uniform, recompute_num_layers: 1}")
+    if config.max_tokens_per_micro_batch is not None:
+        raise ConfigError(f"{role}.max_tokens_per_micro_batch={config.max_tokens_per_micro_batch}: the megatron "
+                          f"engine's pipeline schedule runs micro-batches of micro_batch_size rows. Fix: remove "
+                          f"{role}.max_tokens_per_micro_batch and set {role}.micro_batch_size")
 
 class MegatronTrainingEngine:
     """One rank of a megatron-core model for role actor, critic or reference (stability: public).

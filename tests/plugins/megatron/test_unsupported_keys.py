@@ -18,6 +18,7 @@ from hybridflow_megatron.engine import MegatronTrainingEngine  # noqa: E402
     ({"mixed_precision": "bf16"}, "set critic.model.dtype=bfloat16"),
     ({"gradient_checkpointing": True}, "transformer_overrides: {recompute_granularity: full"),
     ({"lora": LoraConfig(rank=4)}, "set critic.engine=fsdp"),
+    ({"max_tokens_per_micro_batch": 256}, "set critic.micro_batch_size"),
 ])
 def test_unimplemented_keys_are_refused_before_any_setup(option: dict, fix: str) -> None:
     config = TrainingEngineConfig(model=ModelSpec(config={"model_type": "qwen2"}), **option)
