@@ -30,7 +30,8 @@ rank of 1 thread; ``hybridflow_1rank_2threads``: of 2 threads) and TRL with 1 an
 subprocess, with fewer steps the larger the model (:data:`SIZES`). One ``RESULT {json}`` line per size gives each
 system's tokens/s and s/step, the ratios (default vs TRL at its better thread count, default vs the best single
 rank, ...) and peak RSS per process (driver and each worker for hybridflow — Ray's own daemons not counted — the
-one process for TRL). A full ``--sizes`` run takes ~10 minutes on an idle 2-core box.
+one process for TRL). ``--repeats`` rounds per size (3 by default; ``--repeats 1`` for one pass): 2.4M alone took
+~18 minutes at 3 rounds on a loaded 2-core box; an idle full run was not timed.
 
 Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1] [--deepspeed-zero-stage 3]``;
 ``.venv/bin/python bench/e2e_grpo.py --sizes`` (or ``--sizes 2.4m,20m``).
