@@ -22,7 +22,19 @@ so and prints our numbers only.
 engine (ZeRO stage N) instead of ``fsdp``, everything else equal; the RESULT line then holds its tokens/s beside
 fsdp's (``deepspeed_*`` keys, ``deepspeed_ratio_vs_fsdp``).
 
-Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1] [--deepspeed-zero-stage 3]``.
+``--sizes`` runs the per-size grid instead, all in one run: for each model size of :data:`SIZES` — the 77K fixture,
+~2.4M (hidden 256, intermediate 512, 4 layers, 8 / 4 heads) and ~20M (hidden 512, intermediate 1024, 8 layers,
+8 / 4 heads), the fixture otherwise unchanged — hybridflow's default configuration (``hybridflow``: two FSDP ranks
+of 1 thread, as the README's main job runs), its single-rank configurations (``hybridflow_1rank``: one unsharded
+rank of 1 thread; ``hybridflow_1rank_2threads``: of 2 threads) and TRL with 1 and 2 threads, each in its own
+subprocess, with fewer steps the larger the model (:data:`SIZES`). One ``RESULT {json}`` line per size gives each
+system's tokens/s and s/step, the ratios (default vs TRL at its better thread count, default vs the best single
+rank, ...) and peak RSS per process (driver and each worker for hybridflow — Ray's own daemons not counted — the
+one process for TRL). ``--repeats`` rounds per size (3 by default; ``--repeats 1`` for one pass): 2.4M alone took
+~18 minutes at 3 rounds on a loaded 2-core box; an idle full run was not timed.
+
+Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1] [--deepspeed-zero-stage 3]``;
+``.venv/bin/python bench/e2e_grpo.py --sizes`` (or ``--sizes 2.4m,20m``).
 """
 
 from __future__ import annotations
@@ -46,19 +58,59 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DEFAULT_TRL_PATH = "/work/trl-bench/site"
 PROMPTS, SAMPLES, NEW_TOKENS, MAX_OPERAND, NUM_ROWS = 16, 4, 16, 99, 1024
 
+#: ``--sizes``: name → keyword arguments of ``tiny_model_config`` and the steps (warmup steps) of each run there
+SIZES: dict[str, dict[str, Any]] = {
+    "77k": {"model": {"num_heads": 4, "num_kv_heads": 2}, "steps": 20, "warmup": 3},
+    "2.4m": {"model": {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 8,
+                       "num_kv_heads": 4}, "steps": 8, "warmup": 2},
+    "20m": {"model": {"hidden_size": 512, "intermediate_size": 1024, "num_layers": 8, "num_heads": 8,
+                      "num_kv_heads": 4}, "steps": 5, "warmup": 2},
+}
+#: ``--sizes`` systems: name → (system run by ``--run-one``, hybridflow workers, torch threads per process)
+GRID_SYSTEMS: dict[str, tuple[str, int, int]] = {
+    "hybridflow": ("hybridflow", 2, 1),
+    "hybridflow_1rank": ("hybridflow", 1, 1),
+    "hybridflow_1rank_2threads": ("hybridflow", 1, 2),
+    "trl": ("trl", 0, 1),
+    "trl_2threads": ("trl", 0, 2),
+}
+
+
+def model_config_of(size: str) -> dict[str, Any]:
+    """The HF config dict of model size ``size`` (one of :data:`SIZES`)."""
+    from hybridflow.testing.fixtures import tiny_model_config
+
+    values = tiny_model_config(**SIZES[size]["model"])
+    values.pop("torch_dtype", None)
+    return values
+
+
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """Peak resident bytes of process ``pid`` (VmHWM), or of this process when None."""
+    import resource
+
+    if pid is None:
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
 
 # --- one run of each system (in a fresh subprocess) -----------------------------------------------------------
 def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from hybridflow.config import load_config
     from hybridflow.controller import shutdown_ray
     from hybridflow.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="e2e_grpo_")
+    model = ("model.preset=tiny-qwen2-h16" if args.size == "77k"
+             else f"model.config={json.dumps(model_config_of(args.size))}")
     overrides = [
-        "algorithm.name=grpo", "model.preset=tiny-qwen2-h16",
+        "algorithm.name=grpo", model,
         f"data.task.max_operand={MAX_OPERAND}", f"data.task.num_prompts={NUM_ROWS}", f"data.task.seed={args.seed}",
         "data.max_prompt_length=8", f"data.batch_size={PROMPTS}",
         f"resource_pools.main.devices_per_node=[{args.workers}]", f"resource_pools.main.cpus_per_worker={0.5}",
@@ -68,7 +120,7 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
         f"actor.recompute_log_probs={str(args.recompute_log_probs).lower()}",
         "rollout.engine=hf", f"rollout.n={SAMPLES}", "rollout.temperature=1.0", f"rollout.max_new_tokens={NEW_TOKENS}",
         f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",
-        "trainer.progress=false", "trainer.tensorboard=false", "trainer.threads_per_worker=1",
+        "trainer.progress=false", "trainer.tensorboard=false", f"trainer.threads_per_worker={args.threads}",
         f"trainer.seed={args.seed}", "trainer.resume=never", "trainer.val_every=0", *args.set,
     ]
     if engine == "deepspeed":
@@ -85,6 +137,9 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
             ends.append(time.perf_counter())
             tokens.append(metrics["tokens/prompt_and_response"])
             rewards.append(metrics["reward/mean"])
+        assert trainer.groups is not None
+        workers = [peak_rss_bytes(pid) for group in trainer.groups.by_pool.values()
+                   for pid in (group.local_process_ids() or {}).values()]
     finally:
         trainer.close()
         shutdown_ray()
@@ -93,7 +148,9 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
     return {"system": "hybridflow" if engine == "fsdp" else engine, "startup_s": startup_s,
             "step_s": [b - a for a, b in itertools.pairwise(ends)],
             "tokens": tokens, "rewards": rewards,
-            "config": {"workers": args.workers, "training_engine": config.actor.engine,
+            "peak_rss_bytes": {"driver": peak_rss_bytes(), "workers": workers},
+            "config": {"workers": args.workers, "threads_per_worker": args.threads, "size": args.size,
+                       "training_engine": config.actor.engine,
                        "training_engine_extra": dict(config.actor.extra),
                        "rollout_engine": config.rollout.engine,
                        "recompute_log_probs": config.actor.recompute_log_probs, "overrides": list(args.set)}}
@@ -102,21 +159,20 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
 def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     import datasets
     import transformers
     import trl
     from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
     from hybridflow.tasks.arithmetic import make_arithmetic_rows, score_arithmetic
-    from hybridflow.testing.fixtures import build_char_tokenizer, tiny_model_config
+    from hybridflow.testing.fixtures import build_char_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
     rows = make_arithmetic_rows(num_rows=NUM_ROWS, max_operand=MAX_OPERAND, seed=args.seed)
     dataset = datasets.Dataset.from_list(
         [{"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]} for row in rows])
-    values = tiny_model_config(num_heads=4, num_kv_heads=2)
-    values.pop("torch_dtype", None)
+    values = model_config_of(args.size)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
 
@@ -161,8 +217,10 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     tokens = [b - a for a, b in zip([0.0, *cumulative], cumulative)]
     return {"system": "trl", "startup_s": startup_s, "step_s": [b - a for a, b in zip(clock.ends, clock.ends[1:])],
             "tokens": tokens, "rewards": [float(log["reward"]) for log in clock.logs],
-            "config": {"trl": trl.__version__, "transformers": transformers.__version__,
-                       "loss_type": config.loss_type, "scale_rewards": config.scale_rewards}}
+            "peak_rss_bytes": {"process": peak_rss_bytes()},
+            "config": {"threads": args.threads, "size": args.size, "trl": trl.__version__,
+                       "transformers": transformers.__version__, "loss_type": config.loss_type,
+                       "scale_rewards": config.scale_rewards}}
 
 
 # --- the driver -------------------------------------------------------------------------------------------------
@@ -175,14 +233,14 @@ def summarize_run(run: dict[str, Any], warmup: int) -> dict[str, Any]:
 
 
 def launch(system: str, args: argparse.Namespace) -> dict[str, Any] | str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     python = sys.executable
     if system == "trl":
         python = args.trl_python or sys.executable
         if args.trl_path:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (args.trl_path, env.get("PYTHONPATH", "")) if p)
     command = [python, __file__, "--run-one", system, "--steps", str(args.steps), "--workers", str(args.workers),
-               "--lr", str(args.lr), "--seed", str(args.seed),
+               "--lr", str(args.lr), "--seed", str(args.seed), "--size", args.size, "--threads", str(args.threads),
                "--recompute-log-probs" if args.recompute_log_probs else "--no-recompute-log-probs",
                "--deepspeed-zero-stage", str(args.deepspeed_zero_stage)]
     if args.keep_run_dirs:
@@ -239,8 +297,16 @@ def main() -> None:
     parser.add_argument("--deepspeed-zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                         help="also run the actor on the deepspeed engine at this ZeRO stage in the same rounds and "
                              "print its tokens/s beside fsdp's (0: off)")
+    parser.add_argument("--size", default="77k", choices=tuple(SIZES), help="model size (default: the 77K fixture)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (hybridflow: per worker)")
+    parser.add_argument("--sizes", nargs="?", const=",".join(SIZES), default="",
+                        help=f"run the per-size grid (comma-separated sizes of {list(SIZES)}; all when bare) of "
+                             f"systems {list(GRID_SYSTEMS)}; --steps/--warmup/--workers/--threads are per size then")
     parser.add_argument("--run-one", choices=("hybridflow", "trl", "deepspeed"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sizes and not args.run_one:
+        run_grid(args)
+        return
     if args.run_one:
         if args.run_one == "trl":
             result = run_trl(args)
@@ -308,6 +374,92 @@ def main() -> None:
     if notes:
         result["notes"] = notes
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_grid(args: argparse.Namespace) -> None:
+    """``--sizes``: every system of :data:`GRID_SYSTEMS` at every size, ``--repeats`` rounds per size (the order
+    reversed every other round); one ``RESULT`` line per size."""
+    sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
+    unknown = [size for size in sizes if size not in SIZES]
+    if unknown:
+        raise SystemExit(f"--sizes: unknown {unknown}; known: {list(SIZES)}")
+    systems = list(GRID_SYSTEMS)
+    why = trl_available(args)
+    if why:
+        systems = [name for name in systems if GRID_SYSTEMS[name][0] != "trl"]
+        print(f"NOTE {why}; printing hybridflow numbers only", file=sys.stderr)
+    for size in sizes:
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+        notes, loads = [why] if why else [], []
+        for round_index in range(args.repeats):
+            for name in systems if round_index % 2 == 0 else systems[::-1]:
+                system, workers, threads = GRID_SYSTEMS[name]
+                one = argparse.Namespace(**{**vars(args), "size": size, "steps": SIZES[size]["steps"],
+                                            "workers": workers or 1, "threads": threads})
+                loads.append(os.getloadavg()[0])
+                outcome = launch(system, one)
+                if isinstance(outcome, str):
+                    notes.append(f"{name}: {outcome}")
+                    print(f"NOTE {name}: {outcome}", file=sys.stderr)
+                    continue
+                outcome["summary"] = summarize_run(outcome, SIZES[size]["warmup"])
+                runs[name].append(outcome)
+                print(f"{size} round {round_index} {name}: {json.dumps(outcome['summary'])} load {loads[-1]:.1f}",
+                      file=sys.stderr, flush=True)
+        print("RESULT " + json.dumps(summarize_size(size, runs, notes, loads)), flush=True)
+
+
+def summarize_size(size: str, runs: dict[str, list[dict[str, Any]]], notes: list[str],
+                   loads: list[float]) -> dict[str, Any]:
+    """One size's RESULT: per system its tokens/s, s/step, peak RSS, configuration; then the ratios."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = model_config_of(size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+    parameters = sum(p.numel() for p in model.parameters())
+    result: dict[str, Any] = {
+        "size": size, "parameters": parameters, "model": SIZES[size]["model"],
+        "fixture": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS, "steps": SIZES[size]["steps"],
+                    "warmup": SIZES[size]["warmup"]},
+        "load_avg_1m": {"min": min(loads, default=0.0), "max": max(loads, default=0.0), "cpus": os.cpu_count()},
+        "systems": {}}
+    rates: dict[str, float] = {}
+    for name, system_runs in runs.items():
+        if not system_runs:
+            continue
+        system, workers, threads = GRID_SYSTEMS[name]
+        rates[name] = statistics.median(r["summary"]["prompt_response_tokens_per_s"] for r in system_runs)
+        result["systems"][name] = {
+            "prompt_response_tokens_per_s": round(rates[name], 1),
+            "step_s_median": round(statistics.median(r["summary"]["step_s_median"] for r in system_runs), 4),
+            "tokens_per_s_per_run": [round(r["summary"]["prompt_response_tokens_per_s"]) for r in system_runs],
+            "peak_rss_mib": {key: ([round(v / 2**20) for v in value] if isinstance(value, list)
+                                   else round(value / 2**20))
+                             for key, value in system_runs[-1]["peak_rss_bytes"].items()},
+            "processes": workers + 1 if system == "hybridflow" else 1, "threads_per_process": threads,
+            "reward_first_to_last": [system_runs[-1]["rewards"][0], system_runs[-1]["rewards"][-1]]
+            if system_runs[-1]["rewards"] else [],
+        }
+    trl_best = max((name for name in rates if name.startswith("trl")), key=rates.__getitem__, default=None)
+    single_best = max((name for name in rates if name.startswith("hybridflow_1rank")), key=rates.__getitem__,
+                      default=None)
+    ratios: dict[str, Any] = {}
+    if trl_best:
+        ratios["trl_best"] = trl_best
+        for name in rates:
+            if not name.startswith("trl"):
+                ratios[f"{name}_vs_trl_best"] = round(rates[name] / rates[trl_best], 3)
+    if single_best and "hybridflow" in rates:
+        ratios["single_rank_best"] = single_best
+        ratios["two_ranks_vs_single_rank_best"] = round(rates["hybridflow"] / rates[single_best], 3)
+        if "hybridflow_1rank" in rates:
+            ratios["two_ranks_vs_one_rank_1thread"] = round(rates["hybridflow"] / rates["hybridflow_1rank"], 3)
+    result["ratios"] = ratios
+    if notes:
+        result["notes"] = notes
+    return result
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ from torch import nn
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_fsdp.models import transformer_blocks
 
-__all__ = ["ensure_process_group", "build_data_parallel_mesh", "apply_fsdp", "find_free_port"]
+__all__ = ["ensure_process_group", "build_data_parallel_mesh", "apply_fsdp", "find_free_port", "FSDP_UNITS"]
 
 DEFAULT_TIMEOUT_S = 120
+#: what :func:`apply_fsdp` makes an FSDP unit: each decoder layer (then the root), or the whole model
+FSDP_UNITS = ("layers", "model")
 
 
 def find_free_port() -> int:
@@ -60,8 +62,10 @@ def build_data_parallel_mesh(device: str, world_size: int) -> Any:
 
 
 def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_after_forward: bool = True,
-               shard_placement_fn: Callable[[nn.Parameter], Any] | None = None) -> nn.Module:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head) — in place.
+               shard_placement_fn: Callable[[nn.Parameter], Any] | None = None, units: str = "layers") -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head) — in place; with
+    ``units="model"`` the root only: one FSDP unit, so one all-gather and one reduce-scatter per forward/backward
+    (small models, and any forward that does not go through the decoder layers' ``forward``).
 
     ``shard_placement_fn`` (FSDP2's): a parameter's ``Shard(dim)``, None for the default dim 0."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -72,7 +76,9 @@ def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_aft
         policy = MixedPrecisionPolicy()
     else:
         raise ConfigError(f'mixed_precision must be "none" or "bf16", got {mixed_precision!r}')
-    for block in transformer_blocks(model):
+    if units not in FSDP_UNITS:
+        raise ConfigError(f"fsdp units must be one of {FSDP_UNITS}, got {units!r}")
+    for block in transformer_blocks(model) if units == "layers" else ():
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=shard_placement_fn)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -19,20 +19,27 @@ from hybridflow.engines import ROLES, TrainingEngineConfig
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_fsdp import checkpoint, forward, handover, packing
-from hybridflow_fsdp.distributed import apply_fsdp, build_data_parallel_mesh, ensure_process_group
+from hybridflow_fsdp.distributed import FSDP_UNITS, apply_fsdp, build_data_parallel_mesh, ensure_process_group
 from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
 from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
 from hybridflow_fsdp.engine_base import TRAINABLE_ROLES, HFTrainingEngineBase, enable_gradient_checkpointing
-from hybridflow_fsdp.fast_decode import build_lean_decoder
+from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsupported_reason
 from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler, count_state_bytes
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
     from hybridflow.resharding import ReshardPlan
 
-__all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "TRAINABLE_ROLES"]
+__all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "resolve_fsdp_units", "TRAINABLE_ROLES",
+           "ONE_UNIT_MAX_BYTES"]
+
+#: ``extra.fsdp_units: auto`` makes the whole model one FSDP unit up to this many bytes of weights
+ONE_UNIT_MAX_BYTES = 1 << 30
+#: the method name the lean forward gets on the FSDP root, so FSDP's forward hooks run around it
+LEAN_FORWARD_METHOD = "hybridflow_lean_response_logits"
 
 
 class FSDPTrainingEngine(HFTrainingEngineBase):
@@ -96,18 +103,37 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.generation_tensor_parallel_size = int(config.extra.get("generation_tensor_parallel_size", 1))
         placement = (_row_dim_one_placement(model) if self.generation_tensor_parallel_size > 1 and role == "actor"
                      else None)
-        self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision,
-                                 shard_placement_fn=placement) if self.sharded else model)
-        self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
-        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) on unsharded models; the
-        # padded path's (use_remove_padding=false): with padding removal the packed forward runs
-        self.lean = None
+        # the lean forward of fast_decode (same logits and gradients, less per-op overhead) for the actor and the
+        # reference in full precision, on the padded path (use_remove_padding=false; with padding removal the packed
+        # forward runs); sharded, it needs the whole model as one FSDP unit (it bypasses the layers' forward, where
+        # per-layer units would all-gather). It reads the base weights: not with LoRA adapters.
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
-        if (not self.sharded and role in ("actor", "reference") and not checkpointing and config.lora is None
-                and config.extra.get("lean_forward", True)):  # (the lean forward reads base weights: no adapters)
+        lean_possible = (role in ("actor", "reference") and not checkpointing and config.mixed_precision == "none"
+                         and config.lora is None and bool(config.extra.get("lean_forward", True))
+                         and lean_decoder_unsupported_reason(model) is None)
+        self.fsdp_units = resolve_fsdp_units(config.extra.get("fsdp_units", "auto"), model, lean=lean_possible)
+        # one unit of a trainable model stays gathered from its forward through its backward (one all-gather a step)
+        self._one_unit = self.sharded and self.fsdp_units == "model"
+        self.model = (apply_fsdp(model, mesh=self.mesh, mixed_precision=config.mixed_precision,
+                                 shard_placement_fn=placement, units=self.fsdp_units,
+                                 reshard_after_forward=not (self._one_unit and self.trainable))
+                      if self.sharded else model)
+        self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
+        self.lean = None
+        if lean_possible and (not self.sharded or self.fsdp_units == "model"):
             self.lean = build_lean_decoder(self.model)
+        self._lean_logits = self.lean.response_logits if self.lean is not None else None
+        if self.lean is not None and self.sharded:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            # through FSDP's forward hooks: all-gather before it, gradients reduce-scattered after its backward
+            setattr(self.model, LEAN_FORWARD_METHOD, self.lean.response_logits)
+            register_fsdp_forward_method(self.model, LEAN_FORWARD_METHOD)
+            self._lean_logits = getattr(self.model, LEAN_FORWARD_METHOD)
+        # fused AdamW and foreach clipping: one kernel (one DTensor dispatch when sharded) for all parameters
+        self._fused = self.device.type in ("cpu", "cuda")
         trained = adapter_parameters(self.model) if config.lora is not None else self.model.parameters()
-        self.optimizer = build_optimizer(trained, config.optim, fused=not self.sharded) if self.trainable else None
+        self.optimizer = build_optimizer(trained, config.optim, fused=self._fused) if self.trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer is not None else None
         self._version = 0
         self.last_handover_stats: handover.HandoverStats | None = None
@@ -127,11 +153,28 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                                               with_entropy=with_entropy, entropy_metric=entropy_metric)
 
     def _response_logits(self, micro: Batch) -> torch.Tensor:
-        if self.lean is None:
+        if self._lean_logits is None:
             return super()._response_logits(micro)
         inputs = forward.model_inputs(micro, self.device)
         length = forward.response_length(micro)
-        return self.lean.response_logits(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], length)
+        logits: torch.Tensor = self._lean_logits(inputs["input_ids"], inputs["attention_mask"],
+                                                 inputs["position_ids"], length)
+        return logits
+
+    def _before_micro(self, index: int, count: int) -> None:
+        if self._one_unit and self.trainable:
+            # one unit: accumulate the gradients of a mini-batch's micro-batches unsharded and reduce-scatter once,
+            # after the last backward (the weights stay gathered between them, as they do within one)
+            last = index == count - 1
+            module = cast("FSDPModule", self.model)
+            module.set_requires_gradient_sync(last)
+            module.set_reshard_after_backward(last)
+
+    def _ensure_sharded(self) -> None:
+        """Free the gathered weights a no-grad forward of the one-unit model left (they are gathered again by the
+        next forward): what reads the parameters as shards (handover, checkpoints) must find shards."""
+        if self._one_unit and self.trainable:
+            cast("FSDPModule", self.model).reshard()
 
     def _inference_context(self) -> AbstractContextManager[Any]:
         # unsharded: inference mode (less per-op bookkeeping); FSDP's hooks keep the plain no-grad mode
@@ -143,7 +186,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
     def _optimizer_step(self) -> float:
         assert self.optimizer is not None and self.scheduler is not None
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=not self.sharded or None)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self._fused or None)
         norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(norm_value):
             self.optimizer.step()
@@ -167,14 +210,17 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, scheduler, step and RNG state of every rank, written atomically under ``path``."""
+        self._ensure_sharded()
         checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore everything :meth:`save_checkpoint` wrote; the next step matches an uninterrupted run bit for bit."""
+        self._ensure_sharded()
         checkpoint.load(self, path)
 
     def export_hf(self, path: str) -> None:
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
+        self._ensure_sharded()
         checkpoint.export_hf(self, path)
 
     def generation_weights(self, *, target: str = "hf", tensor_parallel_size: int = 1,
@@ -186,6 +232,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         generation shard, until :meth:`end_generation`); ``extra.handover=stream`` gathers full tensors one by one
         (tg = 1 only, never parks). Bytes are in ``last_handover_stats`` once it is exhausted."""
         self._check_role("generation_weights", ("actor", "reference"))
+        self._ensure_sharded()
         path = self.config.extra.get("handover", handover.DEFAULT_PATH)
         if path not in handover.PATHS:
             raise ConfigError(f"actor.extra.handover must be one of {handover.PATHS}, got {path!r}")
@@ -211,6 +258,19 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.lean = None
         self.optimizer = None
         self.scheduler = None
+
+
+def resolve_fsdp_units(setting: object, model: torch.nn.Module, *, lean: bool) -> str:
+    """``extra.fsdp_units``: ``layers`` (a unit per decoder layer, then the root: the HF forward, one layer's weights
+    gathered at a time), ``model`` (one unit: the lean forward where it applies, one all-gather and one reduce-scatter
+    a step, all weights gathered from forward to backward) or ``auto``: ``model`` when the lean forward applies and
+    the weights take at most :data:`ONE_UNIT_MAX_BYTES`, else ``layers``."""
+    if setting == "auto":
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        return "model" if lean and size <= ONE_UNIT_MAX_BYTES else "layers"
+    if setting not in FSDP_UNITS:
+        raise ConfigError(f"actor.extra.fsdp_units must be one of {['auto', *FSDP_UNITS]}, got {setting!r}")
+    return str(setting)
 
 
 def _row_dim_one_placement(model: torch.nn.Module) -> Callable[[torch.nn.Parameter], Any]:
