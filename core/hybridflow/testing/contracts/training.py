@@ -196,6 +196,13 @@ def check_data_parallel_matches_single(factory: Callable[..., TrainingEngine], w
     moved = max((single["weights"][n] - initial[n]).abs().max().item() for n in single["weights"] if n in initial)
     assert moved > 1e-4, f"weights barely moved ({moved}); the comparison would be vacuous"
     gaps = {name: (single["weights"][name] - multi["weights"][name]).abs().max().item() for name in single["weights"]}
+    # a key bias has no gradient (softmax is invariant to a shift shared by all keys): its "gradient" is rounding
+    # noise, which AdamW's normalisation turns into lr-sized steps of either sign, so 1 and N ranks (different
+    # summation orders) part there by up to ~lr per step whatever the engine does right; it is checked against that
+    noise = {name: gap for name, gap in gaps.items() if name.endswith("k_proj.bias")}
+    bound = 2 * steps * OPTIM.lr
+    assert all(gap <= bound for gap in noise.values()), f"key biases differ by more than {bound}: {noise}"
+    gaps = {name: gap for name, gap in gaps.items() if name not in noise}
     worst = max(gaps, key=gaps.__getitem__)
     assert gaps[worst] <= atol, f"{world_size} ranks differ from 1 rank by {gaps[worst]} on {worst} (> {atol})"
 
