@@ -49,6 +49,10 @@ class SFTDataSection(_Section):
     val_files: list[str] = Field(default_factory=list)
     prompt_key: str = "prompt"      # verl: data.prompt_key
     response_key: str = "response"  # verl: data.response_key
+    # verl: data.multiturn.messages_key / tools_key. Set: rows are multi-turn conversations (a list of {role,
+    # content}; tool output masked from the loss, tokenized as the agent loop does) instead of prompt + response
+    messages_key: str | None = None
+    tools_key: str = "tools"
     max_prompt_length: int = Field(default=8, gt=0)
     max_response_length: int = Field(default=8, gt=0)  # response tokens, the EOS appended to each included
     batch_size: int = Field(default=32, gt=0)  # rows per optimizer step over all ranks (verl: train_batch_size)
@@ -146,9 +150,10 @@ def _anchor(file: str, base: Path) -> str:
 
 
 # --- data --------------------------------------------------------------------------------------------------------
-def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: str) -> list[dict[str, Any]]:
-    """Rows of the demonstration files, each checked for a text prompt and response (DatasetError naming the file,
-    the row and the columns found otherwise)."""
+def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: str,
+                        messages_key: str | None = None) -> list[dict[str, Any]]:
+    """Rows of the demonstration files, each checked for a text prompt and response, or for a ``messages_key``
+    column when given (DatasetError naming the file, the row and the columns found otherwise)."""
     from hybridflow.data import load_rows
 
     if not files:
@@ -161,6 +166,12 @@ def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: 
                                "data.val_files (the shipped task's file is made by `python -m "
                                "hybridflow.tasks.arithmetic`)")
         for index, row in enumerate(load_rows(file)):
+            if messages_key is not None:
+                if not isinstance(row.get(messages_key), list):
+                    raise DatasetError(f"{file} row {index}: column {messages_key!r} (data.messages_key) must be a "
+                                       f"list of {{role, content}} messages; found columns {sorted(row)}")
+                rows.append(row)
+                continue
             missing = [key for key in (prompt_key, response_key) if key not in row]
             if missing:
                 raise DatasetError(
@@ -208,6 +219,20 @@ def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, prompt
                   "attention_mask": torch.cat([prompt_mask, response_mask], dim=1)})
 
 
+def _build_multiturn_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, data: SFTDataSection) -> Batch:
+    from hybridflow.agent.format import ChatFormat
+    from hybridflow.agent.sft import build_multiturn_sft_batch
+
+    assert data.messages_key is not None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.messages_key (multi-turn demonstrations) needs a tokenizer with a chat template; set "
+                          "model.path to an HF model directory saved with a chat tokenizer")
+    return build_multiturn_sft_batch(rows, ChatFormat(tokenizer), messages_key=data.messages_key,
+                                     tools_key=data.tools_key, max_prompt_length=data.max_prompt_length,
+                                     max_response_length=data.max_response_length,
+                                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+
+
 class SFTLoss:
     """``loss_fn`` of the training engine for SFT: the NLL of the response tokens, summed and divided by the
     mini-batch's valid tokens over all ranks (``loss_scale_tokens``, the engines' accumulation convention), so the
@@ -242,10 +267,13 @@ class SFTTrainer:
         self.tokenizer = build_tokenizer(config.model)
         data = config.data
         keys = {"prompt_key": data.prompt_key, "response_key": data.response_key}
-        self.train_rows = load_demonstrations(data.train_files, **keys)
-        self.val_rows = load_demonstrations(data.val_files, **keys) if data.val_files else []
+        self.train_rows = load_demonstrations(data.train_files, **keys, messages_key=data.messages_key)
+        self.val_rows = load_demonstrations(data.val_files, **keys, messages_key=data.messages_key) \
+            if data.val_files else []
 
         def encode(rows: list[dict[str, Any]]) -> Batch:
+            if data.messages_key is not None:
+                return _build_multiturn_batch(rows, self.tokenizer, data)
             return build_sft_batch(rows, self.tokenizer, prompt_key=data.prompt_key, response_key=data.response_key,
                                    max_prompt_length=data.max_prompt_length,
                                    max_response_length=data.max_response_length)
