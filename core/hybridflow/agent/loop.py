@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,11 @@ from hybridflow.engines import SamplingParams, TokenCompletion, TokenContinuatio
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow.tools import Tool, ToolResult, call_tool
 
-__all__ = ["MultiTurnConfig", "Conversation", "AgentLoop"]
+__all__ = ["MultiTurnConfig", "Conversation", "AgentLoop", "AGENT_NAMES"]
+
+#: the loops a row's ``agent_name`` (verl's column) may choose: ``tool_agent`` (the default: turns with tool calls)
+#: or ``single_turn_agent`` (one model turn, tool calls in it are not run)
+AGENT_NAMES = ("tool_agent", "single_turn_agent")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +64,11 @@ class Conversation:
     tool_calls: int = 0
     tool_statuses: Counter[str] = field(default_factory=Counter)
     finish: str = ""
+    agent_name: str = "tool_agent"
+    #: verl's ``extra_info.tools_kwargs``: tool name → {"create_kwargs": {...}, "execute_kwargs": {...}}
+    tools_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: what each stateful tool's ``create`` returned for this conversation (released when it ends)
+    instances: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tool_errors(self) -> int:
@@ -88,18 +98,42 @@ class AgentLoop:
         self.config = config
         self.generate_calls = 0
 
-    def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Conversation]:
+    def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+            tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+            agent_names: Sequence[str | None] | None = None) -> list[Conversation]:
         """Run one conversation per prompt to the end (blocking; the event loop lives inside, in a helper thread
-        when the caller's thread already runs one)."""
+        when the caller's thread already runs one). ``tools_kwargs``/``agent_names``: per prompt, verl's
+        ``extra_info.tools_kwargs`` and ``agent_name`` column (None: defaults)."""
+        work = self.run_async(prompts, sampling, tools_kwargs=tools_kwargs, agent_names=agent_names)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.run_async(prompts, sampling))
+            return asyncio.run(work)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, self.run_async(prompts, sampling)).result()
+            return pool.submit(asyncio.run, work).result()
 
-    async def run_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Conversation]:
+    async def run_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                        tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+                        agent_names: Sequence[str | None] | None = None) -> list[Conversation]:
         conversations = [Conversation(prompt_ids=[int(t) for t in prompt]) for prompt in prompts]
+        for name, per_row in (("tools_kwargs", tools_kwargs), ("agent_names", agent_names)):
+            if per_row is not None and len(per_row) != len(conversations):
+                raise ConfigError(f"{name} has {len(per_row)} entries for {len(conversations)} prompts")
+        for row, conversation in enumerate(conversations):
+            if agent_names is not None and agent_names[row] is not None:
+                conversation.agent_name = str(agent_names[row])
+                if conversation.agent_name not in AGENT_NAMES:
+                    raise ConfigError(f"row {row}: unknown agent_name {conversation.agent_name!r}; known: "
+                                      f"{', '.join(AGENT_NAMES)} (or leave the column out)")
+            if tools_kwargs is not None and tools_kwargs[row]:
+                conversation.tools_kwargs = _check_tools_kwargs(tools_kwargs[row], row)
+        try:
+            return await self._run_conversations(conversations, sampling)
+        finally:
+            await asyncio.gather(*[self._release(conversation) for conversation in conversations])
+
+    async def _run_conversations(self, conversations: list[Conversation],
+                                 sampling: SamplingParams) -> list[Conversation]:
         ready: list[Conversation] = list(conversations)
         waiting: set[asyncio.Task[Conversation]] = set()
         while ready or waiting:
@@ -145,7 +179,7 @@ class AgentLoop:
         conversation.append(completion.token_ids, generated=True, log_probs=completion.log_probs)
         conversation.turns += 1
         calls = parse_tool_calls(self.format.decode(completion.token_ids))
-        if not calls:
+        if not calls or conversation.agent_name == "single_turn_agent":
             conversation.finish = "stop" if completion.finish_reason == "stop" else "length"
         elif conversation.turns >= self.config.max_turns:
             conversation.finish = "max_turns"
@@ -158,7 +192,7 @@ class AgentLoop:
     async def _run_tools(self, conversation: Conversation, calls: list[ToolCall]) -> Conversation:
         limit = self.config.max_tool_calls_per_turn
         results: list[ToolResult] = list(await asyncio.gather(*[
-            self._call(call) for call in calls[:limit]]))
+            self._call(conversation, call) for call in calls[:limit]]))
         results += [ToolResult(text=f"Error: at most {limit} tool calls per turn; this one was not run.",
                                status="bad_call") for _ in calls[limit:]]
         conversation.tool_calls += len(calls)
@@ -171,10 +205,44 @@ class AgentLoop:
             conversation.finish = "max_tokens"  # no room left for another model turn
         return conversation
 
-    async def _call(self, call: ToolCall) -> ToolResult:
+    async def _call(self, conversation: Conversation, call: ToolCall) -> ToolResult:
         if call.error is not None:
             return ToolResult(text=call.error, status="bad_call")
-        return await call_tool(self.tools, call.name, call.arguments, timeout_s=self.config.tool_timeout_s)
+        options = conversation.tools_kwargs.get(call.name, {}) if isinstance(call.name, str) else {}
+        tool = self.tools.get(call.name) if isinstance(call.name, str) else None
+        if tool is None or not hasattr(tool, "create"):
+            return await call_tool(self.tools, call.name, call.arguments, timeout_s=self.config.tool_timeout_s)
+        if call.name not in conversation.instances:  # a stateful tool: one instance per conversation (verl)
+            try:
+                conversation.instances[call.name] = await asyncio.wait_for(
+                    tool.create(**dict(options.get("create_kwargs", {}))), timeout=self.config.tool_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the model sees the failure as the tool's output
+                return ToolResult(text=f"Error: {call.name} could not start: {type(exc).__name__}: {exc}",
+                                  status="error")
+        return await call_tool(self.tools, call.name, call.arguments, timeout_s=self.config.tool_timeout_s,
+                               call_kwargs={"instance": conversation.instances[call.name],
+                                            **dict(options.get("execute_kwargs", {}))})
+
+    async def _release(self, conversation: Conversation) -> None:
+        for name, instance in conversation.instances.items():
+            release = getattr(self.tools[name], "release", None)
+            if release is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(release(instance), timeout=self.config.tool_timeout_s)
+        conversation.instances.clear()
+
+
+def _check_tools_kwargs(value: Any, row: int) -> Mapping[str, Mapping[str, Any]]:
+    """verl's ``extra_info.tools_kwargs`` of one row, checked: tool name → {"create_kwargs", "execute_kwargs"}."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"row {row}: extra_info.tools_kwargs must map tool names to {{create_kwargs, "
+                          f"execute_kwargs}}, got {type(value).__name__}")
+    for name, options in value.items():
+        if not isinstance(options, Mapping) or set(options) - {"create_kwargs", "execute_kwargs"} or not all(
+                isinstance(v, Mapping) for v in options.values()):
+            raise ConfigError(f"row {row}: extra_info.tools_kwargs[{name!r}] must be {{\"create_kwargs\": {{...}}, "
+                              f"\"execute_kwargs\": {{...}}}} (verl's layout), got {options!r}")
+    return value
 
 
 def tool_schemas(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:

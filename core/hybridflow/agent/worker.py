@@ -60,10 +60,15 @@ class AgentRollout:
         self.engine = engine
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        """Columns as ``RolloutEngine.generate`` returns them, plus the per-sample agent columns."""
+        """Columns as ``RolloutEngine.generate`` returns them, plus the per-sample agent columns. Each row's
+        ``extra_info.tools_kwargs`` and ``agent_name`` (verl's multi-turn data; the dataset copies a top-level
+        ``agent_name`` column into ``extra_info``) go to its conversation."""
         rows = prompts.repeat_interleave(sampling.n) if sampling.n > 1 else prompts
         ids, mask = rows["input_ids"], rows["attention_mask"]
         prefixes = [ids[row][mask[row].bool()].tolist() for row in range(len(rows))]
-        conversations = self.loop.run(prefixes, replace(sampling, n=1))
+        extras = list(rows.non_tensors["extra_info"]) if "extra_info" in rows.non_tensors else [{}] * len(rows)
+        conversations = self.loop.run(prefixes, replace(sampling, n=1),
+                                      tools_kwargs=[dict(extra or {}).get("tools_kwargs") for extra in extras],
+                                      agent_names=[dict(extra or {}).get("agent_name") for extra in extras])
         return build_rollout_batch(rows, conversations, width=self.config.max_tokens, pad_token_id=self.pad_token_id,
                                    policy_version=self.engine.weights_version)
