@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridflow.agent.format import ChatFormat, ToolCall, parse_tool_calls
+from hybridflow.agent.interaction import Interaction
 from hybridflow.engines import SamplingParams, TokenCompletion, TokenContinuationEngine
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow.tools import Tool, ToolResult, call_tool
@@ -69,6 +70,9 @@ class Conversation:
     tools_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: what each stateful tool's ``create`` returned for this conversation (released when it ends)
     instances: dict[str, Any] = field(default_factory=dict)
+    #: the interaction's state (rows with ``extra_info.interaction_kwargs`` when the loop has an interaction)
+    interaction_state: Any = None
+    user_turns: int = 0
 
     @property
     def tool_errors(self) -> int:
@@ -88,7 +92,7 @@ class AgentLoop:
     """Runs conversations against one engine with capability ``continue_from_tokens`` and a set of tools."""
 
     def __init__(self, engine: TokenContinuationEngine, tools: Mapping[str, Tool], chat_format: ChatFormat,
-                 config: MultiTurnConfig) -> None:
+                 config: MultiTurnConfig, *, interaction: Interaction | None = None) -> None:
         if "continue_from_tokens" not in engine.capabilities:
             raise EngineError(f"multi-turn rollouts need a rollout engine with capability continue_from_tokens; "
                               f"{type(engine).__name__} has {sorted(engine.capabilities)}. Use rollout.engine: hf")
@@ -96,15 +100,19 @@ class AgentLoop:
         self.tools = dict(tools)
         self.format = chat_format
         self.config = config
+        self.interaction = interaction
         self.generate_calls = 0
 
     def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
             tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
-            agent_names: Sequence[str | None] | None = None) -> list[Conversation]:
+            agent_names: Sequence[str | None] | None = None,
+            interaction_kwargs: Sequence[Mapping[str, Any] | None] | None = None) -> list[Conversation]:
         """Run one conversation per prompt to the end (blocking; the event loop lives inside, in a helper thread
         when the caller's thread already runs one). ``tools_kwargs``/``agent_names``: per prompt, verl's
-        ``extra_info.tools_kwargs`` and ``agent_name`` column (None: defaults)."""
-        work = self.run_async(prompts, sampling, tools_kwargs=tools_kwargs, agent_names=agent_names)
+        ``extra_info.tools_kwargs`` and ``agent_name`` column (None: defaults); ``interaction_kwargs`` start the
+        interaction's state for a row (None: no simulated user for it)."""
+        work = self.run_async(prompts, sampling, tools_kwargs=tools_kwargs, agent_names=agent_names,
+                              interaction_kwargs=interaction_kwargs)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -114,9 +122,11 @@ class AgentLoop:
 
     async def run_async(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                         tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
-                        agent_names: Sequence[str | None] | None = None) -> list[Conversation]:
+                        agent_names: Sequence[str | None] | None = None,
+                        interaction_kwargs: Sequence[Mapping[str, Any] | None] | None = None) -> list[Conversation]:
         conversations = [Conversation(prompt_ids=[int(t) for t in prompt]) for prompt in prompts]
-        for name, per_row in (("tools_kwargs", tools_kwargs), ("agent_names", agent_names)):
+        for name, per_row in (("tools_kwargs", tools_kwargs), ("agent_names", agent_names),
+                              ("interaction_kwargs", interaction_kwargs)):
             if per_row is not None and len(per_row) != len(conversations):
                 raise ConfigError(f"{name} has {len(per_row)} entries for {len(conversations)} prompts")
         for row, conversation in enumerate(conversations):
@@ -127,10 +137,18 @@ class AgentLoop:
                                       f"{', '.join(AGENT_NAMES)} (or leave the column out)")
             if tools_kwargs is not None and tools_kwargs[row]:
                 conversation.tools_kwargs = _check_tools_kwargs(tools_kwargs[row], row)
+        if self.interaction is not None and interaction_kwargs is not None:
+            for conversation, kwargs in zip(conversations, interaction_kwargs):
+                if kwargs is not None:
+                    conversation.interaction_state = await self.interaction.start(**dict(kwargs))
         try:
             return await self._run_conversations(conversations, sampling)
         finally:
             await asyncio.gather(*[self._release(conversation) for conversation in conversations])
+            if self.interaction is not None:
+                for conversation in conversations:
+                    if conversation.interaction_state is not None:
+                        await self.interaction.finish(conversation.interaction_state)
 
     async def _run_conversations(self, conversations: list[Conversation],
                                  sampling: SamplingParams) -> list[Conversation]:
@@ -145,6 +163,8 @@ class AgentLoop:
                     calls = self._take_turn(conversation, completion)
                     if calls is not None:
                         waiting.add(asyncio.create_task(self._run_tools(conversation, calls)))
+                    elif self._user_answers(conversation):
+                        waiting.add(asyncio.create_task(self._run_interaction(conversation, completion)))
                 finished = {task for task in waiting if task.done()}
             else:
                 finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -203,6 +223,27 @@ class AgentLoop:
         conversation.append(ids[:room], generated=False)
         if len(ids) >= room:
             conversation.finish = "max_tokens"  # no room left for another model turn
+        return conversation
+
+    def _user_answers(self, conversation: Conversation) -> bool:
+        """Whether the simulated user gets the turn the model just ended without a tool call."""
+        return (self.interaction is not None and conversation.interaction_state is not None
+                and conversation.finish == "stop" and conversation.turns < self.config.max_turns
+                and len(conversation.response_ids) < self.config.max_tokens)
+
+    async def _run_interaction(self, conversation: Conversation, completion: TokenCompletion) -> Conversation:
+        assert self.interaction is not None
+        reply = await self.interaction.respond(conversation.interaction_state, self.format.decode(
+            [t for t in completion.token_ids if t != self.format.eos_token_id]))
+        if reply.done:
+            conversation.finish = "interaction_done"
+            return conversation
+        ended_with_eos = conversation.response_ids[-1] == self.format.eos_token_id
+        ids = self.format.user_turn_ids(reply.text, ended_with_eos=ended_with_eos)
+        room = self.config.max_tokens - len(conversation.response_ids)
+        conversation.append(ids[:room], generated=False)
+        conversation.user_turns += 1
+        conversation.finish = "max_tokens" if len(ids) >= room else ""
         return conversation
 
     async def _call(self, conversation: Conversation, call: ToolCall) -> ToolResult:

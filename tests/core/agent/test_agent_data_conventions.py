@@ -124,3 +124,51 @@ def test_agent_name_column_chooses_the_loop(chat: ChatFormat) -> None:
     assert torch.equal(out["response_mask"][0].nonzero().flatten(), torch.arange(len(chat.encode(CALL))))
     with pytest.raises(ConfigError, match="unknown agent_name 'react'"):
         rollout.loop.run(_prompts(chat, 1), SamplingParams(), agent_names=["react"])
+
+
+class RetryUser:
+    """An interaction (a real one, not a double): says "again" until the model has answered ``rounds`` times."""
+
+    def __init__(self) -> None:
+        self.finished: list[dict[str, Any]] = []
+
+    async def start(self, **interaction_kwargs: Any) -> dict[str, Any]:
+        return {"rounds": interaction_kwargs["rounds"], "seen": []}
+
+    async def respond(self, state: Any, response: str) -> Any:
+        from hybridflow.agent.interaction import InteractionTurn
+
+        state["seen"].append(response)
+        return InteractionTurn(done=len(state["seen"]) >= state["rounds"], text="again")
+
+    async def finish(self, state: Any) -> None:
+        self.finished.append(state)
+
+
+def make_retry_user() -> RetryUser:
+    return RetryUser()
+
+
+def test_interaction_adds_user_turns_per_row(chat: ChatFormat) -> None:
+    from hybridflow.agent.interaction import load_interaction
+
+    user = load_interaction(f"{__name__}:make_retry_user")
+    assert isinstance(user, RetryUser)
+    loop = AgentLoop(ScriptedPolicyDouble(chat), {}, chat, MultiTurnConfig(max_turns=5, max_tokens=200),
+                     interaction=user)
+    prompts = _prompts(chat, 3)
+    # the double's first turn is a call of an unknown tool here (an error tool turn), its later turns answer "done"
+    conversations = loop.run(prompts, SamplingParams(max_new_tokens=64),
+                             interaction_kwargs=[{"rounds": 1}, {"rounds": 3}, None])
+    assert [c.user_turns for c in conversations] == [0, 2, 0]
+    assert [c.turns for c in conversations] == [2, 4, 2]
+    assert [c.finish for c in conversations] == ["interaction_done", "interaction_done", "stop"]
+    user_turn = chat.user_turn_ids("again", ended_with_eos=True)
+    second = conversations[1]
+    tokens = second.response_ids
+    holes = [i for i, g in enumerate(second.generated) if not g]
+    assert chat.decode(tokens).count("<|im_start|>user\nagain<|im_end|>") == 2
+    assert tokens[holes[-1] - len(user_turn) + 1: holes[-1] + 1] == user_turn  # user ids never in the loss
+    assert sorted(len(state["seen"]) for state in user.finished) == [1, 3]
+    with pytest.raises(ConfigError, match=r"package\.module:factory"):
+        load_interaction("no_colon")
