@@ -215,6 +215,9 @@ class MultiTurnSection(_Section):
     tool_timeout_s: float = Field(default=5.0, gt=0)
     max_tool_calls_per_turn: int = Field(default=4, gt=0)
     max_batch_rows: int = Field(default=0, ge=0)  # conversations per generate call (0: all ready ones)
+    # a simulated user, "package.module:factory" (hybridflow.agent.interaction); rows opt in with
+    # extra_info.interaction_kwargs (verl's Interaction)
+    interaction: str | None = None
 
     @model_validator(mode="after")
     def _options_name_tools(self) -> MultiTurnSection:

@@ -139,7 +139,10 @@ class PromptDataset:
             texts.append(text)
             truths.append(_ground_truth(row))
             sources.append(str(row.get("data_source", "unknown")))
-            extras.append(_extra_info(row, where))
+            extra = _extra_info(row, where)
+            if row.get("agent_name") is not None:  # verl's column choosing the agent loop (hybridflow.agent)
+                extra["agent_name"] = str(row["agent_name"])
+            extras.append(extra)
             ids.append(token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((len(ids), max_prompt_length), pad_id, dtype=torch.long)

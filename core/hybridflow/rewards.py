@@ -31,6 +31,7 @@ from hybridflow import registries
 from hybridflow.errors import ConfigError, RewardError
 from hybridflow.hookspecs import hookimpl
 from hybridflow.tasks.arithmetic import arithmetic_exact_reward, arithmetic_reward
+from hybridflow.tasks.tool_calc import tool_calc_reward
 
 __all__ = ["RewardFunction", "RuleRewards", "BatchScorer", "resolve_reward_function", "compute_rule_rewards",
            "score_responses", "is_per_sample", "resolve_function_path", "response_length_cost"]
@@ -320,4 +321,5 @@ def _describe(function: Any) -> str:
 def hybridflow_register_rewards(registry: Any) -> None:
     registry.register("arithmetic", arithmetic_reward)
     registry.register("arithmetic_exact", arithmetic_exact_reward)
+    registry.register("tool_calc", tool_calc_reward)
     registry.register("response_length_cost", response_length_cost)

@@ -149,6 +149,7 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "rollout.multi_turn.tools": [['rollout.multi_turn.tools=["calculator"]']],
         "rollout.multi_turn.tool_options": [['rollout.multi_turn.tools=["python"]',
                                              'rollout.multi_turn.tool_options={"python": {"cpu_seconds": 2}}']],
+        "rollout.multi_turn.interaction": [["rollout.multi_turn.interaction=my_package.users:make_user"]],
     }
     for parent in MODEL_PARENTS:  # a model section needs a source: set one with the key (same preset)
         values[f"{parent}.dtype"] = [[f"{parent}.preset=tiny-qwen2", f"{parent}.dtype=bfloat16"]]

@@ -106,15 +106,26 @@ class ChatFormat:
         if self._explicit is not None:
             prefix, suffix, separator = self._explicit
             return prefix + separator.join(outputs) + suffix
+        return self._turn_text([{"role": "tool", "content": output} for output in outputs], ended_with_eos)
+
+    def user_turn_text(self, content: str, *, ended_with_eos: bool) -> str:
+        """The text of a user turn after the model's (an interaction's reply), up to the next assistant header."""
+        return self._turn_text([{"role": "user", "content": content}], ended_with_eos)
+
+    def user_turn_ids(self, content: str, *, ended_with_eos: bool) -> list[int]:
+        return self.encode(self.user_turn_text(content, ended_with_eos=ended_with_eos))
+
+    def _turn_text(self, messages: list[dict[str, str]], ended_with_eos: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("the tokenizer has no chat_template, so a user turn's markers are unknown")
         base = [{"role": "user", "content": _SENTINEL_USER}, {"role": "assistant", "content": _SENTINEL_ASSISTANT}]
         before = self._render(base, generation_prompt=False)
-        after = self._render(base + [{"role": "tool", "content": output} for output in outputs],
-                             generation_prompt=True)
+        after = self._render(base + messages, generation_prompt=True)
         if not after.startswith(before):
-            raise ConfigError("the tokenizer's chat template is not append-only: adding a tool message rewrites "
+            raise ConfigError("the tokenizer's chat template is not append-only: adding a message rewrites "
                               "earlier turns, so multi-turn token ids cannot be kept exact. Give "
                               "tool_turn_prefix/tool_turn_suffix explicitly (rollout.multi_turn)")
-        close = self._assistant_close
+        close = self._assistant_close or self._derive_assistant_close()
         if ended_with_eos and close.startswith(self.eos_text):
             close = close[len(self.eos_text):]  # the model already wrote the turn's end token
         return close + after[len(before):]

@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridflow.agent.batch import build_rollout_batch
 from hybridflow.agent.format import ChatFormat
+from hybridflow.agent.interaction import load_interaction
 from hybridflow.agent.loop import AgentLoop, MultiTurnConfig
 from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngine, RolloutEngineConfig, SamplingParams, TokenContinuationEngine
@@ -55,15 +56,24 @@ class AgentRollout:
                                       max_tool_calls_per_turn=int(options["max_tool_calls_per_turn"]),
                                       max_batch_rows=int(options["max_batch_rows"]))
         tools = build_tools(list(options.get("tools", [])), options.get("tool_options") or {})
-        self.loop = AgentLoop(engine, tools, self.chat_format, self.config)
+        interaction = load_interaction(str(options["interaction"])) if options.get("interaction") else None
+        self.loop = AgentLoop(engine, tools, self.chat_format, self.config, interaction=interaction)
         self.pad_token_id = rollout_config.pad_token_id
         self.engine = engine
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        """Columns as ``RolloutEngine.generate`` returns them, plus the per-sample agent columns."""
+        """Columns as ``RolloutEngine.generate`` returns them, plus the per-sample agent columns. Each row's
+        ``extra_info.tools_kwargs`` and ``agent_name`` (verl's multi-turn data; the dataset copies a top-level
+        ``agent_name`` column into ``extra_info``) go to its conversation, and ``extra_info.interaction_kwargs``
+        start the simulated user (``rollout.multi_turn.interaction``) for it."""
         rows = prompts.repeat_interleave(sampling.n) if sampling.n > 1 else prompts
         ids, mask = rows["input_ids"], rows["attention_mask"]
         prefixes = [ids[row][mask[row].bool()].tolist() for row in range(len(rows))]
-        conversations = self.loop.run(prefixes, replace(sampling, n=1))
+        extras = list(rows.non_tensors["extra_info"]) if "extra_info" in rows.non_tensors else [{}] * len(rows)
+        conversations = self.loop.run(prefixes, replace(sampling, n=1),
+                                      tools_kwargs=[dict(extra or {}).get("tools_kwargs") for extra in extras],
+                                      agent_names=[dict(extra or {}).get("agent_name") for extra in extras],
+                                      interaction_kwargs=[dict(extra or {}).get("interaction_kwargs")
+                                                          for extra in extras])
         return build_rollout_batch(rows, conversations, width=self.config.max_tokens, pad_token_id=self.pad_token_id,
                                    policy_version=self.engine.weights_version)

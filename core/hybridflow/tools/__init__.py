@@ -12,6 +12,7 @@ from typing import Any
 from hybridflow.tools.base import (
     MAX_OUTPUT_CHARS,
     TOOL_STATUSES,
+    StatefulTool,
     Tool,
     ToolFactory,
     ToolResult,
@@ -20,8 +21,8 @@ from hybridflow.tools.base import (
     tool_schema,
 )
 
-__all__ = ["Tool", "ToolFactory", "ToolResult", "ToolStatus", "TOOL_STATUSES", "MAX_OUTPUT_CHARS", "call_tool",
-           "tool_schema", "build_tools"]
+__all__ = ["Tool", "StatefulTool", "ToolFactory", "ToolResult", "ToolStatus", "TOOL_STATUSES", "MAX_OUTPUT_CHARS",
+           "call_tool", "tool_schema", "build_tools"]
 
 
 def build_tools(names: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Tool]:

@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = [
     "Tool",
+    "StatefulTool",
     "ToolFactory",
     "ToolResult",
     "ToolStatus",
@@ -64,6 +65,22 @@ class Tool(Protocol):
     async def call(self, arguments: Mapping[str, Any], *, timeout_s: float) -> ToolResult: ...
 
 
+@runtime_checkable
+class StatefulTool(Tool, Protocol):
+    """A tool with per-conversation state, as verl's ``BaseTool`` (stability: experimental).
+
+    The agent loop calls ``create(**create_kwargs)`` at the conversation's first call of the tool (``create_kwargs``
+    from the row's ``extra_info.tools_kwargs[name]``), passes what it returned as ``call(..., instance=...)`` with
+    the row's ``execute_kwargs``, and ``release(instance)`` when the conversation ends.
+    """
+
+    async def create(self, **create_kwargs: Any) -> Any: ...
+
+    async def call(self, arguments: Mapping[str, Any], *, timeout_s: float, **call_kwargs: Any) -> ToolResult: ...
+
+    async def release(self, instance: Any) -> None: ...
+
+
 class ToolFactory(Protocol):
     """What the ``tools`` registry holds: ``factory(**options) -> Tool`` (options from ``rollout.multi_turn``)."""
 
@@ -82,12 +99,14 @@ def _clip(text: str) -> str:
     return text[:MAX_OUTPUT_CHARS] + f"\n[output cut: {len(text) - MAX_OUTPUT_CHARS} more characters]"
 
 
-async def call_tool(tools: Mapping[str, Tool], name: Any, arguments: Any, *, timeout_s: float) -> ToolResult:
+async def call_tool(tools: Mapping[str, Tool], name: Any, arguments: Any, *, timeout_s: float,
+                    call_kwargs: Mapping[str, Any] | None = None) -> ToolResult:
     """Run one parsed call and always return a :class:`ToolResult`; never raises (except cancellation).
 
     ``name``/``arguments`` come from model text, so anything is possible: a non-string name, an unknown tool,
     arguments that are not a JSON object (a JSON string holding an object is accepted), a tool that raises or
-    hangs. A tool gets ``timeout_s`` plus one second of grace before it is cancelled here.
+    hangs. A tool gets ``timeout_s`` plus one second of grace before it is cancelled here. ``call_kwargs`` go to
+    a stateful tool's ``call`` (its ``instance`` from ``create`` and the row's ``execute_kwargs``).
     """
     started = time.perf_counter()
 
@@ -107,7 +126,8 @@ async def call_tool(tools: Mapping[str, Tool], name: Any, arguments: Any, *, tim
     if not isinstance(arguments, dict):
         return done(f"Error: arguments of {name} must be a JSON object, got {type(arguments).__name__}.", "bad_call")
     try:
-        result = await asyncio.wait_for(tools[name].call(arguments, timeout_s=timeout_s), timeout=timeout_s + 1.0)
+        running = tools[name].call(arguments, timeout_s=timeout_s, **dict(call_kwargs or {}))
+        result = await asyncio.wait_for(running, timeout=timeout_s + 1.0)
     except asyncio.TimeoutError:
         return done(f"Error: {name} did not answer within {timeout_s:g} s and was stopped.", "timeout")
     except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's observation, not the trainer's crash

@@ -219,7 +219,11 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                 "rollout_engine": rollout.engine,
                 "rollout_config": RolloutEngineConfig(
                     model=model, tensor_parallel_size=rollout.tensor_parallel_size,
-                    max_prompt_length=config.data.max_prompt_length, max_new_tokens=rollout.max_new_tokens,
+                    max_prompt_length=config.data.max_prompt_length,
+                    # multi-turn: a later turn's prefix holds up to multi_turn.max_tokens earlier ids, and a generate
+                    # call asks every row for the batch's widest remaining budget (up to rollout.max_new_tokens)
+                    max_new_tokens=rollout.max_new_tokens + rollout.multi_turn.max_tokens
+                    if rollout.multi_turn.enable else rollout.max_new_tokens,
                     pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, seed=seed, extra=dict(rollout.extra)),
                 "sampling": SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                            top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed),

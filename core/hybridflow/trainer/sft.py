@@ -24,7 +24,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError, DatasetError
-from hybridflow.trainer.sft_config import SFTConfig, load_sft_config
+from hybridflow.trainer.sft_config import SFTConfig, SFTDataSection, load_sft_config
 
 __all__ = ["SFTConfig", "SFTLoss", "SFTTrainer", "HF_DIR", "load_sft_config", "build_sft_batch", "load_demonstrations",
            "main"]
@@ -56,11 +56,12 @@ def _resolve(row: Mapping[str, Any], key: str, dict_keys: Sequence[str], *, wher
 
 
 def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: str,
-                        prompt_dict_keys: Sequence[str] = (), response_dict_keys: Sequence[str] = ()
-                        ) -> list[dict[str, Any]]:
-    """Rows of the demonstration files, each checked for a prompt (text or chat messages) and a text response
-    (DatasetError naming the file, the row and the columns found otherwise); the resolved values are stored under
-    :data:`PROMPT_FIELD` / :data:`RESPONSE_FIELD` of each row."""
+                        prompt_dict_keys: Sequence[str] = (), response_dict_keys: Sequence[str] = (),
+                        messages_key: str | None = None) -> list[dict[str, Any]]:
+    """Rows of the demonstration files, each checked for a prompt (text or chat messages) and a text response, or
+    for a ``messages_key`` column when given (DatasetError naming the file, the row and the columns found
+    otherwise); a prompt/response row's resolved values are stored under :data:`PROMPT_FIELD` /
+    :data:`RESPONSE_FIELD`."""
     from hybridflow.data import load_rows
 
     if not files:
@@ -73,6 +74,12 @@ def load_demonstrations(files: Sequence[str], *, prompt_key: str, response_key: 
                                "data.val_files (the shipped task's file is made by `python -m "
                                "hybridflow.tasks.arithmetic`)")
         for index, row in enumerate(load_rows(file)):
+            if messages_key is not None:
+                if not isinstance(row.get(messages_key), list):
+                    raise DatasetError(f"{file} row {index}: column {messages_key!r} (data.messages_key) must be a "
+                                       f"list of {{role, content}} messages; found columns {sorted(row)}")
+                rows.append(row)
+                continue
             missing = [key for key in (prompt_key, response_key) if key not in row]
             if missing:
                 raise DatasetError(
@@ -130,6 +137,20 @@ def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_pr
                   "attention_mask": torch.cat([prompt_mask, response_mask], dim=1)})
 
 
+def _build_multiturn_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, data: SFTDataSection) -> Batch:
+    from hybridflow.agent.format import ChatFormat
+    from hybridflow.agent.sft import build_multiturn_sft_batch
+
+    assert data.messages_key is not None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.messages_key (multi-turn demonstrations) needs a tokenizer with a chat template; set "
+                          "model.path to an HF model directory saved with a chat tokenizer")
+    return build_multiturn_sft_batch(rows, ChatFormat(tokenizer), messages_key=data.messages_key,
+                                     tools_key=data.tools_key, max_prompt_length=data.max_prompt_length,
+                                     max_response_length=data.max_response_length,
+                                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+
+
 class SFTLoss:
     """``loss_fn`` of the training engine for SFT: the NLL of the response tokens, summed and divided by the
     mini-batch's valid tokens over all ranks (``loss_scale_tokens``, the engines' accumulation convention), so the
@@ -167,12 +188,14 @@ class SFTTrainer:
         def read(files: list[str]) -> list[dict[str, Any]]:
             return load_demonstrations(files, prompt_key=data.prompt_key, response_key=data.response_key,
                                        prompt_dict_keys=data.prompt_dict_keys,
-                                       response_dict_keys=data.response_dict_keys)
+                                       response_dict_keys=data.response_dict_keys, messages_key=data.messages_key)
 
         self.train_rows = read(data.train_files)
         self.val_rows = read(data.val_files) if data.val_files else []
 
         def encode(rows: list[dict[str, Any]]) -> Batch:
+            if data.messages_key is not None:
+                return _build_multiturn_batch(rows, self.tokenizer, data)
             return build_sft_batch(rows, self.tokenizer, max_prompt_length=data.max_prompt_length,
                                    max_response_length=data.max_response_length)
 
@@ -313,7 +336,7 @@ class SFTTrainer:
         responses = generated["responses"][:rows].tolist()
         masks = generated["response_mask"][:rows].bool().tolist()
         texts = decode_batch(self.tokenizer, [[t for t, keep in zip(r, m) if keep] for r, m in zip(responses, masks)])
-        truths = [str((row.get("reward_model") or {}).get("ground_truth", row[RESPONSE_FIELD]))
+        truths = [str((row.get("reward_model") or {}).get("ground_truth", row.get(RESPONSE_FIELD)))
                   for row in self.val_rows]
         sources = [str(row.get("data_source", "sft")) for row in self.val_rows]
         extra = [dict(row.get("extra_info") or {}) for row in self.val_rows]

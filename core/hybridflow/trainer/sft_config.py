@@ -24,7 +24,7 @@ from hybridflow.config import (
 )
 from hybridflow.errors import ConfigError
 
-__all__ = ["SFTConfig", "load_sft_config"]
+__all__ = ["SFTConfig", "SFTDataSection", "load_sft_config"]
 
 
 # --- configuration -----------------------------------------------------------------------------------------------
@@ -37,6 +37,10 @@ class SFTDataSection(_Section):
     # prompt_dict_keys: [question]); a prompt given as chat messages is rendered with the tokenizer's chat template
     prompt_dict_keys: list[str] = Field(default_factory=list)
     response_dict_keys: list[str] = Field(default_factory=list)
+    # verl: data.multiturn.messages_key / tools_key. Set: rows are multi-turn conversations (a list of {role,
+    # content}; tool output masked from the loss, tokenized as the agent loop does) instead of prompt + response
+    messages_key: str | None = None
+    tools_key: str = "tools"
     max_prompt_length: int = Field(default=8, gt=0)
     max_response_length: int = Field(default=8, gt=0)  # response tokens, the EOS appended to each included
     batch_size: int = Field(default=32, gt=0)  # rows per optimizer step over all ranks (verl: train_batch_size)

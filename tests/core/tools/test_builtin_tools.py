@@ -252,3 +252,16 @@ def test_a_plugin_registers_a_tool() -> None:
     finally:
         registries.tools.unregister("echo")
         plugins.get_plugin_manager().unregister(name="echo_tools")
+
+
+@pytest.mark.parametrize(("expression", "status", "says"), [
+    ("9**9**9", "error", "more than 4096 bits"),  # refused before it is computed: no hang
+    ("(10**1000)*(10**1000)*(10**1000)*(10**1000)*(10**1000)", "error", "more than 4096 bits"),
+    ("1/0", "error", "ZeroDivisionError"),
+    ("(-8)**0.5", "error", "complex"),
+    ("7/2", "ok", "3.5"),
+    ("2**-2 + -(3)", "ok", "-2.75"),
+])
+def test_calculator_bounds_and_errors(tools: dict[str, Any], expression: str, status: str, says: str) -> None:
+    result = run(call_tool(tools, "calculator", {"expression": expression}, timeout_s=5))
+    assert result.status == status and says in result.text and result.seconds < 1.0
