@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.agent.templates import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
+
 __all__ = ["DATA_SOURCE", "TOOL", "make_tool_calc_rows", "make_tool_calc_sft_rows", "final_answer", "tool_calc_reward",
            "tool_call_text", "write_tool_calc_files", "save_tool_calc_model", "build_tool_calc_tokenizer", "main",
            "SFT_FILE", "TRAIN_FILE", "VAL_FILE"]
@@ -24,23 +26,6 @@ TOOL = "calculator"
 #: the shipped files (examples/data/), made by :func:`write_tool_calc_files`
 SFT_FILE, TRAIN_FILE, VAL_FILE = "tool_calc_sft.jsonl", "tool_calc_train.jsonl", "tool_calc_val.jsonl"
 _TRAILING_INTEGER = re.compile(r"(-?\d+)\s*$")
-#: Qwen2.5-style markers and tool template (the same as the test fixture's chat tokenizer)
-_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                   "<tool_response>", "</tool_response>")
-# (transformers renders with trim_blocks: a newline right after a block tag is dropped, hence the {{ "\n" }})
-_CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}"
-    "{% endfor %}{{ '\\n' }}</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def _question(a: int, b: int) -> str:
@@ -146,7 +131,7 @@ def build_tool_calc_tokenizer(vocab_size: int = 384) -> Any:
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                   pre_tokenizers.ByteLevel(add_prefix_space=False)])
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(_SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     schemas = [dict(tool.description) for tool in build_tools([TOOL, "python"]).values()]
     corpus = [json.dumps(schema) for schema in schemas] * 8 + [tool_call_text("12*34")] * 8 + [
@@ -155,9 +140,9 @@ def build_tool_calc_tokenizer(vocab_size: int = 384) -> Any:
     core.train_from_iterator(corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__ in transformers
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=list(_SPECIAL_TOKENS[3:]), clean_up_tokenization_spaces=False,
+        additional_special_tokens=list(CHAT_SPECIAL_TOKENS[3:]), clean_up_tokenization_spaces=False,
         padding_side="left")
-    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
