@@ -93,7 +93,10 @@ def test_matches_the_fsdp_engine_step_for_step(model_path: Path, stage: int) -> 
     assert zero_losses[-1] < zero_losses[0]
     expected = dict(fsdp.generation_weights())
     for name, tensor in zero.generation_weights():
-        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+        # a key bias's true gradient is zero (softmax ignores a shift shared by all keys): AdamW turns its rounding
+        # noise into lr-sized steps, so engines with different summation orders part there by up to ~lr per step
+        atol = 6 * OPTIM.lr if name.endswith("k_proj.bias") else 1e-5
+        assert torch.allclose(tensor, expected[name], atol=atol), name
 
 
 def test_bf16_and_optimizer_offload_train(model_path: Path) -> None:

@@ -58,7 +58,9 @@ def _park_cycle(engine, training, expected, tensor, world_size, rank):  # type: 
 
     batch = build_training_batch(rows=2 * world_size).chunk(world_size)[rank]
     before = engine.compute_log_probs(batch)["log_probs"]
-    snapshot = [p.to_local().clone() for p in engine.model.parameters()]
+    # the sharded parameters themselves: a one-unit model stays gathered after a forward (its registered parameters
+    # are then the unsharded ones until the next handover, checkpoint or update reshards it)
+    snapshot = [p.to_local().clone() for p in training]
     shards = dict(engine.generation_weights(tensor_parallel_size=tensor, park=True))
     stats = engine.last_handover_stats
     out = {"park_stats": stats,
@@ -67,8 +69,7 @@ def _park_cycle(engine, training, expected, tensor, world_size, rank):  # type: 
            "parked_generation_bytes": count_storage_bytes([*training, *shards.values()]),
            "parked_target_bytes": sum(t.numel() * 4 for t in shards.values())}
     engine.end_generation()
-    out["restored_equal"] = all(torch.equal(a, p.to_local()) for a, p in zip(snapshot, engine.model.parameters(),
-                                                                          strict=True))
+    out["restored_equal"] = all(torch.equal(a, p.to_local()) for a, p in zip(snapshot, training, strict=True))
     out["restored_training_bytes"] = count_storage_bytes(training)
     # a forward restores by itself when end_generation() is skipped
     shards = dict(engine.generation_weights(tensor_parallel_size=tensor, park=True))
