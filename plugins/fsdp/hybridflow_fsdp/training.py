@@ -155,6 +155,9 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
     def _response_logits(self, micro: Batch) -> torch.Tensor:
         if self._lean_logits is None:
             return super()._response_logits(micro)
+        # the lean forward (an FSDP forward method) skips the model's forward pre-hooks, among them the one that
+        # brings parked shards home (handover.py, park=True): restore first, or FSDP would all-gather freed storage
+        handover.restore_training_shards(self)
         inputs = forward.model_inputs(micro, self.device)
         length = forward.response_length(micro)
         logits: torch.Tensor = self._lean_logits(inputs["input_ids"], inputs["attention_mask"],
