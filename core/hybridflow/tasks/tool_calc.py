@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridflow.agent.templates import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
+from hybridflow.agent.templates import chat_tokenizer_from_bpe
 
 __all__ = ["DATA_SOURCE", "TOOL", "make_tool_calc_rows", "make_tool_calc_sft_rows", "final_answer", "tool_calc_reward",
            "tool_call_text", "write_tool_calc_files", "save_tool_calc_model", "build_tool_calc_tokenizer", "main",
@@ -122,8 +122,7 @@ def build_tool_calc_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE chat tokenizer for the task (Qwen-style markers and tool template, EOS ``<|im_end|>``) whose
     merges are learned from the task's own system turn and tool calls, so those render in few tokens; digits are
     always single tokens (a number is copied digit by digit)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from hybridflow.tools import build_tools
 
@@ -131,19 +130,11 @@ def build_tool_calc_tokenizer(vocab_size: int = 384) -> Any:
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                   pre_tokenizers.ByteLevel(add_prefix_space=False)])
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     schemas = [dict(tool.description) for tool in build_tools([TOOL, "python"]).values()]
     corpus = [json.dumps(schema) for schema in schemas] * 8 + [tool_call_text("12*34")] * 8 + [
         "Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>", "system user assistant tools",
         "Error: unknown tool. Traceback (most recent call last)"] * 4
-    core.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__ in transformers
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=list(CHAT_SPECIAL_TOKENS[3:]), clean_up_tokenization_spaces=False,
-        padding_side="left")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return chat_tokenizer_from_bpe(core, corpus, vocab_size=vocab_size)
 
 
 def save_tool_calc_model(path: str | Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,

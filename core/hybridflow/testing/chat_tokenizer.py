@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridflow.agent.templates import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
+from hybridflow.agent.templates import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, chat_tokenizer_from_bpe
 
 __all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_chat_tokenizer", "save_tiny_chat_model"]
 
@@ -28,22 +28,13 @@ _TRAINING_TEXT = [
 def build_chat_tokenizer(vocab_size: int = 320) -> Any:
     """A ``PreTrainedTokenizerFast`` (byte-level BPE, ``vocab_size`` ids, EOS ``<|im_end|>``) with a chat template
     that renders ``tools=`` and the ``tool`` role like Qwen2.5's."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     corpus = _TRAINING_TEXT * 4 + [json.dumps({"n": n, "text": f"{n} * {n + 7} = {n * (n + 7)}"}) for n in range(50)]
-    core.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__ in transformers
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=list(CHAT_SPECIAL_TOKENS[3:]), clean_up_tokenization_spaces=False,
-        padding_side="left")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return chat_tokenizer_from_bpe(core, corpus, vocab_size=vocab_size)
 
 
 def save_tiny_chat_model(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
