@@ -6,20 +6,22 @@ Engine names are checked against the registries after plugins load (:func:`check
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from hybridflow.config_checks import check_async, check_generation_layout, check_pool_batches, check_registered_names
+from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
 from hybridflow.errors import ConfigError
-from hybridflow.yaml12 import load_yaml
 
-__all__ = ["Config", "load_config", "apply_overrides", "config_hash", "check_registered_names", "check_pool_batches"]
+# the checks and the override parser live in config_checks / config_io; they are re-exported here, where callers
+# have always imported them
+__all__ = ["Config", "load_config", "apply_overrides", "read_yaml_mapping", "config_hash", "check_registered_names",
+           "check_pool_batches"]
 
 
 class _Section(BaseModel):
@@ -405,160 +407,13 @@ class Config(_Section):
         # the actor always runs; the roles an algorithm may not use (critic, reference, reward/cost models) are
         # checked the same way when the trainer plans them (check_pool_batches), before any worker starts
         check_pool_batches(self, {"actor": self.actor}, error=ValueError)
-        self._check_generation_layout(self.resource_pools[self.actor.pool].world_size)
-        self._check_async()
+        check_generation_layout(self, self.resource_pools[self.actor.pool].world_size)
+        check_async(self)
         return self
-
-    def _check_async(self) -> None:
-        """``rollout.pool``, ``trainer.max_staleness`` and ``algorithm.rollout_correction`` (docs/async.md)."""
-        pool = self.rollout.pool
-        if self.trainer.max_staleness and pool is None:
-            raise ValueError(f"trainer.max_staleness = {self.trainer.max_staleness} generates on a rollout pool of "
-                             "its own while the actor trains, but rollout.pool is not set. Fix: add a pool to "
-                             "resource_pools and set rollout.pool to it, or set trainer.max_staleness=0")
-        if self.algorithm.rollout_correction != "none" and not self.actor.recompute_log_probs:
-            raise ValueError(f"algorithm.rollout_correction = {self.algorithm.rollout_correction} weighs tokens by "
-                             "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "
-                             "log-prob (the weight is always 1). Fix: set actor.recompute_log_probs=true")
-        if pool is None:
-            return
-        if pool not in self.resource_pools:
-            raise ValueError(f"rollout.pool = {pool!r} is not a pool of resource_pools ({sorted(self.resource_pools)})"
-                             f". Fix: add resource_pools.{pool} or name an existing pool")
-        if pool == self.actor.pool:
-            raise ValueError(f"rollout.pool = {pool!r} is the actor's pool: the actor already generates on its own "
-                             "ranks there. Fix: give the rollout a pool of its own, or remove rollout.pool")
-        if self.rollout.tensor_parallel_size != 1 or self.rollout.multi_turn.enable:
-            raise ValueError("rollout.pool generates single-turn at rollout.tensor_parallel_size = 1 only (got "
-                             f"tensor_parallel_size={self.rollout.tensor_parallel_size}, multi_turn.enable="
-                             f"{self.rollout.multi_turn.enable}). Fix: remove rollout.pool, or use tg = 1 single-turn")
-        world = self.resource_pools[pool].world_size
-        if self.data.batch_size % world:
-            raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the rollout "
-                             f"pool's {world} workers (rollout.pool = {pool!r})")
-
-    def _check_generation_layout(self, world: int) -> None:
-        """``rollout.tensor_parallel_size = tg``: the actor generates at (pg = 1, tg) on its own ranks, so tg must
-        divide them, the prompts must split over the world / tg generation replicas, and the model's heads, KV heads,
-        intermediate size and vocabulary must split over tg (the training engine's own mesh is checked when the
-        actor starts)."""
-        tensor = self.rollout.tensor_parallel_size
-        if world % tensor:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ValueError(f"rollout.tensor_parallel_size = {tensor} must divide the actor's {world} ranks (pool "
-                             f"{self.actor.pool!r}): generation runs on the actor's ranks, tg ranks per replica. "
-                             f"Fix: pick one of {divisors}")
-        if self.data.batch_size % (world // tensor):
-            raise ValueError(f"data.batch_size = {self.data.batch_size} prompts must be a multiple of the "
-                             f"{world // tensor} generation replicas (actor ranks {world} / rollout."
-                             f"tensor_parallel_size {tensor})")
-        if tensor == 1:
-            return
-        if self.rollout.multi_turn.enable:
-            raise ValueError(f"rollout.multi_turn runs each conversation's turns on one rank; it does not run at "
-                             f"rollout.tensor_parallel_size = {tensor} (a tool's timing could make the ranks of a "
-                             "tensor group diverge inside a collective). Fix: set rollout.tensor_parallel_size=1")
-        hf_config = _hf_config_of(self.role_model(self.actor))
-        if hf_config is None:
-            return
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-            value = hf_config.get(key)
-            if isinstance(value, int) and value % tensor:
-                raise ValueError(f"rollout.tensor_parallel_size = {tensor} must divide the actor model's {key} = "
-                                 f"{value} (tensor-parallel generation splits it over the tensor ranks). Fix: pick a "
-                                 f"size dividing it, or a model whose {key} it divides (model.preset=tiny-qwen2-4h "
-                                 "shards over 2)")
 
     def role_model(self, section: Any) -> ModelConfig:
         """The model of a role (its own ``model`` or the top-level one)."""
         return section.model if section.model is not None else self.model
-
-
-def _hf_config_of(model: ModelConfig) -> dict[str, Any] | None:
-    """The HF config dict of a model section (a preset's, the inline one, or ``path/config.json``), None if unread."""
-    if model.config is not None:
-        return dict(model.config)
-    if model.preset is not None:
-        from hybridflow.presets import preset_model_config
-
-        return preset_model_config(model.preset)
-    config_file = Path(str(model.path)) / "config.json"
-    if not config_file.is_file():
-        return None
-    loaded = json.loads(config_file.read_text(encoding="utf-8"))
-    return loaded if isinstance(loaded, dict) else None
-
-
-def _format_location(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc if not str(part).startswith("function-")) or "(top level)"
-
-
-def _explain(errors: list[Any]) -> str:
-    lines = []
-    for error in errors:
-        key = _format_location(tuple(error["loc"]))
-        given = error.get("input")
-        kind = error["type"]
-        if kind == "rejected_key":
-            context = error.get("ctx") or {}
-            where = f"{key}.{context.get('key')}" if key != "(top level)" else str(context.get("key"))
-            lines.append(f"{where}: {error['msg']}.")
-        elif kind == "extra_forbidden":
-            lines.append(f"{key}: unknown key (given {given!r}). Fix: remove it or check its spelling.")
-        elif kind == "missing":
-            lines.append(f"{key}: required but missing. Fix: set {key} in the YAML or as {key}=VALUE.")
-        elif kind == "value_error" and isinstance(given, dict):
-            message = str(error["msg"]).removeprefix("Value error, ")
-            lines.append(f"{key if key != '(top level)' else 'config'}: {message}.")
-        else:
-            lines.append(f"{key}: {error['msg']}; given {given!r}. Fix: set {key} to a valid value.")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
-
-
-def _parse_scalar(text: str) -> Any:
-    try:
-        return load_yaml(text)
-    except yaml.YAMLError:
-        return text
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML, numbers by YAML 1.2 rules) to a nested dict copy."""
-    result = copy.deepcopy(data)
-    for override in overrides:
-        if "=" not in override:
-            raise ConfigError(f'override "{override}" is not of the form dotted.key=value (e.g. actor.optim.lr=1e-4)')
-        key, _, raw = override.partition("=")
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
-            raise ConfigError(f'override "{override}" has an empty key')
-        node = result
-        for index, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {key}: {'.'.join(parts[:index + 1])} is a value, not a section")
-            node = child
-        node[parts[-1]] = _parse_scalar(raw)
-    return result
-
-
-def read_yaml_mapping(path: Path) -> dict[str, Any]:
-    """The mapping a YAML config file holds (numbers by YAML 1.2 rules; an empty file is ``{}``).
-
-    Raises:
-        ConfigError: the file is missing, not YAML, or not a mapping at the top level.
-    """
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        loaded = load_yaml(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
-    return loaded or {}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -573,7 +428,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc.errors())) from None
+        raise ConfigError(explain_errors(exc.errors())) from None
 
 
 def _anchor_reward_functions(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
@@ -592,66 +447,3 @@ def config_hash(config: Config) -> str:
     """A stable short hash of the validated config (for the run manifest)."""
     payload = json.dumps(config.model_dump(mode="json"), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def check_registered_names(config: Config) -> None:
-    """Engine, algorithm and ``<role>.protocols`` names must exist in the registries (call after loading plugins)."""
-    from hybridflow import registries
-
-    checks = [
-        ("actor.engine", registries.training_engines, config.actor.engine),
-        ("rollout.engine", registries.rollout_engines, config.rollout.engine),
-        ("algorithm.name", registries.algorithms, config.algorithm.name),
-    ]
-    sections: dict[str, Any] = {"actor": config.actor, "critic": config.critic, "reference": config.reference,
-                                "reward": config.reward, "cost": config.cost, "cost_critic": config.cost_critic,
-                                **{f"roles.{key}": section for key, section in config.roles.items()}}
-    checks += [(f"{key}.protocols.{method}", registries.transfer_protocols, protocol)
-               for key, section in sections.items() if section is not None
-               for method, protocol in section.protocols.items()]
-    if config.rollout.multi_turn.enable:
-        checks += [(f"rollout.multi_turn.tools[{index}]", registries.tools, name)
-                   for index, name in enumerate(config.rollout.multi_turn.tools)]
-    for key, registry, name in checks:
-        if name not in registry:
-            try:
-                registry.get(name)
-            except KeyError as exc:
-                raise ConfigError(f"{key}: {exc}") from None
-
-
-def check_pool_batches(config: Config, sections: dict[str, Any], *, error: type[Exception] = ConfigError) -> None:
-    """Every role's batch splits evenly over its own pool: ``{key: section}`` (``key`` as the config names the
-    section, e.g. ``critic`` or ``roles.teacher``), each with ``pool`` and ``parallel``.
-
-    tensor × pipeline must divide the pool's devices; the actor's prompts (``data.batch_size``) and every role's
-    rows (``data.batch_size × rollout.n``) must be multiples of that role's data-parallel size on its pool.
-
-    Raises:
-        ``error`` (ConfigError by default): naming the section, the pool, its world size and the batch.
-    """
-    prompts, samples = config.data.batch_size, config.rollout.n
-    for key, section in sections.items():
-        pool_name = section.pool
-        pool = config.resource_pools.get(pool_name)
-        if pool is None:
-            raise error(f"{key}.pool is {pool_name!r}, not one of resource_pools ({', '.join(config.resource_pools)})"
-                        f"; add the pool or change {key}.pool")
-        world = pool.world_size
-        parallel = section.parallel
-        model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        if world % model_parallel:
-            raise error(f"{key}.parallel: tensor × pipeline = {model_parallel} does not divide the {world} devices of "
-                        f"pool {pool_name!r}; fix: set resource_pools.{pool_name}.devices_per_node to a multiple of "
-                        f"{model_parallel} or lower the parallel sizes")
-        data_parallel = world // model_parallel
-        if key == "actor" and prompts % data_parallel:
-            raise error(f"data.batch_size = {prompts} prompts must be a multiple of the actor's data-parallel size "
-                        f"{data_parallel} on pool {pool_name!r} (world size {world}; prompts are split over its "
-                        f"ranks); fix: set data.batch_size to a multiple of {data_parallel} or resize the pool")
-        rows = prompts * samples
-        if rows % data_parallel:
-            raise error(f"{key} on pool {pool_name!r} (world size {world}, data-parallel size {data_parallel}): the "
-                        f"batch of data.batch_size × rollout.n = {prompts} × {samples} = {rows} rows does not split "
-                        f"evenly over its {data_parallel} data-parallel ranks; fix: make data.batch_size × rollout.n "
-                        f"a multiple of {data_parallel}, or resize resource_pools.{pool_name}")

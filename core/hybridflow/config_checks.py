@@ -1,0 +1,155 @@
+"""Cross-section checks of a run configuration: batches against pools, the generation layout, the async rollout pool,
+and engine names against the registries — each error names the key, what was wrong and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridflow.config import Config, ModelConfig
+
+__all__ = ["check_pool_batches", "check_registered_names", "check_generation_layout", "check_async"]
+
+
+def check_async(config: Config) -> None:
+    """``rollout.pool``, ``trainer.max_staleness`` and ``algorithm.rollout_correction`` (docs/async.md)."""
+    pool = config.rollout.pool
+    if config.trainer.max_staleness and pool is None:
+        raise ValueError(f"trainer.max_staleness = {config.trainer.max_staleness} generates on a rollout pool of "
+                         "its own while the actor trains, but rollout.pool is not set. Fix: add a pool to "
+                         "resource_pools and set rollout.pool to it, or set trainer.max_staleness=0")
+    if config.algorithm.rollout_correction != "none" and not config.actor.recompute_log_probs:
+        raise ValueError(f"algorithm.rollout_correction = {config.algorithm.rollout_correction} weighs tokens by "
+                         "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "
+                         "log-prob (the weight is always 1). Fix: set actor.recompute_log_probs=true")
+    if pool is None:
+        return
+    if pool not in config.resource_pools:
+        raise ValueError(f"rollout.pool = {pool!r} is not a pool of resource_pools ({sorted(config.resource_pools)})"
+                         f". Fix: add resource_pools.{pool} or name an existing pool")
+    if pool == config.actor.pool:
+        raise ValueError(f"rollout.pool = {pool!r} is the actor's pool: the actor already generates on its own "
+                         "ranks there. Fix: give the rollout a pool of its own, or remove rollout.pool")
+    if config.rollout.tensor_parallel_size != 1 or config.rollout.multi_turn.enable:
+        raise ValueError("rollout.pool generates single-turn at rollout.tensor_parallel_size = 1 only (got "
+                         f"tensor_parallel_size={config.rollout.tensor_parallel_size}, multi_turn.enable="
+                         f"{config.rollout.multi_turn.enable}). Fix: remove rollout.pool, or use tg = 1 single-turn")
+    world = config.resource_pools[pool].world_size
+    if config.data.batch_size % world:
+        raise ValueError(f"data.batch_size = {config.data.batch_size} prompts must be a multiple of the rollout "
+                         f"pool's {world} workers (rollout.pool = {pool!r})")
+
+
+def check_generation_layout(config: Config, world: int) -> None:
+    """``rollout.tensor_parallel_size = tg``: the actor generates at (pg = 1, tg) on its own ranks, so tg must
+    divide them, the prompts must split over the world / tg generation replicas, and the model's heads, KV heads,
+    intermediate size and vocabulary must split over tg (the training engine's own mesh is checked when the
+    actor starts)."""
+    tensor = config.rollout.tensor_parallel_size
+    if world % tensor:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"rollout.tensor_parallel_size = {tensor} must divide the actor's {world} ranks (pool "
+                         f"{config.actor.pool!r}): generation runs on the actor's ranks, tg ranks per replica. "
+                         f"Fix: pick one of {divisors}")
+    if config.data.batch_size % (world // tensor):
+        raise ValueError(f"data.batch_size = {config.data.batch_size} prompts must be a multiple of the "
+                         f"{world // tensor} generation replicas (actor ranks {world} / rollout."
+                         f"tensor_parallel_size {tensor})")
+    if tensor == 1:
+        return
+    if config.rollout.multi_turn.enable:
+        raise ValueError(f"rollout.multi_turn runs each conversation's turns on one rank; it does not run at "
+                         f"rollout.tensor_parallel_size = {tensor} (a tool's timing could make the ranks of a "
+                         "tensor group diverge inside a collective). Fix: set rollout.tensor_parallel_size=1")
+    hf_config = _hf_config_of(config.role_model(config.actor))
+    if hf_config is None:
+        return
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = hf_config.get(key)
+        if isinstance(value, int) and value % tensor:
+            raise ValueError(f"rollout.tensor_parallel_size = {tensor} must divide the actor model's {key} = "
+                             f"{value} (tensor-parallel generation splits it over the tensor ranks). Fix: pick a "
+                             f"size dividing it, or a model whose {key} it divides (model.preset=tiny-qwen2-4h "
+                             "shards over 2)")
+
+
+def _hf_config_of(model: ModelConfig) -> dict[str, Any] | None:
+    """The HF config dict of a model section (a preset's, the inline one, or ``path/config.json``), None if unread."""
+    if model.config is not None:
+        return dict(model.config)
+    if model.preset is not None:
+        from hybridflow.presets import preset_model_config
+
+        return preset_model_config(model.preset)
+    config_file = Path(str(model.path)) / "config.json"
+    if not config_file.is_file():
+        return None
+    loaded = json.loads(config_file.read_text(encoding="utf-8"))
+    return loaded if isinstance(loaded, dict) else None
+
+
+def check_registered_names(config: Config) -> None:
+    """Engine, algorithm and ``<role>.protocols`` names must exist in the registries (call after loading plugins)."""
+    from hybridflow import registries
+
+    checks = [
+        ("actor.engine", registries.training_engines, config.actor.engine),
+        ("rollout.engine", registries.rollout_engines, config.rollout.engine),
+        ("algorithm.name", registries.algorithms, config.algorithm.name),
+    ]
+    sections: dict[str, Any] = {"actor": config.actor, "critic": config.critic, "reference": config.reference,
+                                "reward": config.reward, "cost": config.cost, "cost_critic": config.cost_critic,
+                                **{f"roles.{key}": section for key, section in config.roles.items()}}
+    checks += [(f"{key}.protocols.{method}", registries.transfer_protocols, protocol)
+               for key, section in sections.items() if section is not None
+               for method, protocol in section.protocols.items()]
+    if config.rollout.multi_turn.enable:
+        checks += [(f"rollout.multi_turn.tools[{index}]", registries.tools, name)
+                   for index, name in enumerate(config.rollout.multi_turn.tools)]
+    for key, registry, name in checks:
+        if name not in registry:
+            try:
+                registry.get(name)
+            except KeyError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+
+
+def check_pool_batches(config: Config, sections: dict[str, Any], *, error: type[Exception] = ConfigError) -> None:
+    """Every role's batch splits evenly over its own pool: ``{key: section}`` (``key`` as the config names the
+    section, e.g. ``critic`` or ``roles.teacher``), each with ``pool`` and ``parallel``.
+
+    tensor × pipeline must divide the pool's devices; the actor's prompts (``data.batch_size``) and every role's
+    rows (``data.batch_size × rollout.n``) must be multiples of that role's data-parallel size on its pool.
+
+    Raises:
+        ``error`` (ConfigError by default): naming the section, the pool, its world size and the batch.
+    """
+    prompts, samples = config.data.batch_size, config.rollout.n
+    for key, section in sections.items():
+        pool_name = section.pool
+        pool = config.resource_pools.get(pool_name)
+        if pool is None:
+            raise error(f"{key}.pool is {pool_name!r}, not one of resource_pools ({', '.join(config.resource_pools)})"
+                        f"; add the pool or change {key}.pool")
+        world = pool.world_size
+        parallel = section.parallel
+        model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        if world % model_parallel:
+            raise error(f"{key}.parallel: tensor × pipeline = {model_parallel} does not divide the {world} devices of "
+                        f"pool {pool_name!r}; fix: set resource_pools.{pool_name}.devices_per_node to a multiple of "
+                        f"{model_parallel} or lower the parallel sizes")
+        data_parallel = world // model_parallel
+        if key == "actor" and prompts % data_parallel:
+            raise error(f"data.batch_size = {prompts} prompts must be a multiple of the actor's data-parallel size "
+                        f"{data_parallel} on pool {pool_name!r} (world size {world}; prompts are split over its "
+                        f"ranks); fix: set data.batch_size to a multiple of {data_parallel} or resize the pool")
+        rows = prompts * samples
+        if rows % data_parallel:
+            raise error(f"{key} on pool {pool_name!r} (world size {world}, data-parallel size {data_parallel}): the "
+                        f"batch of data.batch_size × rollout.n = {prompts} × {samples} = {rows} rows does not split "
+                        f"evenly over its {data_parallel} data-parallel ranks; fix: make data.batch_size × rollout.n "
+                        f"a multiple of {data_parallel}, or resize resource_pools.{pool_name}")
