@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.columns import build_teacher_forcing_batch
 from hybridflow.errors import ConfigError, DatasetError
 from hybridflow.trainer.sft_config import SFTConfig, SFTDataSection, load_sft_config
 
@@ -112,10 +113,7 @@ def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_pr
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ConfigError("the tokenizer has no eos token; SFT appends it to each response so that generation stops")
-    prompts = torch.full((len(rows), max_prompt_length), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompts)
-    responses = torch.full((len(rows), max_response_length), pad_id, dtype=torch.long)
-    response_mask = torch.zeros_like(responses)
+    examples = []
     for index, row in enumerate(rows):
         prompt_text = render_prompt(row[PROMPT_FIELD], tokenizer, where=f"demonstration {index}")
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
@@ -128,13 +126,9 @@ def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_pr
         if len(response) > max_response_length:
             raise DatasetError(f"demonstration {index}: response {row[RESPONSE_FIELD]!r} has {len(response)} tokens "
                                f"with the EOS, more than data.max_response_length={max_response_length}; raise it")
-        prompts[index, max_prompt_length - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[index, max_prompt_length - len(prompt):] = 1
-        responses[index, :len(response)] = torch.tensor(response)
-        response_mask[index, :len(response)] = 1
-    return Batch({"prompts": prompts, "responses": responses, "response_mask": response_mask,
-                  "input_ids": torch.cat([prompts, responses], dim=1),
-                  "attention_mask": torch.cat([prompt_mask, response_mask], dim=1)})
+        examples.append((prompt, response, [1] * len(response)))
+    return build_teacher_forcing_batch(examples, max_prompt_length=max_prompt_length,
+                                       max_response_length=max_response_length, pad_token_id=pad_id)
 
 
 def _build_multiturn_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, data: SFTDataSection) -> Batch:
