@@ -9,7 +9,7 @@ With ``park=True`` (the actor worker's path) megatron's DDP param buffer — one
 parameter (distributed optimizer) — is released once the generation shards hold all of it, so a rank holds each
 weight once while generating; it comes back bit for bit from those shards on ``end_generation()`` or the engine's
 next use of its weights. It cannot part-release, so it parks only where the rank's generation shards contain its
-whole training shard (pg = 1 and tg dividing t·p, e.g. t = 2 → tg = 1), and not on a pipeline's last stage holding
+whole training shard (pg = 1 and tg dividing t, e.g. t = 2 → tg = 1), and not on a pipeline's last stage holding
 a tied embedding's copy. Stability: public.
 """
 
