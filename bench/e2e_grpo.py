@@ -22,19 +22,9 @@ so and prints our numbers only.
 engine (ZeRO stage N) instead of ``fsdp``, everything else equal; the RESULT line then holds its tokens/s beside
 fsdp's (``deepspeed_*`` keys, ``deepspeed_ratio_vs_fsdp``).
 
-``--sizes`` runs the per-size grid instead, all in one run: for each model size of :data:`SIZES` — the 77K fixture,
-~2.4M (hidden 256, intermediate 512, 4 layers, 8 / 4 heads) and ~20M (hidden 512, intermediate 1024, 8 layers,
-8 / 4 heads), the fixture otherwise unchanged — hybridflow's default configuration (``hybridflow``: two FSDP ranks
-of 1 thread, as the README's main job runs), its single-rank configurations (``hybridflow_1rank``: one unsharded
-rank of 1 thread; ``hybridflow_1rank_2threads``: of 2 threads) and TRL with 1 and 2 threads, each in its own
-subprocess, with fewer steps the larger the model (:data:`SIZES`). One ``RESULT {json}`` line per size gives each
-system's tokens/s and s/step, the ratios (default vs TRL at its better thread count, default vs the best single
-rank, ...) and peak RSS per process (driver and each worker for hybridflow — Ray's own daemons not counted — the
-one process for TRL). ``--repeats`` rounds per size (3 by default; ``--repeats 1`` for one pass): 2.4M alone took
-~18 minutes at 3 rounds on a loaded 2-core box; an idle full run was not timed.
+``bench/e2e_sizes.py`` runs the same fixture over model sizes (:data:`SIZES`) and rank/thread configurations.
 
-Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1] [--deepspeed-zero-stage 3]``;
-``.venv/bin/python bench/e2e_grpo.py --sizes`` (or ``--sizes 2.4m,20m``).
+Run: ``.venv/bin/python bench/e2e_grpo.py [--steps 30] [--repeats 3] [--workers 1] [--deepspeed-zero-stage 3]``.
 """
 
 from __future__ import annotations
@@ -58,21 +48,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 DEFAULT_TRL_PATH = "/work/trl-bench/site"
 PROMPTS, SAMPLES, NEW_TOKENS, MAX_OPERAND, NUM_ROWS = 16, 4, 16, 99, 1024
 
-#: ``--sizes``: name → keyword arguments of ``tiny_model_config`` and the steps (warmup steps) of each run there
+#: model sizes (``--size``; ``bench/e2e_sizes.py`` runs them all): name → keyword arguments of
+#: ``tiny_model_config`` and the steps (warmup steps) of each of ``bench/e2e_sizes.py``'s runs there
 SIZES: dict[str, dict[str, Any]] = {
     "77k": {"model": {"num_heads": 4, "num_kv_heads": 2}, "steps": 20, "warmup": 3},
     "2.4m": {"model": {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 8,
                        "num_kv_heads": 4}, "steps": 8, "warmup": 2},
     "20m": {"model": {"hidden_size": 512, "intermediate_size": 1024, "num_layers": 8, "num_heads": 8,
                       "num_kv_heads": 4}, "steps": 5, "warmup": 2},
-}
-#: ``--sizes`` systems: name → (system run by ``--run-one``, hybridflow workers, torch threads per process)
-GRID_SYSTEMS: dict[str, tuple[str, int, int]] = {
-    "hybridflow": ("hybridflow", 2, 1),
-    "hybridflow_1rank": ("hybridflow", 1, 1),
-    "hybridflow_1rank_2threads": ("hybridflow", 1, 2),
-    "trl": ("trl", 0, 1),
-    "trl_2threads": ("trl", 0, 2),
 }
 
 
@@ -257,6 +240,31 @@ def launch(system: str, args: argparse.Namespace) -> dict[str, Any] | str:
     return f"{system}: exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}"
 
 
+def run_rounds(plans: dict[str, tuple[str, argparse.Namespace]], repeats: int, warmup: int, notes: list[str],
+               label: str = "") -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
+    """Launch every plan (name → the ``--run-one`` system and its arguments) once a round for ``repeats`` rounds, the
+    order reversed every other round; returns each name's runs (with their ``summary``) and the 1-minute load average
+    before each launch. A failed run is noted in ``notes`` and left out."""
+    names = list(plans)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    loads: list[float] = []
+    for round_index in range(repeats):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            system, args = plans[name]
+            loads.append(os.getloadavg()[0])
+            outcome = launch(system, args)
+            if isinstance(outcome, str):
+                note = outcome if name == system else f"{name}: {outcome}"
+                notes.append(note)
+                print(f"NOTE {note}", file=sys.stderr)
+                continue
+            outcome["summary"] = summarize_run(outcome, warmup)
+            runs[name].append(outcome)
+            print(f"{label}round {round_index} {name}: {json.dumps(outcome['summary'])} load {loads[-1]:.1f}",
+                  file=sys.stderr, flush=True)
+    return runs, loads
+
+
 def trl_available(args: argparse.Namespace) -> str | None:
     """None when TRL imports in the TRL subprocess's environment, else why not."""
     env = dict(os.environ)
@@ -276,37 +284,40 @@ def median_trajectory(runs: list[dict[str, Any]]) -> list[float]:
     return [round(statistics.median(r["rewards"][i] for r in runs), 4) for i in range(length)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this bench and ``bench/e2e_sizes.py`` share (each run of either goes through :func:`launch`)."""
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
-    parser.add_argument("--workers", type=int, default=1, help="hybridflow actor ranks (resource_pools.main)")
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of both systems")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recompute-log-probs", action=argparse.BooleanOptionalAction, default=False,
                         help="hybridflow: recompute π_old with the training engine (TRL does not: one update per "
                              "generation, π_old = π)")
-    parser.add_argument("--systems", default="hybridflow,trl")
     parser.add_argument("--trl-path", default=DEFAULT_TRL_PATH if Path(DEFAULT_TRL_PATH).exists() else "",
                         help="directory with TRL and its extra packages, prepended to PYTHONPATH of the TRL run")
     parser.add_argument("--trl-python", default="", help="interpreter of the TRL run (default: this one)")
     parser.add_argument("--set", action="append", default=[], help="extra hybridflow config override key=value")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--keep-run-dirs", action="store_true", help="keep each run's directory (ledger, metrics)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    parser.add_argument("--workers", type=int, default=1, help="hybridflow actor ranks (resource_pools.main)")
+    parser.add_argument("--systems", default="hybridflow,trl")
+    add_shared_arguments(parser)
     parser.add_argument("--deepspeed-zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                         help="also run the actor on the deepspeed engine at this ZeRO stage in the same rounds and "
                              "print its tokens/s beside fsdp's (0: off)")
     parser.add_argument("--size", default="77k", choices=tuple(SIZES), help="model size (default: the 77K fixture)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (hybridflow: per worker)")
-    parser.add_argument("--sizes", nargs="?", const=",".join(SIZES), default="",
-                        help=f"run the per-size grid (comma-separated sizes of {list(SIZES)}; all when bare) of "
-                             f"systems {list(GRID_SYSTEMS)}; --steps/--warmup/--workers/--threads are per size then")
+    parser.add_argument("--sizes", nargs="?", const="", default=None, help=argparse.SUPPRESS)  # moved to e2e_sizes.py
     parser.add_argument("--run-one", choices=("hybridflow", "trl", "deepspeed"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.sizes and not args.run_one:
-        run_grid(args)
-        return
+    if args.sizes is not None:
+        raise SystemExit("bench/e2e_grpo.py --sizes: the per-size grid is its own script now; expected "
+                         "bench/e2e_sizes.py [--sizes 2.4m,20m]")
     if args.run_one:
         if args.run_one == "trl":
             result = run_trl(args)
@@ -325,21 +336,7 @@ def main() -> None:
             notes.append(why)
             systems.remove("trl")
             print(f"NOTE {why}; printing hybridflow numbers only", file=sys.stderr)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-    loads: list[float] = []
-    for round_index in range(args.repeats):
-        order = systems if round_index % 2 == 0 else systems[::-1]
-        for system in order:
-            loads.append(os.getloadavg()[0])
-            outcome = launch(system, args)
-            if isinstance(outcome, str):
-                notes.append(outcome)
-                print(f"NOTE {outcome}", file=sys.stderr)
-                continue
-            outcome["summary"] = summarize_run(outcome, args.warmup)
-            runs[system].append(outcome)
-            print(f"round {round_index} {system}: {json.dumps(outcome['summary'])} load {loads[-1]:.1f}",
-                  file=sys.stderr, flush=True)
+    runs, loads = run_rounds({system: (system, args) for system in systems}, args.repeats, args.warmup, notes)
     result: dict[str, Any] = {"fixture": {"model": "qwen2 h64 i128 L2 heads4 kv2 tied, char vocab 45",
                                           "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS,
                                           "max_operand": MAX_OPERAND, "threads_per_process": 1, "lr": args.lr,
@@ -374,92 +371,6 @@ def main() -> None:
     if notes:
         result["notes"] = notes
     print("RESULT " + json.dumps(result), flush=True)
-
-
-def run_grid(args: argparse.Namespace) -> None:
-    """``--sizes``: every system of :data:`GRID_SYSTEMS` at every size, ``--repeats`` rounds per size (the order
-    reversed every other round); one ``RESULT`` line per size."""
-    sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
-    unknown = [size for size in sizes if size not in SIZES]
-    if unknown:
-        raise SystemExit(f"--sizes: unknown {unknown}; known: {list(SIZES)}")
-    systems = list(GRID_SYSTEMS)
-    why = trl_available(args)
-    if why:
-        systems = [name for name in systems if GRID_SYSTEMS[name][0] != "trl"]
-        print(f"NOTE {why}; printing hybridflow numbers only", file=sys.stderr)
-    for size in sizes:
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
-        notes, loads = [why] if why else [], []
-        for round_index in range(args.repeats):
-            for name in systems if round_index % 2 == 0 else systems[::-1]:
-                system, workers, threads = GRID_SYSTEMS[name]
-                one = argparse.Namespace(**{**vars(args), "size": size, "steps": SIZES[size]["steps"],
-                                            "workers": workers or 1, "threads": threads})
-                loads.append(os.getloadavg()[0])
-                outcome = launch(system, one)
-                if isinstance(outcome, str):
-                    notes.append(f"{name}: {outcome}")
-                    print(f"NOTE {name}: {outcome}", file=sys.stderr)
-                    continue
-                outcome["summary"] = summarize_run(outcome, SIZES[size]["warmup"])
-                runs[name].append(outcome)
-                print(f"{size} round {round_index} {name}: {json.dumps(outcome['summary'])} load {loads[-1]:.1f}",
-                      file=sys.stderr, flush=True)
-        print("RESULT " + json.dumps(summarize_size(size, runs, notes, loads)), flush=True)
-
-
-def summarize_size(size: str, runs: dict[str, list[dict[str, Any]]], notes: list[str],
-                   loads: list[float]) -> dict[str, Any]:
-    """One size's RESULT: per system its tokens/s, s/step, peak RSS, configuration; then the ratios."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    values = model_config_of(size)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
-    parameters = sum(p.numel() for p in model.parameters())
-    result: dict[str, Any] = {
-        "size": size, "parameters": parameters, "model": SIZES[size]["model"],
-        "fixture": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS, "steps": SIZES[size]["steps"],
-                    "warmup": SIZES[size]["warmup"]},
-        "load_avg_1m": {"min": min(loads, default=0.0), "max": max(loads, default=0.0), "cpus": os.cpu_count()},
-        "systems": {}}
-    rates: dict[str, float] = {}
-    for name, system_runs in runs.items():
-        if not system_runs:
-            continue
-        system, workers, threads = GRID_SYSTEMS[name]
-        rates[name] = statistics.median(r["summary"]["prompt_response_tokens_per_s"] for r in system_runs)
-        result["systems"][name] = {
-            "prompt_response_tokens_per_s": round(rates[name], 1),
-            "step_s_median": round(statistics.median(r["summary"]["step_s_median"] for r in system_runs), 4),
-            "tokens_per_s_per_run": [round(r["summary"]["prompt_response_tokens_per_s"]) for r in system_runs],
-            "peak_rss_mib": {key: ([round(v / 2**20) for v in value] if isinstance(value, list)
-                                   else round(value / 2**20))
-                             for key, value in system_runs[-1]["peak_rss_bytes"].items()},
-            "processes": workers + 1 if system == "hybridflow" else 1, "threads_per_process": threads,
-            "reward_first_to_last": [system_runs[-1]["rewards"][0], system_runs[-1]["rewards"][-1]]
-            if system_runs[-1]["rewards"] else [],
-        }
-    trl_best = max((name for name in rates if name.startswith("trl")), key=rates.__getitem__, default=None)
-    single_best = max((name for name in rates if name.startswith("hybridflow_1rank")), key=rates.__getitem__,
-                      default=None)
-    ratios: dict[str, Any] = {}
-    if trl_best:
-        ratios["trl_best"] = trl_best
-        for name in rates:
-            if not name.startswith("trl"):
-                ratios[f"{name}_vs_trl_best"] = round(rates[name] / rates[trl_best], 3)
-    if single_best and "hybridflow" in rates:
-        ratios["single_rank_best"] = single_best
-        ratios["two_ranks_vs_single_rank_best"] = round(rates["hybridflow"] / rates[single_best], 3)
-        if "hybridflow_1rank" in rates:
-            ratios["two_ranks_vs_one_rank_1thread"] = round(rates["hybridflow"] / rates["hybridflow_1rank"], 3)
-    result["ratios"] = ratios
-    if notes:
-        result["notes"] = notes
-    return result
 
 
 if __name__ == "__main__":

@@ -24,6 +24,26 @@ def tiny_config():  # type: ignore[no-untyped-def]
     return _tiny_config
 
 
+def _preset_weight_bytes(preset: str) -> tuple[int, int]:
+    """(all weight bytes M, bytes of the replicated norms) of model ``preset``, from its HF model built here (a tied
+    embedding / lm_head counted once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridflow.presets import preset_model_config
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset_model_config(preset)))
+    parameters = dict(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for p in parameters.values())
+    norms = sum(p.numel() * p.element_size() for name, p in parameters.items() if "norm" in name)
+    return total, norms
+
+
+@pytest.fixture
+def preset_weight_bytes():  # type: ignore[no-untyped-def]
+    """``preset_weight_bytes(preset)`` → (M, replicated norm bytes) of a model preset."""
+    return _preset_weight_bytes
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ray_session() -> None:
     from hybridflow.controller import init_ray

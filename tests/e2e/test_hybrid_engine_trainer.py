@@ -14,22 +14,9 @@ import pytest
 import torch
 
 from hybridflow.ledger import read_ledger
-from hybridflow.presets import preset_model_config
 from hybridflow.trainer import Trainer
 
 PRESET = "tiny-qwen2-4h"  # 4 heads / 2 KV heads, vocabulary 48: shards over tg = 2
-
-
-def _model_bytes() -> tuple[int, int]:
-    """(all weight bytes M, bytes of the replicated norms) of the preset, from a model built here."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = preset_model_config(PRESET)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    parameters = dict(model.named_parameters())  # tied embedding / lm_head once
-    total = sum(p.numel() * p.element_size() for p in parameters.values())
-    norms = sum(p.numel() * p.element_size() for name, p in parameters.items() if "norm" in name)
-    return total, norms
 
 
 def _check_ledger(run_dir: Path, tensor: int, model_bytes: int, norm_bytes: int) -> None:
@@ -62,8 +49,9 @@ def _greedy(config) -> tuple[torch.Tensor, Trainer]:  # type: ignore[no-untyped-
 
 
 @pytest.mark.slow  # two trainer starts and 2 steps each (~60 CPU-seconds)
-def test_greedy_generation_at_tg2_equals_tg1_and_bytes_meet_the_lower_bound(tmp_path: Path, tiny_config) -> None:
-    model_bytes, norm_bytes = _model_bytes()
+def test_greedy_generation_at_tg2_equals_tg1_and_bytes_meet_the_lower_bound(tmp_path: Path, tiny_config,
+                                                                           preset_weight_bytes) -> None:
+    model_bytes, norm_bytes = preset_weight_bytes(PRESET)
     responses = {}
     for tensor in (1, 2):
         run_dir = tmp_path / f"tg{tensor}"
@@ -82,8 +70,8 @@ def test_greedy_generation_at_tg2_equals_tg1_and_bytes_meet_the_lower_bound(tmp_
 
 
 @pytest.mark.slow  # 40 GRPO steps (~50 CPU-seconds)
-def test_grpo_learns_generating_at_tg2(tmp_path: Path, tiny_config) -> None:
-    model_bytes, norm_bytes = _model_bytes()
+def test_grpo_learns_generating_at_tg2(tmp_path: Path, tiny_config, preset_weight_bytes) -> None:
+    model_bytes, norm_bytes = preset_weight_bytes(PRESET)
     trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=40", "trainer.checkpoint_every=0",
                                   "trainer.seed=0", f"model.preset={PRESET}", "rollout.tensor_parallel_size=2"),
                       progress=False)
@@ -111,9 +99,10 @@ def test_stream_handover_is_labelled_gather_without_a_lower_bound(tmp_path: Path
     assert min(edge["bytes_per_rank"]) > 0
 
 
-def test_one_iteration_at_tg2_moves_the_lower_bound_and_holds_no_second_copy(tmp_path: Path, tiny_config) -> None:
+def test_one_iteration_at_tg2_moves_the_lower_bound_and_holds_no_second_copy(tmp_path: Path, tiny_config,
+                                                                            preset_weight_bytes) -> None:
     """The quick check of the tg = 2 path (the slow tests above run it longer)."""
-    model_bytes, norm_bytes = _model_bytes()
+    model_bytes, norm_bytes = preset_weight_bytes(PRESET)
     trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=1", "trainer.checkpoint_every=0",
                                   f"model.preset={PRESET}", "rollout.tensor_parallel_size=2"), progress=False)
     try:

@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from hybridflow.agent.format import ChatFormat
 from hybridflow.batch import Batch
+from hybridflow.columns import build_teacher_forcing_batch
 from hybridflow.errors import DatasetError
 
 __all__ = ["encode_conversation", "build_multiturn_sft_batch"]
@@ -70,13 +69,9 @@ def encode_conversation(messages: Sequence[Mapping[str, Any]], chat_format: Chat
 def build_multiturn_sft_batch(rows: Sequence[Mapping[str, Any]], chat_format: ChatFormat, *, messages_key: str,
                               tools_key: str, max_prompt_length: int, max_response_length: int,
                               pad_token_id: int) -> Batch:
-    """The SFT batch layout of :func:`hybridflow.trainer.sft.build_sft_batch` for multi-turn rows; ``response_mask``
-    has holes at the tool turns (``attention_mask`` does not: the model reads them)."""
-    prompts = torch.full((len(rows), max_prompt_length), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompts)
-    responses = torch.full((len(rows), max_response_length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros_like(responses)
-    attended = torch.zeros_like(responses)
+    """The SFT batch layout (:func:`hybridflow.columns.build_teacher_forcing_batch`) of multi-turn rows;
+    ``response_mask`` has holes at the tool turns (``attention_mask`` does not: the model reads them)."""
+    examples = []
     for index, row in enumerate(rows):
         where = f"demonstration {index}"
         if messages_key not in row:
@@ -89,11 +84,6 @@ def build_multiturn_sft_batch(rows: Sequence[Mapping[str, Any]], chat_format: Ch
         if len(response) > max_response_length:
             raise DatasetError(f"{where}: the turns after the prompt have {len(response)} tokens, more than "
                                f"data.max_response_length={max_response_length}; raise it")
-        prompts[index, max_prompt_length - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[index, max_prompt_length - len(prompt):] = 1
-        responses[index, :len(response)] = torch.tensor(response)
-        response_mask[index, :len(response)] = torch.tensor(mask)
-        attended[index, :len(response)] = 1
-    return Batch({"prompts": prompts, "responses": responses, "response_mask": response_mask,
-                  "input_ids": torch.cat([prompts, responses], dim=1),
-                  "attention_mask": torch.cat([prompt_mask, attended], dim=1)})
+        examples.append((prompt, response, mask))
+    return build_teacher_forcing_batch(examples, max_prompt_length=max_prompt_length,
+                                       max_response_length=max_response_length, pad_token_id=pad_token_id)

@@ -192,6 +192,7 @@ class MegatronTrainingEngine:
             raise EngineError(f"{method} is for roles {list(roles)}; this engine is a {self.role}")
 
     def _infer(self, batch: Batch, *, columns: tuple[str, ...], with_entropy: bool) -> Batch:
+        self.handover.restore()
         self.model.eval()
         with torch.no_grad():
             stored = self._run_schedule(self._micro_batches(batch), forward_only=True, loss_fn=None,
@@ -262,6 +263,7 @@ class MegatronTrainingEngine:
         self._check_role("train_step", TRAINABLE_ROLES)
         require_columns(batch, "input_ids", "attention_mask", "responses", "response_mask", method="train_step")
         local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
+        self.handover.restore()
         wants = getattr(loss_fn, "required_outputs", None)
         with_entropy = self.role == "actor" and (wants is None or "entropy" in wants)
         self.model.train()
@@ -310,14 +312,17 @@ class MegatronTrainingEngine:
 
     def save_checkpoint(self, path: str) -> None:
         """Every rank's parameter shard, optimizer shard, step and RNG state, written atomically under ``path``."""
+        self.handover.restore()
         persist.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote with the same (tp, pp, dp) layout."""
+        self.handover.restore()
         persist.load(self, path)
 
     def export_hf(self, path: str) -> None:
         """Write an HF model directory (config + safetensors) from global rank 0; a collective over all ranks."""
+        self.handover.restore()
         persist.export_hf(self, path)
 
     def layout(self) -> Any:
@@ -360,16 +365,23 @@ class MegatronTrainingEngine:
                 continue  # the last stage's copy of the tied embedding
             yield layout_name_of(name, layer_offset=offset, value_head=self.arch.value_head), param.detach()
 
-    def generation_weights(self, *, target: str = "hf",
-                           tensor_parallel_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def generation_weights(self, *, target: str = "hf", tensor_parallel_size: int = 1,
+                           park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named weights of generation layout (pg = 1, tg = ``tensor_parallel_size``) on every rank: full tensors at
         tg = 1, this rank's tensor-parallel shards above (a collective over all ranks), moved by the core reshard
-        planner's cached plan; see :mod:`hybridflow_megatron.handover` (stats in ``last_handover_stats``)."""
+        planner's cached plan; see :mod:`hybridflow_megatron.handover` (stats in ``last_handover_stats``). ``park``
+        (the actor worker's default): the training parameters' storage is released into the generation shards
+        holding it until :meth:`end_generation` (or the next forward, step or checkpoint)."""
         self._check_role("generation_weights", ("actor", "reference"))
         if tensor_parallel_size != 1:  # shards the training shard already is are views of it (no second copy)
             layout = self.handover.generation_layout(tensor=tensor_parallel_size)
-            return iter(self.handover.reshard(layout, name=target, views=True).items())
-        return self.handover.generation_weights(target=target)
+            return iter(self.handover.reshard(layout, name=target, views=True, park=park).items())
+        return self.handover.generation_weights(target=target, park=park)
+
+    def end_generation(self) -> None:
+        """Give the training parameters parked by ``generation_weights(park=True)`` their storage back (bit for bit,
+        from the generation shards); a no-op when none is parked."""
+        self.handover.restore()
 
     def parallel_layout(self) -> Any:
         """The (p, t, d) training mesh (a :class:`hybridflow.resharding.ParallelLayout`) generation layouts are

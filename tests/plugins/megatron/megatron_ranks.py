@@ -191,13 +191,75 @@ def scenario_handover(args: dict) -> dict:
     return {"cases": results}
 
 
+def _park_case(args: dict) -> dict:
+    """For each tg of ``args["tensors"]``: the handover without and with ``park=True`` (the actor worker's path),
+    resident weight bytes counted from storages while the generation shards are held, then ``end_generation()``; a
+    second park left to the next forward, and a train step after a third."""
+    from hybridflow.algorithms.losses import PolicyLossConfig, make_actor_loss_fn
+    from hybridflow.resharding import count_storage_bytes
+    from hybridflow_megatron.model import build_hf_model
+
+    engine = build_engine(args)
+    training = list(engine.model.parameters())
+    hf_state = build_hf_model(engine.config.model, role="actor").state_dict()
+    tied = engine.arch.tied_embeddings
+    model_bytes = _nbytes(t for name, t in hf_state.items() if not (tied and name == "lm_head.weight"))
+    info = engine.mesh_info()
+    batch = make_batch(rows=4)
+    local = batch.slice(info.dp_rank * len(batch) // info.dp_size, (info.dp_rank + 1) * len(batch) // info.dp_size)
+    before = engine.compute_log_probs(local)["log_probs"]
+    snapshot = [p.detach().clone() for p in training]
+    out: dict = {"model_bytes": model_bytes, "training_bytes": count_storage_bytes(training),
+                 "held_bytes": _nbytes(t for _, t in engine.iter_weight_shards())}
+    for tensor in args["tensors"]:
+        reference = {n: t.clone() for n, t in engine.generation_weights(tensor_parallel_size=tensor)}
+        plain = engine.last_handover_stats
+        shards = dict(engine.generation_weights(tensor_parallel_size=tensor, park=True))
+        result = {"plain": plain, "stats": engine.last_handover_stats, "bucket": engine.handover.plan_for(
+                      engine.handover.generation_layout(tensor=tensor)).max_bucket_cost(),
+                  "mismatched": sorted(n for n in reference if not torch.equal(reference[n], shards[n])),
+                  "names_equal": sorted(reference) == sorted(shards),
+                  "parked_training_bytes": count_storage_bytes(training),
+                  "generation_bytes": count_storage_bytes([*training, *shards.values()]),
+                  "target_bytes": _nbytes(shards.values())}
+        del shards
+        engine.end_generation()
+        result["restored_equal"] = all(torch.equal(a, p) for a, p in zip(snapshot, training, strict=True))
+        result["restored_bytes"] = count_storage_bytes(training)
+        shards = dict(engine.generation_weights(tensor_parallel_size=tensor, park=True))
+        result["forward_after_park_equal"] = torch.equal(engine.compute_log_probs(local)["log_probs"], before)
+        result["after_forward_equal"] = all(torch.equal(a, p) for a, p in zip(snapshot, training, strict=True))
+        out[tensor] = result
+        del shards, reference
+    shards = dict(engine.generation_weights(tensor_parallel_size=args["tensors"][0], park=True))
+    local["old_log_probs"] = before
+    engine.train_step(local, loss_fn=make_actor_loss_fn(PolicyLossConfig()))  # restores before its forward
+    out["stepped"] = any(not torch.equal(a, p) for a, p in zip(snapshot, training, strict=True))
+    out["stepped_bytes"] = count_storage_bytes(training)
+    del shards
+    engine.release()
+    return out
+
+
+def scenario_park(args: dict) -> dict:
+    """Every case of ``args["cases"]`` through :func:`_park_case`."""
+    from hybridflow_megatron.model import destroy_parallel_state
+
+    results = []
+    for case in args["cases"]:
+        results.append(_park_case({**args, **case}))
+        destroy_parallel_state()
+    return {"cases": results}
+
+
 def main() -> None:
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
                       LOCAL_RANK=rank, OMP_NUM_THREADS="1")
-    result = {"train": scenario_train, "logits": scenario_logits, "handover": scenario_handover}[scenario](args)
+    result = {"train": scenario_train, "logits": scenario_logits, "handover": scenario_handover,
+              "park": scenario_park}[scenario](args)
     torch.save(result, os.path.join(out_dir, f"rank_{rank}.pt"))
     import torch.distributed as dist
 

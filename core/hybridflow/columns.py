@@ -1,0 +1,36 @@
+"""Helpers over the batch column conventions of :mod:`hybridflow.engines` that every engine and data path shares:
+the teacher-forcing layout of tokenised demonstrations. What the columns mean is :mod:`hybridflow.engines`'; how
+engines compute on them is theirs. Stability: developer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridflow.batch import Batch
+
+__all__ = ["build_teacher_forcing_batch"]
+
+
+def build_teacher_forcing_batch(examples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], *,
+                                max_prompt_length: int, max_response_length: int, pad_token_id: int) -> Batch:
+    """Demonstrations as (prompt ids, response ids, loss mask over the response) → the engines' SFT layout:
+    ``prompts`` left-padded, ``responses`` right-padded (both with ``pad_token_id``), ``input_ids`` and
+    ``attention_mask`` of both (every response token attended), ``response_mask`` the loss mask. The callers check
+    that each row fits (their errors name their columns and limits)."""
+    prompts = torch.full((len(examples), max_prompt_length), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompts)
+    responses = torch.full((len(examples), max_response_length), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros_like(responses)
+    attended = torch.zeros_like(responses)
+    for index, (prompt, response, mask) in enumerate(examples):
+        prompts[index, max_prompt_length - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[index, max_prompt_length - len(prompt):] = 1
+        responses[index, :len(response)] = torch.tensor(response)
+        response_mask[index, :len(response)] = torch.tensor(mask)
+        attended[index, :len(response)] = 1
+    return Batch({"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                  "input_ids": torch.cat([prompts, responses], dim=1),
+                  "attention_mask": torch.cat([prompt_mask, attended], dim=1)})

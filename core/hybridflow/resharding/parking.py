@@ -1,0 +1,153 @@
+"""Parking training storages while generating: a training shard whose every byte lies in this rank's generation
+shards gives its storage up once :func:`~hybridflow.resharding.execute_reshard` has copied it there, and gets it
+back, bit for bit, from those generation shards after generation (3D-HybridEngine's zero redundancy).
+
+Engine-agnostic: it works on storages, so it serves an engine whose parameters each own a storage (released bucket by
+bucket, through the executor's ``on_release`` hook) and one whose parameters share a flat buffer (Megatron's DDP
+param buffer: released when its last parameter has been copied, or after the handover, once the generation shards
+that are views into it have been made copies). Stability: public.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridflow.resharding.planner import ReshardPlan
+from hybridflow.resharding.specs import Piece
+
+__all__ = ["Home", "parking_homes", "StorageParking"]
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """Where a piece of a training shard lives on while it is parked: ``target[target_slices]`` holds
+    ``training_shard[source_slices]``."""
+
+    source_slices: tuple[slice, ...]
+    target: str
+    target_slices: tuple[slice, ...]
+
+
+def parking_homes(plan: ReshardPlan, rank: int) -> dict[str, tuple[Home, ...]]:
+    """Source parameters of ``plan`` on ``rank`` whose every (non-empty) piece lies whole inside one piece of the same
+    canonical tensor in ``rank``'s target shards, with those homes (fused sources, e.g. Megatron's qkv, have one
+    home per component; an empty shard has none). Parameters with a byte outside the rank's targets are left out."""
+    targets: dict[str, list[tuple[str, Piece]]] = {}
+    for name, pieces in plan.target.pieces(rank).items():
+        for piece in pieces:
+            targets.setdefault(piece.canonical, []).append((name, piece))
+    out: dict[str, tuple[Home, ...]] = {}
+    for name, pieces in plan.source.pieces(rank).items():
+        homes: list[Home] = []
+        for piece in pieces:
+            if any(stop <= start for start, stop in piece.box):
+                continue
+            home = next(((target, candidate) for target, candidate in targets.get(piece.canonical, [])
+                         if all(h0 <= s0 and s1 <= h1 for (s0, s1), (h0, h1)
+                                in zip(piece.box, candidate.box, strict=True))), None)
+            if home is None:
+                break
+            homes.append(Home(piece.local_slices(piece.box), home[0], home[1].local_slices(piece.box)))
+        else:
+            out[name] = tuple(homes)
+    return out
+
+
+def _key(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+@dataclass(slots=True)
+class _Storage:
+    owner: torch.Tensor  # a tensor of the storage (resize_ works through any of them)
+    members: set[str]
+    released: set[str] = field(default_factory=set)
+    nbytes: int = 0  # > 0 once parked
+
+
+class StorageParking:
+    """One handover's parking on one rank (stability: public).
+
+    ``shards``: the training shards handed to the executor, by source name; ``others``: every other tensor that may
+    share their storages (e.g. a tied copy the handover skips): a storage holding one of them is never released.
+    Pass :meth:`on_release` as ``execute_reshard(..., on_release=...)`` and the executor's targets to :meth:`finish`;
+    :meth:`restore` brings every parked storage back. Views (``views=True``) are fine: a storage some targets view
+    is released in :meth:`finish` only when at least one of its shards was copied out (its viewing targets are made
+    copies first, so the rank still holds every weight once).
+    """
+
+    def __init__(self, plan: ReshardPlan, rank: int, shards: Mapping[str, torch.Tensor], *,
+                 others: Iterable[torch.Tensor] = ()) -> None:
+        homes = parking_homes(plan, rank)
+        blocked = {_key(t) for t in others if t.untyped_storage().nbytes()}
+        storages: dict[tuple[str, int], _Storage] = {}
+        for name, tensor in shards.items():
+            if not tensor.untyped_storage().nbytes():
+                continue
+            slot = storages.setdefault(_key(tensor), _Storage(owner=tensor, members=set()))
+            slot.members.add(name)
+        self._homes = homes
+        self._shards = dict(shards)
+        self._storages = {key: slot for key, slot in storages.items()
+                          if key not in blocked and all(name in homes for name in slot.members)}
+        self._by_name = {name: slot for slot in self._storages.values() for name in slot.members}
+        self._restore: list[tuple[_Storage, list[tuple[torch.Tensor, tuple[slice, ...], torch.Tensor,
+                                                       tuple[slice, ...]]]]] = []
+
+    @property
+    def parked_bytes(self) -> int:
+        """Training storage bytes released now."""
+        return sum(slot.nbytes for slot in self._storages.values())
+
+    def on_release(self, name: str, _targets: Mapping[str, torch.Tensor]) -> None:
+        """The executor no longer reads shard ``name`` (it was copied into its generation shards): once every shard
+        of its storage is, the storage goes."""
+        slot = self._by_name.get(name)
+        if slot is None:
+            return
+        slot.released.add(name)
+        if slot.released == slot.members:
+            self._release(slot)
+
+    def _release(self, slot: _Storage) -> None:
+        storage = slot.owner.untyped_storage()
+        slot.nbytes = storage.nbytes()
+        storage.resize_(0)  # every view of it (the engine's parameters, an optimizer's) sees it go
+
+    def finish(self, targets: MutableMapping[str, torch.Tensor]) -> int:
+        """After the handover: release the storages some targets still view (those targets become copies), where a
+        shard of the storage was copied out; record where every parked shard lives on. Returns the parked bytes."""
+        for key, slot in self._storages.items():
+            if slot.nbytes or not slot.released:
+                continue
+            for name, tensor in targets.items():
+                if tensor.untyped_storage().nbytes() and _key(tensor) == key:
+                    targets[name] = tensor.clone()
+            self._release(slot)
+        for slot in self._storages.values():
+            if slot.nbytes:
+                places = [(self._shards[name], home.source_slices, targets[home.target], home.target_slices)
+                          for name in sorted(slot.members) for home in self._homes[name]]
+                self._restore.append((slot, places))
+        self._shards.clear()
+        return self.parked_bytes
+
+    def restore(self) -> int:
+        """Give every parked storage its bytes back (zeroed, then each shard copied from its generation shards), one
+        storage at a time, dropping the references to the generation shards; returns the bytes restored."""
+        restored = 0
+        with torch.no_grad():
+            while self._restore:
+                slot, places = self._restore.pop(0)
+                storage = slot.owner.untyped_storage()
+                storage.resize_(slot.nbytes)
+                torch.empty(0, dtype=torch.uint8, device=slot.owner.device).set_(storage).zero_()
+                for shard, source_slices, home, target_slices in places:
+                    shard[source_slices].copy_(home[target_slices])
+                restored += slot.nbytes
+                slot.nbytes = 0
+                del places
+        return restored
