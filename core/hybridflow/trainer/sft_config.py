@@ -17,11 +17,9 @@ from hybridflow.config import (
     ParallelSection,
     PoolConfig,
     RayConfig,
-    _explain,
     _Section,
-    apply_overrides,
-    read_yaml_mapping,
 )
+from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
 from hybridflow.errors import ConfigError
 
 __all__ = ["SFTConfig", "SFTDataSection", "load_sft_config"]
@@ -126,7 +124,7 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     try:
         return SFTConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc.errors())) from None
+        raise ConfigError(explain_errors(exc.errors())) from None
 
 
 def _anchor(file: str, base: Path) -> str:
