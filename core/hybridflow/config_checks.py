@@ -1,21 +1,21 @@
 """Cross-section checks of a run configuration: batches against pools, the generation layout, the async rollout pool,
-and engine names against the registries — each error names the key, what was wrong and the fix."""
+and engine names against the registries — each error names the key, what was wrong and the fix.
+
+Each takes the validated ``hybridflow.config.Config`` (typed ``Any`` here: hybridflow.config imports this module, and
+the core keeps its modules free of import cycles, even under TYPE_CHECKING)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridflow.errors import ConfigError
-
-if TYPE_CHECKING:
-    from hybridflow.config import Config, ModelConfig
 
 __all__ = ["check_pool_batches", "check_registered_names", "check_generation_layout", "check_async"]
 
 
-def check_async(config: Config) -> None:
+def check_async(config: Any) -> None:
     """``rollout.pool``, ``trainer.max_staleness`` and ``algorithm.rollout_correction`` (docs/async.md)."""
     pool = config.rollout.pool
     if config.trainer.max_staleness and pool is None:
@@ -44,7 +44,7 @@ def check_async(config: Config) -> None:
                          f"pool's {world} workers (rollout.pool = {pool!r})")
 
 
-def check_generation_layout(config: Config, world: int) -> None:
+def check_generation_layout(config: Any, world: int) -> None:
     """``rollout.tensor_parallel_size = tg``: the actor generates at (pg = 1, tg) on its own ranks, so tg must
     divide them, the prompts must split over the world / tg generation replicas, and the model's heads, KV heads,
     intermediate size and vocabulary must split over tg (the training engine's own mesh is checked when the
@@ -77,7 +77,7 @@ def check_generation_layout(config: Config, world: int) -> None:
                              "shards over 2)")
 
 
-def _hf_config_of(model: ModelConfig) -> dict[str, Any] | None:
+def _hf_config_of(model: Any) -> dict[str, Any] | None:
     """The HF config dict of a model section (a preset's, the inline one, or ``path/config.json``), None if unread."""
     if model.config is not None:
         return dict(model.config)
@@ -92,7 +92,7 @@ def _hf_config_of(model: ModelConfig) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
-def check_registered_names(config: Config) -> None:
+def check_registered_names(config: Any) -> None:
     """Engine, algorithm and ``<role>.protocols`` names must exist in the registries (call after loading plugins)."""
     from hybridflow import registries
 
@@ -118,7 +118,7 @@ def check_registered_names(config: Config) -> None:
                 raise ConfigError(f"{key}: {exc}") from None
 
 
-def check_pool_batches(config: Config, sections: dict[str, Any], *, error: type[Exception] = ConfigError) -> None:
+def check_pool_batches(config: Any, sections: dict[str, Any], *, error: type[Exception] = ConfigError) -> None:
     """Every role's batch splits evenly over its own pool: ``{key: section}`` (``key`` as the config names the
     section, e.g. ``critic`` or ``roles.teacher``), each with ``pool`` and ``parallel``.
 
