@@ -1,6 +1,7 @@
 """Helpers over the batch column conventions of :mod:`hybridflow.engines` that every engine and data path shares:
-the teacher-forcing layout of tokenised demonstrations. What the columns mean is :mod:`hybridflow.engines`'; how
-engines compute on them is theirs. Stability: developer.
+the check that a batch has the columns a method reads, position ids of left-padded rows, and the teacher-forcing
+layout of tokenised demonstrations. What the columns mean is :mod:`hybridflow.engines`'; how engines compute on
+them is theirs. Stability: developer.
 """
 
 from __future__ import annotations
@@ -10,8 +11,33 @@ from collections.abc import Sequence
 import torch
 
 from hybridflow.batch import Batch
+from hybridflow.errors import EngineError
 
-__all__ = ["build_teacher_forcing_batch"]
+__all__ = ["require_columns", "compute_position_ids", "position_ids_of", "build_teacher_forcing_batch"]
+
+
+def require_columns(batch: Batch, *columns: str, method: str) -> None:
+    """Raise naming the missing columns of ``batch`` for ``method``."""
+    missing = [column for column in columns if column not in batch]
+    if missing:
+        raise EngineError(
+            f"{method} expects columns {list(columns)}; the batch lacks {missing} (it has {batch.keys()}). "
+            "Pass the output of a rollout engine's generate()."
+        )
+
+
+def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that start at 0 on the first real token of each left-padded row."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def position_ids_of(batch: Batch, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The batch's ``position_ids`` column, or :func:`compute_position_ids` of ``attention_mask`` (the batch's, maybe
+    already moved to the forward's device) when it has none."""
+    if "position_ids" in batch:
+        positions: torch.Tensor = batch["position_ids"]
+        return positions
+    return compute_position_ids(attention_mask)
 
 
 def build_teacher_forcing_batch(examples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], *,

@@ -23,6 +23,17 @@ from hybridflow.rewards import (
 __all__ = ["RewardPool", "RewardEndpoint", "build_reward_function"]
 
 
+# --- what both scorers share ------------------------------------------------------------------------------------
+class _CallableScorer:
+    """The ``__call__`` of a :class:`~hybridflow.rewards.BatchScorer` (a subclass defines ``score``)."""
+
+    def __call__(self, *, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
+                 extra: Sequence[Mapping[str, Any] | None] | None = None) -> list[float]:
+        """As a batched reward function: the scores of :func:`score_responses`, which calls ``score``."""
+        return compute_rule_rewards(self, responses=responses, ground_truths=ground_truths, data_sources=data_sources,
+                                    extra=extra)
+
+
 # --- a pool of worker processes -------------------------------------------------------------------------------
 _WORKER_FUNCTIONS: dict[str, RewardFunction] = {}
 
@@ -48,7 +59,7 @@ def _worker_call(spec: str, key: str, kwargs: dict[str, Any]) -> tuple[bool, Any
         return False, f"{type(exc).__name__}: {exc}"
 
 
-class RewardPool:
+class RewardPool(_CallableScorer):
     """``reward.function`` run in ``num_workers`` spawned processes (``reward.num_workers`` > 0).
 
     The function is given by its spec string and resolved again in each worker, so it must be importable there
@@ -106,12 +117,6 @@ class RewardPool:
         executor.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.join(timeout=5)
-
-    def __call__(self, *, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
-                 extra: Sequence[Mapping[str, Any] | None] | None = None) -> list[float]:
-        """As a batched reward function: the scores of :func:`score_responses` through the pool."""
-        return compute_rule_rewards(self, responses=responses, ground_truths=ground_truths, data_sources=data_sources,
-                                    extra=extra)
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
               extra: list[dict[str, Any] | None] | None, name: str) -> tuple[list[Any], dict[str, float]]:
@@ -194,7 +199,7 @@ class RewardPool:
             raise
 
 
-class RewardEndpoint:
+class RewardEndpoint(_CallableScorer):
     """``reward.endpoint``: the rule reward computed by an HTTP service, one POST per batch (stdlib ``urllib``).
 
     Request JSON: ``{"data_sources", "responses", "ground_truths", "extra_infos"}`` (lists, one entry per response).
@@ -211,12 +216,6 @@ class RewardEndpoint:
 
     def __repr__(self) -> str:
         return f"RewardEndpoint({self.url!r}, timeout_s={self.timeout_s})"
-
-    def __call__(self, *, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
-                 extra: Sequence[Mapping[str, Any] | None] | None = None) -> list[float]:
-        """As a batched reward function: the scores of :func:`score_responses` from the endpoint."""
-        return compute_rule_rewards(self, responses=responses, ground_truths=ground_truths, data_sources=data_sources,
-                                    extra=extra)
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
               extra: list[dict[str, Any] | None] | None, name: str) -> tuple[list[Any], dict[str, float]]:
@@ -237,11 +236,8 @@ class RewardEndpoint:
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             raise RewardError(f"{where} answered HTTP {exc.code} {exc.reason}: {detail}") from exc
-        except TimeoutError as exc:
-            raise RewardError(f"{where} gave no answer within {self.timeout_s:g} s "
-                              f"({self.key.rpartition('.')[0]}.timeout_s) for {count} responses") from exc
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
+        except (TimeoutError, urllib.error.URLError) as exc:
+            if isinstance(exc, TimeoutError) or isinstance(exc.reason, TimeoutError):
                 raise RewardError(f"{where} gave no answer within {self.timeout_s:g} s "
                                   f"({self.key.rpartition('.')[0]}.timeout_s) for {count} responses") from exc
             raise RewardError(f"{where} could not be reached: {exc.reason}") from exc

@@ -10,6 +10,7 @@ import pytest
 from hybridflow.errors import ConfigError
 from hybridflow.testing.chat_tokenizer import save_tiny_chat_model
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 
 def _prompts(path: Path) -> Path:
@@ -30,10 +31,7 @@ def test_grpo_with_multi_turn_rollouts(tmp_path: Path, tiny_config) -> None:  # 
         'rollout.multi_turn.tools=["calculator"]', "rollout.multi_turn.max_turns=3",
         "rollout.multi_turn.max_tokens=80", "trainer.total_steps=2", "trainer.checkpoint_every=0")
     trainer = Trainer(config, progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     assert len(history) == 2
     for metrics in history:
         # the agent path ran: its per-sample metrics are there (a random model rarely calls a tool)

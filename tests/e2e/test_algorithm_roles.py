@@ -10,17 +10,14 @@ from pathlib import Path
 import pytest
 
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 
 DROP = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 
 
 def run(config) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
-    trainer = Trainer(config, progress=False)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return fit_and_close(Trainer(config, progress=False))
 
 
 def built_roles(run_dir: Path) -> set[str]:

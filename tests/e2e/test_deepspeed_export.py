@@ -2,7 +2,7 @@
 directory, reassembled offline in this process (no Ray, no process group), loaded with ``transformers`` as a user
 would load it: it computes the engine's log-probs and equals the trainer's own ``export_hf``.
 
-(The probe helpers mirror tests/e2e/test_export.py's, for the fsdp and megatron engines.)
+(The probe rows and the HF log-probs are tests/e2e/export_probe.py's, as for the fsdp and megatron engines.)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from export_probe import hf_log_probs, probe_batch
 
 from hybridflow.batch import Batch
 from hybridflow.errors import CheckpointError
@@ -27,39 +28,12 @@ pytestmark = [
                        reason="deepspeed is not installed (bash scripts/setup.sh --all)"),
 ]
 
-PROMPTS = ["3+4=", "12+9=", "7+7=", "0+5="]
-
-
-def _probe_batch(tokenizer: Any, version: int) -> Batch:
-    """Left-padded prompts followed by a fixed 3-token response (the same rows for engine and export)."""
-    encoded = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    responses = torch.tensor([[4 + (i + j) % 10 for j in range(3)] for i in range(len(PROMPTS))])
-    input_ids = torch.cat([encoded.input_ids, responses], dim=1)
-    attention_mask = torch.cat([encoded.attention_mask, torch.ones_like(responses)], dim=1)
-    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "responses": responses},
-                 meta={"policy_version": version})
-
-
-def _hf_log_probs(model_dir: Path, batch: Batch) -> torch.Tensor:
-    """Log-probs of the responses computed by the fp32 HF model loaded from ``model_dir``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    mask = batch["attention_mask"]
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids).logits.float()
-    width = batch["responses"].shape[1]
-    log_probs = torch.log_softmax(logits[:, -width - 1:-1], dim=-1)
-    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-
-
 def _train(config: Any, trainer_export: Path) -> dict[str, torch.Tensor | Batch]:
     """Fit ``config``; return the engines' log-probs of the probe rows and write the trainer's own export."""
     trainer = Trainer(config, progress=False)
     try:
         trainer.fit()
-        batch = _probe_batch(trainer.tokenizer, trainer.step)
+        batch = probe_batch(trainer.tokenizer, trainer.step)
         actor = trainer.groups.role("actor")
         out: dict[str, torch.Tensor | Batch] = {
             "batch": batch, "actor": actor.compute_log_probs(batch).get(timeout=120)["old_log_probs"]}
@@ -98,7 +72,7 @@ def test_deepspeed_zero3_export_round_trip(tmp_path: Path, tiny_config) -> None:
     out = tmp_path / "hf"
     assert export_main([str(run_dir), str(out)]) == 0
     _same_weights(out, tmp_path / "trainer_export")
-    log_probs = _hf_log_probs(out, batch)
+    log_probs = hf_log_probs(out, batch, dtype=torch.float32)[0]
     assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
     info = json.loads((out / "hybridflow_export.json").read_text())
     assert (info["step"], info["role"], info["engine"]) == (2, "actor", "deepspeed")
@@ -106,7 +80,7 @@ def test_deepspeed_zero3_export_round_trip(tmp_path: Path, tiny_config) -> None:
     # --step 1: the checkpoint one update earlier holds other weights
     older = tmp_path / "hf_step1"
     assert export_main([str(run_dir), "--step", "1", str(older)]) == 0
-    assert not torch.allclose(_hf_log_probs(older, batch), engine_log_probs, atol=1e-6, rtol=0)
+    assert not torch.allclose(hf_log_probs(older, batch, dtype=torch.float32)[0], engine_log_probs, atol=1e-6, rtol=0)
 
     # a rank's partitions missing: a clear error naming the ranks, not a silently half-filled model
     from hybridflow.export import _role_spec, _run_config
@@ -134,7 +108,7 @@ def test_deepspeed_zero1_and_bf16_zero3_with_frozen_reference_export(  # type: i
     assert isinstance(batch, Batch) and isinstance(engine_log_probs, torch.Tensor)
     assert export_main([str(zero1), str(tmp_path / "zero1_hf")]) == 0
     _same_weights(tmp_path / "zero1_hf", tmp_path / "zero1_trainer_export")
-    log_probs = _hf_log_probs(tmp_path / "zero1_hf", batch)
+    log_probs = hf_log_probs(tmp_path / "zero1_hf", batch, dtype=torch.float32)[0]
     assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
 
     bf16 = tmp_path / "bf16"
@@ -147,5 +121,5 @@ def test_deepspeed_zero1_and_bf16_zero3_with_frozen_reference_export(  # type: i
     assert export_main([str(bf16), "--role", "reference", str(tmp_path / "reference_hf")]) == 0
     batch, reference_log_probs = probes["batch"], probes["reference"]
     assert isinstance(batch, Batch) and isinstance(reference_log_probs, torch.Tensor)
-    log_probs = _hf_log_probs(tmp_path / "reference_hf", batch)
+    log_probs = hf_log_probs(tmp_path / "reference_hf", batch, dtype=torch.float32)[0]
     assert torch.allclose(log_probs, reference_log_probs, atol=1e-6, rtol=0), (log_probs - reference_log_probs)

@@ -11,6 +11,7 @@ import pytest
 
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -20,11 +21,7 @@ pytestmark = [
 
 
 def run(config) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
-    trainer = Trainer(config, progress=False)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return fit_and_close(Trainer(config, progress=False))
 
 
 def mean(values: list[float]) -> float:

@@ -14,36 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from export_probe import hf_log_probs, probe_batch
 
 from hybridflow.batch import Batch
 from hybridflow.export import main as export_main
 from hybridflow.trainer import Trainer
-
-PROMPTS = ["3+4=", "12+9=", "7+7=", "0+5="]
-
-
-def _probe_batch(tokenizer: Any, version: int) -> Batch:
-    """Left-padded prompts followed by a fixed 3-token response (the same rows for engine and export)."""
-    encoded = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    responses = torch.tensor([[4 + (i + j) % 10 for j in range(3)] for i in range(len(PROMPTS))])
-    input_ids = torch.cat([encoded.input_ids, responses], dim=1)
-    attention_mask = torch.cat([encoded.attention_mask, torch.ones_like(responses)], dim=1)
-    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "responses": responses},
-                 meta={"policy_version": version})
-
-
-def _hf_log_probs(model_dir: Path, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs of the responses, full logits) computed by the HF model loaded from ``model_dir``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    mask = batch["attention_mask"]
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids).logits.float()
-    width = batch["responses"].shape[1]
-    log_probs = torch.log_softmax(logits[:, -width - 1:-1], dim=-1)
-    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1), logits
 
 
 def _train_and_probe(config: Any, reference_dir: Path) -> tuple[torch.Tensor, Batch]:
@@ -51,7 +26,7 @@ def _train_and_probe(config: Any, reference_dir: Path) -> tuple[torch.Tensor, Ba
     trainer = Trainer(config, progress=False)
     try:
         trainer.fit()
-        batch = _probe_batch(trainer.tokenizer, trainer.step)
+        batch = probe_batch(trainer.tokenizer, trainer.step)
         actor = trainer.groups.role("actor")
         engine_log_probs = actor.compute_log_probs(batch).get(timeout=120)["old_log_probs"]
         actor.export_hf(str(reference_dir))
@@ -63,8 +38,8 @@ def _train_and_probe(config: Any, reference_dir: Path) -> tuple[torch.Tensor, Ba
 def _check_round_trip(run_dir: Path, out: Path, reference_dir: Path, engine_log_probs: torch.Tensor,
                       batch: Batch) -> None:
     assert export_main([str(run_dir), str(out)]) == 0
-    log_probs, logits = _hf_log_probs(out, batch)
-    _, reference_logits = _hf_log_probs(reference_dir, batch)
+    log_probs, logits = hf_log_probs(out, batch)
+    _, reference_logits = hf_log_probs(reference_dir, batch)
     assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
     assert torch.allclose(logits, reference_logits, atol=1e-6, rtol=0)
     info = json.loads((out / "hybridflow_export.json").read_text())
@@ -96,7 +71,7 @@ def test_fsdp_export_round_trip_and_errors(tmp_path: Path, tiny_config, capsys) 
     # --step picks an older checkpoint (one update earlier: other weights)
     older = tmp_path / "hf_step1"
     assert export_main([str(run_dir), "--step", "1", str(older)]) == 0
-    step1, _ = _hf_log_probs(older, batch)
+    step1, _ = hf_log_probs(older, batch)
     assert not torch.allclose(step1, engine_log_probs, atol=1e-6, rtol=0)
 
     # clear errors: bad step, unknown role, non-empty output, no checkpoint, not a run directory

@@ -15,6 +15,7 @@ import torch
 
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 PRESET = "tiny-qwen2-4h"  # 4 heads / 2 KV heads, vocabulary 48: shards over tg = 2
 
@@ -58,10 +59,7 @@ def test_greedy_generation_at_tg2_equals_tg1_and_bytes_meet_the_lower_bound(tmp_
         config = tiny_config(run_dir, "trainer.total_steps=2", "trainer.checkpoint_every=0", "trainer.seed=0",
                              f"model.preset={PRESET}", f"rollout.tensor_parallel_size={tensor}")
         responses[tensor], trainer = _greedy(config)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        fit_and_close(trainer)
         _check_ledger(run_dir, tensor, model_bytes, norm_bytes)
         manifest = json.loads((run_dir / "manifest.json").read_text())
         assert manifest["protocols"]["actor.generate"] == "generation_mesh"
@@ -75,10 +73,7 @@ def test_grpo_learns_generating_at_tg2(tmp_path: Path, tiny_config, preset_weigh
     trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=40", "trainer.checkpoint_every=0",
                                   "trainer.seed=0", f"model.preset={PRESET}", "rollout.tensor_parallel_size=2"),
                       progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     rewards = [m["reward/mean"] for m in history]
     # measured on seed 0: 0.022 (first 10 steps) → 0.15 (last 10)
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05, rewards
@@ -89,10 +84,7 @@ def test_stream_handover_is_labelled_gather_without_a_lower_bound(tmp_path: Path
     """``actor.extra.handover=stream`` stays selectable; the ledger does not call its computed bytes a reshard."""
     trainer = Trainer(tiny_config(tmp_path / "stream", "trainer.total_steps=1", "trainer.checkpoint_every=0",
                                   "actor.extra.handover=stream"), progress=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit_and_close(trainer)
     (row,) = read_ledger(tmp_path / "stream")
     edge = next(e for e in row["edges"] if e["target"] == "actor.rollout_engine")
     assert edge["protocol"] == "gather" and "lower_bound_bytes" not in edge, edge
@@ -105,9 +97,6 @@ def test_one_iteration_at_tg2_moves_the_lower_bound_and_holds_no_second_copy(tmp
     model_bytes, norm_bytes = preset_weight_bytes(PRESET)
     trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=1", "trainer.checkpoint_every=0",
                                   f"model.preset={PRESET}", "rollout.tensor_parallel_size=2"), progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     assert history[-1]["actor/policy_version"] == 1.0 and history[-1]["response/length_mean"] > 0
     _check_ledger(tmp_path / "run", 2, model_bytes, norm_bytes)

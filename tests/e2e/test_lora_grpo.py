@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from export_probe import PROMPTS, hf_log_probs
 
 from hybridflow.batch import Batch
 from hybridflow.export import main as export_main
@@ -22,7 +23,6 @@ REWARD = '''
 def digit_share(*, responses, ground_truths, data_sources, extra=None):
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 '''
-PROMPTS = ["3+4=", "12+9=", "7+7=", "0+5="]
 STEPS = 16
 # mean reward of the first 4 steps → of the last 8, lr 0.1, rank 8 (all-linear), measured on trainer.seed 0, 1, 2:
 #   0.238 → 0.301, 0.262 → 0.318, 0.254 → 0.315   (rises 0.063, 0.056, 0.061; the test runs seed 0)
@@ -34,19 +34,6 @@ def _prompts(tokenizer: Any, version: int) -> Batch:
     encoded = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     return Batch({"input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask},
                  meta={"policy_version": version, "iteration": version})
-
-
-def _hf_log_probs(model_dir: Path, batch: Batch) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    mask = batch["attention_mask"]
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=mask,
-                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
-    width = batch["responses"].shape[1]
-    log_probs = torch.log_softmax(logits[:, -width - 1:-1], dim=-1)
-    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
 @pytest.mark.slow  # one 16-step trainer run and an export: ~40 CPU-seconds
@@ -97,7 +84,7 @@ def test_grpo_learns_with_lora_and_exports_the_merged_model(tmp_path: Path, tiny
                                                                           "model.safetensors")
     assert exported.keys() == reference.keys() and not any("lora" in name for name in exported)
     assert all(torch.equal(exported[name], reference[name]) for name in exported)
-    log_probs = _hf_log_probs(out, generated)
+    log_probs = hf_log_probs(out, generated)[0]
     gap = (log_probs[mask] - engine_log_probs[mask]).abs().max()
     assert gap < 1e-5, gap
     assert json.loads((out / "hybridflow_export.json").read_text())["step"] == STEPS

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 pytestmark = [
     pytest.mark.megatron,
@@ -18,11 +19,7 @@ pytestmark = [
 
 
 def run(config) -> list[dict[str, float]]:
-    trainer = Trainer(config, progress=False)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return fit_and_close(Trainer(config, progress=False))
 
 
 def test_grpo_with_megatron_actor_learns(tmp_path: Path, tiny_config) -> None:

@@ -8,14 +8,11 @@ from pathlib import Path
 import pytest
 
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 
 def run(config) -> list[dict[str, float]]:
-    trainer = Trainer(config, progress=False)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return fit_and_close(Trainer(config, progress=False))
 
 
 @pytest.mark.slow  # two 1-step trainer runs (~30 CPU-seconds with their workers)

@@ -15,6 +15,7 @@ import yaml
 from hybridflow.config import load_config
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
@@ -38,11 +39,7 @@ def run_placement(run_dir: Path, pools_of: dict[str, str]) -> Path:
     config = load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", *PPO,
                                    f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}",
                                    *(f"{section}.pool={pool}" for section, pool in pools_of.items())])
-    trainer = Trainer(config, progress=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit_and_close(Trainer(config, progress=False))
     return run_dir
 
 

@@ -18,6 +18,7 @@ from hybridflow.placement.autoparallel import LayoutPlanner
 from hybridflow.placement.record import retime_plan
 from hybridflow.testing.fixtures import tiny_model_config
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
 
@@ -56,10 +57,7 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
         "actor.kl_loss_coef=0.001", "reward.model={preset: tiny-qwen2}",
         "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0"])
     trainer = Trainer(config, progress=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit_and_close(trainer)
     assert (run_dir / "plan.json").read_bytes() == (plan_dir / "plan.json").read_bytes()
     # the trainer's own check after step 1 of 2 (none after the last), with transition costs measured on this run
     in_run = [json.loads(line) for line in (run_dir / "advisor.jsonl").read_text().splitlines()]

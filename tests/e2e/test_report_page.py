@@ -21,6 +21,7 @@ import pytest
 from hybridflow.report import main as report_main
 from hybridflow.tasks.arithmetic import arithmetic_reward
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.rollouts import read_rollouts
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
@@ -90,11 +91,7 @@ def test_rollouts_and_report_page_render_in_a_browser(tmp_path: Path, tiny_confi
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, "trainer.total_steps=2", "trainer.checkpoint_every=0", "trainer.log_rollouts=3",
                          "trainer.val_every=2", "data.task.num_val_prompts=4")
-    trainer = Trainer(config, progress=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit_and_close(Trainer(config, progress=False))
 
     samples = read_rollouts(run_dir)
     assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1]

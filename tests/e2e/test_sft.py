@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridflow.config import load_config
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 from hybridflow.trainer.sft import HF_DIR, SFTTrainer, load_sft_config
 
@@ -24,10 +25,7 @@ def _sft(run_dir: Path, *overrides: str) -> tuple[SFTTrainer, Path]:
     config = load_sft_config(SFT_EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.tensorboard=false",
                                            "trainer.progress=false", *overrides])
     trainer = SFTTrainer(config)
-    try:
-        target = trainer.fit()
-    finally:
-        trainer.close()
+    target = fit_and_close(trainer)
     return trainer, target
 
 
@@ -76,10 +74,7 @@ def test_grpo_from_sft_raises_held_out_greedy_accuracy(tmp_path: Path) -> None:
     config = load_config(GRPO_EXAMPLE, [f"model.path={target}", f"trainer.run_dir={tmp_path / 'rl'}",
                                         "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
     trainer = Trainer(config, progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     validated = trainer.validation_history
     curve = [(int(row["step"]), row[ACC]) for row in validated]
     start = validated[0][ACC]

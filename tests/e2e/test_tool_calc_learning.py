@@ -18,6 +18,7 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.tasks.tool_calc import save_tool_calc_model
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.sft import SFTTrainer, load_sft_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -31,10 +32,7 @@ def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"model.path={init}", f"trainer.run_dir={root / 'sft'}", "trainer.progress=false",
         "trainer.tensorboard=false", "trainer.total_steps=200"])
     trainer = SFTTrainer(config, progress=False)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return fit_and_close(trainer)
 
 
 @pytest.mark.slow  # ~10 min on a loaded 2-core box: 200 SFT steps, 16 GRPO steps of 64 conversations
@@ -50,10 +48,7 @@ def test_grpo_raises_tool_use_and_reward(sft_model: Path, tmp_path: Path, engine
         "trainer.total_steps=16", "trainer.val_every=0", "trainer.val_n=8", "trainer.checkpoint_every=0",
         "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
     trainer = Trainer(config, progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     tool_rate = [metrics["tool_call_counts/mean"] for metrics in history]
     reward = [metrics["reward/mean"] for metrics in history]
     assert mean(tool_rate[-4:]) >= tool_rate[0] + 0.1, tool_rate

@@ -8,17 +8,14 @@ from pathlib import Path
 import pytest
 
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 
 TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 
 
 def _run(config) -> None:  # type: ignore[no-untyped-def]
-    trainer = Trainer(config, progress=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit_and_close(Trainer(config, progress=False))
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 from example_scripts import load_example_script
 from hybridflow.config import load_config
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,10 +35,7 @@ def test_grpo_on_the_verl_example_with_its_reward_file_unchanged(tmp_path: Path)
     assert config.reward.function is not None and config.reward.function.endswith(
         "examples/verl_gsm8k/gsm8k_reward.py:compute_score")  # the shipped file, resolved next to the YAML
     trainer = Trainer(config, progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     assert len(history) == 2
     for metrics in history:
         # the file's dict return: score is the reward, the other keys are logged as they are

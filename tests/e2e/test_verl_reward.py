@@ -11,6 +11,7 @@ import yaml
 
 from hybridflow.config import load_config
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_arithmetic_scratch.yaml"
@@ -35,10 +36,7 @@ def test_grpo_with_a_verl_reward_file(tmp_path: Path) -> None:
         f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
         "trainer.total_steps=2", "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1",
         "data.task.num_val_prompts=0"]), progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     assert len(history) == 2
     for metrics in history:
         assert metrics["reward/extra/acc"] == metrics["reward/mean"]

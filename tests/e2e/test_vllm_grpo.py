@@ -9,6 +9,7 @@ import pytest
 
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.cli import fit_and_close
 
 pytestmark = [
     pytest.mark.vllm,
@@ -21,10 +22,7 @@ pytestmark = [
 def test_grpo_with_vllm_rollout_learns(tmp_path: Path, tiny_config) -> None:
     trainer = Trainer(tiny_config(tmp_path / "v", "rollout.engine=vllm", "trainer.total_steps=40",
                                   "trainer.checkpoint_every=0"), progress=False)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
+    history = fit_and_close(trainer)
     rewards = [m["reward/mean"] for m in history]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.02, rewards
     ledger = read_ledger(tmp_path / "v")

@@ -2,12 +2,12 @@
 
 A call runs the method's transfer protocol in the driver, stores only what each rank needs, and returns the
 collected value or a ``BatchFuture``; what the roles compute, and when to restart after a failure, is the caller's.
+The ``group.<role>.<method>`` handles live in :mod:`hybridflow.controller.handles` (re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import time
 from collections.abc import Callable, Mapping
@@ -20,13 +20,14 @@ from ray.exceptions import GetTimeoutError, RayError
 from hybridflow.batch import Batch, check_versions
 from hybridflow.controller.decorator import Dispatch, dispatch_of
 from hybridflow.controller.future import BatchFuture, CallHandle
+from hybridflow.controller.handles import BoundMethod, RoleHandle, check_protocol_overrides, registered_methods
 from hybridflow.controller.host import FetchArg, RankPayload, WorkerHost
 from hybridflow.controller.pool import ResourcePool
 from hybridflow.controller.records import CallObserver
 from hybridflow.controller.runtime import is_local_ray
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.engines import MeshInfo
-from hybridflow.errors import ConfigError, UnknownNameError, WorkerError
+from hybridflow.errors import ConfigError, WorkerError
 from hybridflow.transfer import get_protocol
 from hybridflow.transfer.protocol import TransferContext
 
@@ -36,79 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup", "RoleHandle", "BoundMethod"]
 
 _group_ids = itertools.count()
-
-
-class BoundMethod:
-    """``group.<role>.<method>``: calling it dispatches through the method's protocol."""
-
-    def __init__(self, group: WorkerGroup, role: str, name: str, dispatch: Dispatch, deadline_s: float | None = None):
-        self._group, self._role, self._name, self._dispatch, self._deadline_s = group, role, name, dispatch, deadline_s
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._group._invoke(self._role, self._name, self._dispatch, args, kwargs, deadline_s=self._deadline_s)
-
-    def submit(self, *args: Any, **kwargs: Any) -> BatchFuture:
-        """Dispatch now and return the call's future without waiting, even for a method declared blocking (an
-        update): ``future.get()`` later returns what calling it would have. Calls to other pools run meanwhile."""
-        future: BatchFuture = self._group._invoke(self._role, self._name, self._dispatch, args, kwargs,
-                                                  deadline_s=self._deadline_s, wait=False)
-        return future
-
-    def with_deadline(self, seconds: float) -> BoundMethod:
-        """The same method with its own deadline for the next calls."""
-        return BoundMethod(self._group, self._role, self._name, self._dispatch, seconds)
-
-    @property
-    def dispatch(self) -> Dispatch:
-        return self._dispatch
-
-
-class RoleHandle:
-    """``group.<role>``: the registered methods of one role, reached by attribute."""
-
-    def __init__(self, group: WorkerGroup, role: str, cls: type) -> None:
-        self._group, self._role, self._cls = group, role, cls
-
-    def __getattr__(self, name: str) -> BoundMethod:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        dispatch = self._group.dispatch_for(self._role, name)
-        if dispatch is None:
-            declared = ", ".join(_registered_methods(self._cls)) or "(none)"
-            raise AttributeError(
-                f'role "{self._role}" ({self._cls.__name__}) has no method "{name}" declared with @register; '
-                f"declared: {declared}. Fix: decorate the method with @register(protocol=...)"
-            )
-        return BoundMethod(self._group, self._role, name, dispatch)
-
-
-def _registered_methods(cls: type) -> list[str]:
-    return sorted(name for name, value in inspect.getmembers(cls) if dispatch_of(value) is not None)
-
-
-def _protocol_overrides(roles: Mapping[str, type],
-                        protocols: Mapping[str, Mapping[str, str]]) -> dict[tuple[str, str], Dispatch]:
-    """Check ``{role: {method: protocol}}`` against the roles' registered methods and the protocol registry."""
-    overrides: dict[tuple[str, str], Dispatch] = {}
-    for role, methods in protocols.items():
-        if role not in roles:
-            raise ConfigError(f"protocols name role {role!r}, which is not in this group; expected one of "
-                              f"{sorted(roles)}")
-        declared = _registered_methods(roles[role])
-        for method, name in methods.items():
-            if method not in declared:
-                raise ConfigError(
-                    f'protocols.{method} of role "{role}": {roles[role].__name__} has no method "{method}" declared '
-                    f"with @register; expected one of {', '.join(declared) or '(none)'}"
-                )
-            try:
-                get_protocol(name)
-            except UnknownNameError as exc:
-                raise ConfigError(f'protocols.{method} of role "{role}": {exc}') from exc
-            dispatch = dispatch_of(getattr(roles[role], method))
-            assert dispatch is not None  # declared above
-            overrides[(role, method)] = replace(dispatch, protocol=name)
-    return overrides
 
 
 class WorkerGroup:
@@ -155,13 +83,13 @@ class WorkerGroup:
                 raise ConfigError(f"role name {role!r} must be an identifier not shadowing a WorkerGroup attribute")
             if not isinstance(cls, type):
                 raise ConfigError(f'role "{role}" must be a class, got {type(cls).__name__}')
-            for method in _registered_methods(cls):
+            for method in registered_methods(cls):
                 dispatch = dispatch_of(getattr(cls, method))
-                if dispatch is not None:  # always: _registered_methods lists the registered methods
+                if dispatch is not None:  # always: registered_methods lists the registered methods
                     get_protocol(dispatch.protocol)  # unknown protocol fails here, listing known
         if deadline_s <= 0:
             raise ConfigError(f"deadline_s must be positive seconds, got {deadline_s}")
-        self._overrides = _protocol_overrides(roles, protocols or {})
+        self._overrides = check_protocol_overrides(roles, protocols or {})
         self.pool = pool
         self.name = name or f"group{next(_group_ids)}"
         self.roles = roles
@@ -313,7 +241,7 @@ class WorkerGroup:
         """``"role.method"`` → the protocol each registered method of this group runs with (overrides applied)."""
         out = {}
         for role, cls in self.roles.items():
-            for method in _registered_methods(cls):
+            for method in registered_methods(cls):
                 dispatch = self.dispatch_for(role, method)
                 assert dispatch is not None  # registered methods have one
                 out[f"{role}.{method}"] = dispatch.protocol

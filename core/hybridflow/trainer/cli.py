@@ -6,13 +6,30 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from hybridflow.errors import HybridflowError
 
-__all__ = ["main", "run_guarded", "validation_lines"]
+__all__ = ["main", "run_guarded", "fit_and_close", "validation_lines"]
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Fittable(Protocol[T_co]):
+    """A run that ``fit()``s and then must ``close()`` (its workers and pools): a Trainer or an SFTTrainer."""
+
+    def fit(self) -> T_co: ...
+
+    def close(self) -> None: ...
+
+
+def fit_and_close(trainer: Fittable[T]) -> T:
+    """``trainer.fit()``, closing the trainer whatever happens (an error, Ctrl-C)."""
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
 
 def run_guarded(command: str, run: Callable[[], T], *, interrupted: str) -> tuple[int, T | None]:
@@ -55,10 +72,7 @@ def main(argv: list[str]) -> int:
 
     def run() -> tuple[Trainer, list[dict[str, float]]]:
         trainer = Trainer(load_config(config_path, overrides), progress=not args.no_progress)
-        try:
-            return trainer, trainer.fit()
-        finally:
-            trainer.close()
+        return trainer, fit_and_close(trainer)
 
     code, result = run_guarded("hybridflow train", run, interrupted="interrupted; the last checkpoint is intact")
     if result is None:

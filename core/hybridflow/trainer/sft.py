@@ -285,7 +285,7 @@ def main(argv: list[str]) -> int:
     """``hybridflow sft CONFIG.yaml [dotted.key=value ...]``."""
     import argparse
 
-    from hybridflow.trainer.cli import run_guarded, validation_lines
+    from hybridflow.trainer.cli import fit_and_close, run_guarded, validation_lines
 
     parser = argparse.ArgumentParser(prog="hybridflow sft", description=(
         "Supervised fine-tuning (masked response-token NLL) with the FSDP training engine; writes RUN_DIR/hf, an HF "
@@ -297,10 +297,7 @@ def main(argv: list[str]) -> int:
 
     def run() -> tuple[SFTTrainer, Path]:
         trainer = SFTTrainer(load_sft_config(args.config, args.overrides), progress=not args.no_progress)
-        try:
-            return trainer, trainer.fit()
-        finally:
-            trainer.close()
+        return trainer, fit_and_close(trainer)
 
     code, result = run_guarded("hybridflow sft", run, interrupted="interrupted; no model was written")
     if result is None:

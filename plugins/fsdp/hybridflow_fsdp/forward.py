@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from hybridflow.batch import Batch
-from hybridflow.errors import EngineError
-from hybridflow_fsdp.models import compute_position_ids
+from hybridflow.columns import position_ids_of, require_columns
 
 __all__ = [
     "require_columns",
@@ -23,16 +22,6 @@ __all__ = [
 ]
 
 
-def require_columns(batch: Batch, *columns: str, method: str) -> None:
-    """Raise naming the missing columns of ``batch`` for ``method``."""
-    missing = [column for column in columns if column not in batch]
-    if missing:
-        raise EngineError(
-            f"{method} expects columns {list(columns)}; the batch lacks {missing} (it has {batch.keys()}). "
-            "Pass the output of a rollout engine's generate()."
-        )
-
-
 def response_length(batch: Batch) -> int:
     """R: the width of ``responses``."""
     return int(batch["responses"].shape[1])
@@ -41,7 +30,7 @@ def response_length(batch: Batch) -> int:
 def model_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
     """``input_ids``, ``attention_mask`` and ``position_ids`` (computed when absent) on ``device``."""
     attention_mask = batch["attention_mask"].to(device)
-    position_ids = batch["position_ids"] if "position_ids" in batch else compute_position_ids(attention_mask)
+    position_ids = position_ids_of(batch, attention_mask)
     return {
         "input_ids": batch["input_ids"].to(device),
         "attention_mask": attention_mask,

@@ -11,6 +11,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from hybridflow.columns import compute_position_ids  # re-exported: the fsdp modules import it from here
 from hybridflow.engines import ModelSpec
 from hybridflow.errors import ConfigError
 
@@ -86,9 +87,3 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
             "other architectures need their own wrap policy"
         )
     return list(layers)
-
-
-def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that start at 0 on the first real token of each left-padded row."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-

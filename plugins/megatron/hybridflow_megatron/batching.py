@@ -1,5 +1,6 @@
-"""Batch plumbing of the megatron engine: column checks, row padding to the data-parallel size, and the inputs of
-megatron's GPTModel forward (positions, a boolean causal+padding mask). Stability: developer.
+"""Batch plumbing of the megatron engine: row padding to the data-parallel size and the inputs of megatron's GPTModel
+forward (positions, a boolean causal+padding mask); the column check is the core's
+(:func:`hybridflow.columns.require_columns`, re-exported). Stability: developer.
 """
 
 from __future__ import annotations
@@ -7,18 +8,9 @@ from __future__ import annotations
 import torch
 
 from hybridflow.batch import PADDING_KEY, Batch
-from hybridflow.errors import EngineError
+from hybridflow.columns import position_ids_of, require_columns
 
 __all__ = ["require_columns", "pad_rows", "attention_inputs"]
-
-
-def require_columns(batch: Batch, *columns: str, method: str) -> None:
-    missing = [column for column in columns if column not in batch]
-    if missing:
-        raise EngineError(
-            f"{method} expects columns {list(columns)}; the batch lacks {missing} (it has {batch.keys()}). "
-            "Pass the output of a rollout engine's generate()."
-        )
 
 
 def pad_rows(batch: Batch, multiple: int) -> Batch:
@@ -35,7 +27,7 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
 def attention_inputs(micro: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, position_ids, bool attention mask [B, 1, S, S] with True = masked: causal or padding key)."""
     attention = micro["attention_mask"].to(device)
-    positions = micro["position_ids"] if "position_ids" in micro else (attention.long().cumsum(-1) - 1).clamp(min=0)
+    positions = position_ids_of(micro, attention)
     length = attention.shape[1]
     causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)
     mask = causal[None, None] | (attention == 0)[:, None, None, :]
