@@ -5,8 +5,11 @@ moved by the planner's ``hybridflow`` plan (built once per target layout, then r
 what it lacks: the lower bound. ZeRO-1/2 keep the full parameters on every rank, so the tg = 1 target is already
 held: the weights are yielded without communication and 0 bytes received is the lower bound. At generation
 tensor-parallel size tg > 1 (the trainer's ``rollout.tensor_parallel_size``) every stage goes through the planner to
-the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``.
-Planning and moving bytes belong to :mod:`hybridflow.resharding`. Stability: public.
+the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``. With
+``park=True`` (ZeRO-3, the actor worker's path) the ``ds_tensor`` partitions' storage is released while the
+generation shards hold every byte of it (tg = 1) and unpacked back from them bit for bit afterwards
+(:class:`hybridflow.resharding.StorageParking`). Planning and moving bytes belong to :mod:`hybridflow.resharding`.
+Stability: public.
 """
 
 from __future__ import annotations
