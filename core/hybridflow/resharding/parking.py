@@ -10,7 +10,7 @@ that are views into it have been made copies). Stability: public.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +73,9 @@ class StorageParking:
 
     ``shards``: the training shards handed to the executor, by source name; ``others``: every other tensor that may
     share their storages (e.g. a tied copy the handover skips): a storage holding one of them is never released.
+    Where a shard is a packed copy of what the engine stores (DeepSpeed's ZeRO-3 flat partitions), ``storages`` gives
+    by name the tensor whose storage parks and ``write_back(name, shard)`` puts a shard rebuilt from its homes back
+    into it; no reference to the packed copies is kept.
     Pass :meth:`on_release` as ``execute_reshard(..., on_release=...)`` and the executor's targets to :meth:`finish`;
     :meth:`restore` brings every parked storage back. Views (``views=True``) are fine: a storage some targets view
     is released in :meth:`finish` only when at least one of its shards was copied out (its viewing targets are made
@@ -80,22 +83,27 @@ class StorageParking:
     """
 
     def __init__(self, plan: ReshardPlan, rank: int, shards: Mapping[str, torch.Tensor], *,
-                 others: Iterable[torch.Tensor] = ()) -> None:
+                 others: Iterable[torch.Tensor] = (), storages: Mapping[str, torch.Tensor] | None = None,
+                 write_back: Callable[[str, torch.Tensor], None] | None = None) -> None:
         homes = parking_homes(plan, rank)
         blocked = {_key(t) for t in others if t.untyped_storage().nbytes()}
-        storages: dict[tuple[str, int], _Storage] = {}
-        for name, tensor in shards.items():
+        owners = shards if storages is None else storages
+        by_key: dict[tuple[str, int], _Storage] = {}
+        for name in shards:
+            tensor = owners[name]
             if not tensor.untyped_storage().nbytes():
                 continue
-            slot = storages.setdefault(_key(tensor), _Storage(owner=tensor, members=set()))
+            slot = by_key.setdefault(_key(tensor), _Storage(owner=tensor, members=set()))
             slot.members.add(name)
         self._homes = homes
-        self._shards = dict(shards)
-        self._storages = {key: slot for key, slot in storages.items()
+        self._write_back = write_back
+        self._shards = dict(shards) if write_back is None else {}
+        self._meta = {name: (tuple(t.shape), t.dtype, t.device) for name, t in shards.items()}
+        self._storages = {key: slot for key, slot in by_key.items()
                           if key not in blocked and all(name in homes for name in slot.members)}
         self._by_name = {name: slot for slot in self._storages.values() for name in slot.members}
-        self._restore: list[tuple[_Storage, list[tuple[torch.Tensor, tuple[slice, ...], torch.Tensor,
-                                                       tuple[slice, ...]]]]] = []
+        self._restore: list[tuple[_Storage, list[tuple[str, list[tuple[tuple[slice, ...], torch.Tensor,
+                                                                      tuple[slice, ...]]]]]]] = []
 
     @property
     def parked_bytes(self) -> int:
@@ -129,10 +137,9 @@ class StorageParking:
             self._release(slot)
         for slot in self._storages.values():
             if slot.nbytes:
-                places = [(self._shards[name], home.source_slices, targets[home.target], home.target_slices)
-                          for name in sorted(slot.members) for home in self._homes[name]]
+                places = [(name, [(home.source_slices, targets[home.target], home.target_slices)
+                                  for home in self._homes[name]]) for name in sorted(slot.members)]
                 self._restore.append((slot, places))
-        self._shards.clear()
         return self.parked_bytes
 
     def restore(self) -> int:
@@ -145,8 +152,14 @@ class StorageParking:
                 storage = slot.owner.untyped_storage()
                 storage.resize_(slot.nbytes)
                 torch.empty(0, dtype=torch.uint8, device=slot.owner.device).set_(storage).zero_()
-                for shard, source_slices, home, target_slices in places:
-                    shard[source_slices].copy_(home[target_slices])
+                for name, homes in places:
+                    shape, dtype, device = self._meta[name]
+                    shard = self._shards[name] if self._write_back is None else torch.zeros(
+                        shape, dtype=dtype, device=device)
+                    for source_slices, home, target_slices in homes:
+                        shard[source_slices].copy_(home[target_slices])
+                    if self._write_back is not None:
+                        self._write_back(name, shard)
                 restored += slot.nbytes
                 slot.nbytes = 0
                 del places

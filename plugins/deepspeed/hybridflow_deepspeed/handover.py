@@ -5,8 +5,11 @@ moved by the planner's ``hybridflow`` plan (built once per target layout, then r
 what it lacks: the lower bound. ZeRO-1/2 keep the full parameters on every rank, so the tg = 1 target is already
 held: the weights are yielded without communication and 0 bytes received is the lower bound. At generation
 tensor-parallel size tg > 1 (the trainer's ``rollout.tensor_parallel_size``) every stage goes through the planner to
-the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``.
-Planning and moving bytes belong to :mod:`hybridflow.resharding`. Stability: public.
+the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``. With
+``park=True`` (ZeRO-3, the actor worker's path) the ``ds_tensor`` partitions' storage is released while the
+generation shards hold every byte of it (tg = 1) and unpacked back from them bit for bit afterwards
+(:class:`hybridflow.resharding.StorageParking`). Planning and moving bytes belong to :mod:`hybridflow.resharding`.
+Stability: public.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from hybridflow.resharding import (
     ModelLayout,
     ParallelLayout,
     ReshardPlan,
+    StorageParking,
     build_tensor_parallel_layout,
     execute_reshard,
     lower_bound_bytes,
     plan_reshard,
 )
 from hybridflow.resharding.specs import ParamShardSpec
-from hybridflow_deepspeed.layouts import build_deepspeed_training_layout, pack_partition
+from hybridflow_deepspeed.layouts import build_deepspeed_training_layout, pack_partition, unpack_partition
 
 if TYPE_CHECKING:
     from hybridflow_deepspeed.training import DeepSpeedTrainingEngine
@@ -49,6 +53,7 @@ class HandoverStats:
     ``path="reshard"``: ZeRO-3 partitions moved by ``execute_reshard``; ``bytes_received``/``bytes_sent`` are counted
     from the buffers the executor moved. ``path="replicated"``: ZeRO-1/2, every parameter already whole here, nothing
     moved. ``lower_bound_bytes`` is what this rank had to receive at least (target shards minus what it held).
+    ``parked_bytes``: ZeRO-3 partition storage released while generating (``park=True``).
     """
 
     rank: int
@@ -62,6 +67,7 @@ class HandoverStats:
     peak_extra_bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    parked_bytes: int = 0
 
 
 def _layout_key(layout: ModelLayout) -> Hashable:
@@ -76,6 +82,30 @@ class WeightHandover:
         self.bucket_bytes = bucket_bytes
         self._source: ModelLayout | None = None
         self._plans: dict[Hashable, ReshardPlan] = {}
+        self._parking: StorageParking | None = None
+
+    @property
+    def parked_bytes(self) -> int:
+        """ZeRO-3 partition bytes released now (parked in generation shards); 0 when everything is home."""
+        return 0 if self._parking is None else self._parking.parked_bytes
+
+    def restore(self) -> int:
+        """Give the partitions parked by ``reshard(park=True)`` their storage back, bit for bit, from the generation
+        shards holding them; returns the bytes restored (0: nothing was parked)."""
+        parking, self._parking = self._parking, None
+        return 0 if parking is None else parking.restore()
+
+    def _parking_for(self, plan: ReshardPlan, shards: dict[str, torch.Tensor]) -> StorageParking:
+        """ZeRO-3: park the ``ds_tensor`` partitions (the optimizer's flat buffer behind all of them, for a trained
+        role) that ``shards`` were packed from; restore unpacks each rebuilt shard into its partition."""
+        engine, source = self._engine, self.source_layout()
+        partitions = {name: p.ds_tensor for name, p in engine.module.named_parameters()  # type: ignore[attr-defined]
+                      if name in shards}
+
+        def write_back(name: str, shard: torch.Tensor) -> None:
+            unpack_partition(shard, partitions[name].view(-1), source.params[name], source.mesh, engine.rank)
+
+        return StorageParking(plan, engine.rank, shards, storages=partitions, write_back=write_back)
 
     def source_layout(self) -> ModelLayout:
         """The engine's ZeRO layout over its data-parallel ranks (built once)."""
@@ -123,38 +153,50 @@ class WeightHandover:
                 shards[name] = pack_partition(partition.detach().view(-1), spec, source.mesh, engine.rank)
         return shards
 
-    def reshard(self, target: ModelLayout, *, name: str = "layout") -> dict[str, torch.Tensor]:
+    def reshard(self, target: ModelLayout, *, name: str = "layout", park: bool = False) -> dict[str, torch.Tensor]:
         """This rank's shards of ``target`` (a layout over ``GenerationLayout(..., training=<source mesh>)``);
-        a collective over all ranks. Sets the engine's ``last_handover_stats``."""
+        a collective over all ranks. Sets the engine's ``last_handover_stats``. ``park`` (ZeRO-3): the partitions'
+        storage is released once the generation shards hold every byte of it (tg = 1: the full model) until the
+        engine's ``end_generation()`` or next forward; do not write into the shards until then."""
         engine = self._engine
+        self.restore()  # a previous handover's parked partitions come home before anything reads them
         started = time.perf_counter()
         plan = self.plan_for(target)
+        local = self.local_shards()
+        parking = self._parking_for(plan, local) if park and engine.options.zero_stage == 3 else None
         with torch.no_grad():
-            shards, stats = execute_reshard(plan, self.local_shards(), rank=engine.rank)
+            shards, stats = execute_reshard(plan, local, rank=engine.rank,
+                                            on_release=None if parking is None else parking.on_release)
+            parked = 0 if parking is None else parking.finish(shards)
+        if parking is not None and parked:
+            self._parking = parking
         engine.last_handover_stats = HandoverStats(
             rank=engine.rank, path="reshard", target=name, tensors=len(shards), bytes_received=stats.bytes_received,
             bytes_sent=stats.bytes_sent, lower_bound_bytes=plan.lower_bound_bytes(engine.rank),
             bytes_total=stats.target_bytes, peak_extra_bytes=stats.peak_extra_bytes, buckets=stats.buckets,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started, parked_bytes=parked,
         )
         return shards
 
-    def full_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
-        """Full Hugging Face-named weights on every rank (tg = 1), tied weights once; a collective under ZeRO-3."""
+    def full_weights(self, *, target: str = "hf", park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full Hugging Face-named weights on every rank (tg = 1), tied weights once; a collective under ZeRO-3.
+        ``park``: see :meth:`reshard` (ZeRO-1/2 yield the parameters themselves: nothing to park)."""
         if target not in TARGETS:
             raise ConfigError(f"generation_weights target must be one of {list(TARGETS)}; got {target!r}")
         engine = self._engine
         if engine.options.zero_stage == 3:
-            return iter(self.reshard(self.generation_layout(), name=target).items())
+            return iter(self.reshard(self.generation_layout(), name=target, park=park).items())
         return self._replicated(target)
 
-    def shard_weights(self, *, target: str = "hf", tensor: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def shard_weights(self, *, target: str = "hf", tensor: int,
+                      park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's tensor-parallel shards of generation layout (pg = 1, tg = ``tensor``), Hugging Face-named;
         moved by the planner (a collective over all ranks, under every ZeRO stage: ZeRO-1/2 ranks hold the
-        parameters whole and receive nothing)."""
+        parameters whole and receive nothing). ``park``: see :meth:`reshard` (a trained role's flat partition
+        buffer parks only if every partition lies in this rank's shards, which row-parallel weights prevent)."""
         if target not in TARGETS:
             raise ConfigError(f"generation_weights target must be one of {list(TARGETS)}; got {target!r}")
-        return iter(self.reshard(self.generation_layout(tensor=tensor), name=target).items())
+        return iter(self.reshard(self.generation_layout(tensor=tensor), name=target, park=park).items())
 
     def _replicated(self, target: str) -> Iterator[tuple[str, torch.Tensor]]:
         engine = self._engine

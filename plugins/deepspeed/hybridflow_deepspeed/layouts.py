@@ -21,7 +21,8 @@ from hybridflow.errors import LayoutError
 from hybridflow.resharding.layout import ParallelLayout
 from hybridflow.resharding.specs import Mesh, ModelLayout, ParamShardSpec, Piece
 
-__all__ = ["ZeroPartitionSpec", "build_deepspeed_training_layout", "flat_partition_range", "pack_partition"]
+__all__ = ["ZeroPartitionSpec", "build_deepspeed_training_layout", "flat_partition_range", "pack_partition",
+           "unpack_partition"]
 
 
 def flat_partition_range(numel: int, parts: int, part: int) -> tuple[int, int]:
@@ -105,3 +106,14 @@ def pack_partition(flat: torch.Tensor, spec: ParamShardSpec, mesh: Mesh, rank: i
         begin = piece.box[0][0] * width + (piece.box[1][0] if len(spec.shape) == 2 else 0) - start
         local[piece.local_slices(piece.box)] = flat[begin: begin + math.prod(box_shape)].view(box_shape)
     return local
+
+
+def unpack_partition(local: torch.Tensor, flat: torch.Tensor, spec: ParamShardSpec, mesh: Mesh, rank: int) -> None:
+    """The inverse of :func:`pack_partition`: write the valid range of local shard ``local`` into this rank's flat
+    partition ``flat`` (in place; its padding is left alone)."""
+    start, _ = flat_partition_range(math.prod(spec.shape), mesh.axis_size("data"), mesh.axis_index(rank, "data"))
+    width = spec.shape[1] if len(spec.shape) == 2 else 1
+    for piece in spec.pieces(mesh, rank):
+        box_shape = tuple(b - a for a, b in piece.box)
+        begin = piece.box[0][0] * width + (piece.box[1][0] if len(spec.shape) == 2 else 0) - start
+        flat[begin: begin + math.prod(box_shape)].view(box_shape).copy_(local[piece.local_slices(piece.box)])

@@ -22,6 +22,7 @@ ZERO_STAGES = (1, 2, 3)
 DEFAULT_ZERO_STAGE = 3
 #: every ``<role>.extra`` key the engine reads; anything else is refused (a typo would silently change nothing)
 EXTRA_KEYS = ("zero_stage", "offload_optimizer", "timeout_s", "handover_bucket_bytes", "attn_implementation",
+              "param_persistence_threshold",
               # set by the actor worker from rollout.tensor_parallel_size (the fsdp engine lays its shards out for it);
               # ZeRO's flat partitions do not change with it
               "generation_tensor_parallel_size")
@@ -36,6 +37,8 @@ class DeepSpeedOptions:
     timeout_s: float = 120.0
     handover_bucket_bytes: int = 64 << 20
     attn_implementation: str = "sdpa"
+    #: ZeRO-3 keeps parameters of fewer elements gathered on every rank (None: DeepSpeed's default, 1e5)
+    param_persistence_threshold: int | None = None
 
 
 def parse_options(role: str, config: TrainingEngineConfig) -> DeepSpeedOptions:
@@ -62,6 +65,11 @@ def parse_options(role: str, config: TrainingEngineConfig) -> DeepSpeedOptions:
     bucket = extra.get("handover_bucket_bytes", 64 << 20)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ConfigError(f"{role}.extra.handover_bucket_bytes must be a positive byte count; got {bucket!r}")
+    persistence = extra.get("param_persistence_threshold")
+    if persistence is not None and (isinstance(persistence, bool) or not isinstance(persistence, int)
+                                    or persistence < 0):
+        raise ConfigError(f"{role}.extra.param_persistence_threshold must be an element count >= 0 (0: ZeRO-3 "
+                          f"partitions every parameter); got {persistence!r}")
     if config.parallel.tensor_parallel_size != 1 or config.parallel.pipeline_parallel_size != 1:
         raise ConfigError(
             f"the deepspeed engine shards over data-parallel ranks only (ZeRO); got {role}.parallel."
@@ -80,7 +88,8 @@ def parse_options(role: str, config: TrainingEngineConfig) -> DeepSpeedOptions:
         )
     return DeepSpeedOptions(zero_stage=stage, offload_optimizer=offload,
                             timeout_s=float(timeout), handover_bucket_bytes=bucket,
-                            attn_implementation=str(extra.get("attn_implementation", "sdpa")))
+                            attn_implementation=str(extra.get("attn_implementation", "sdpa")),
+                            param_persistence_threshold=persistence)
 
 
 def build_deepspeed_config(config: TrainingEngineConfig, options: DeepSpeedOptions, *, world_size: int,
@@ -94,6 +103,8 @@ def build_deepspeed_config(config: TrainingEngineConfig, options: DeepSpeedOptio
     """
     stage = options.zero_stage if trainable or options.zero_stage == 3 else 0
     zero: dict[str, Any] = {"stage": stage}
+    if stage == 3 and options.param_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = options.param_persistence_threshold
     if options.offload_optimizer and trainable:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     return {

@@ -90,6 +90,7 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
 
     # --- engine_base hooks ----------------------------------------------------------------------------------
     def _forward_module(self) -> Any:
+        self.handover.restore()  # parked ZeRO-3 partitions (generation_weights(park=True)) come home first
         return self.engine
 
     def _before_micro(self, index: int, count: int) -> None:
@@ -114,14 +115,17 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed's checkpoint (module, ZeRO optimizer partitions, scheduler) plus step and RNG state of every
         rank, written atomically under ``path``."""
+        self.handover.restore()
         checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore everything :meth:`save_checkpoint` wrote; the next step matches an uninterrupted run bit for bit."""
+        self.handover.restore()
         checkpoint.load(self, path)
 
     def export_hf(self, path: str) -> None:
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
+        self.handover.restore()
         checkpoint.export_hf(self, path)
 
     def parallel_layout(self) -> ParallelLayout:
@@ -129,20 +133,26 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         parameter over them; under ZeRO-1/2 each rank holds them whole and slices what a generation layout asks)."""
         return ParallelLayout(data=self.world_size, data_sharded=True)
 
-    def generation_weights(self, *, target: str = "hf",
-                           tensor_parallel_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def generation_weights(self, *, target: str = "hf", tensor_parallel_size: int = 1,
+                           park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights of generation layout (pg = 1, tg = ``tensor_parallel_size``) drawn inside
         :meth:`parallel_layout` (stride grouping), Hugging Face-named: full tensors at tg = 1, tensor-parallel shards
         above (column/vocab dim 0, row dim 1, norms whole), moved by the reshard planner. A collective under ZeRO-3
         (and at tg > 1): every rank must consume the whole iterator; bytes received are in ``last_handover_stats``
-        once it is exhausted."""
+        once it is exhausted. ``park`` (the actor worker's default; ZeRO-3): the partitions' storage is released
+        into the generation shards holding all of it (tg = 1) until :meth:`end_generation` or the next forward."""
         self._check_role("generation_weights", ("actor", "reference"))
         if tensor_parallel_size < 1 or self.world_size % tensor_parallel_size:
             raise ConfigError(f"generation tensor_parallel_size {tensor_parallel_size} must divide the deepspeed "
                               f"engine's {self.world_size} ranks; pick one of the divisors of {self.world_size}")
         if tensor_parallel_size == 1:
-            return self.handover.full_weights(target=target)
-        return self.handover.shard_weights(target=target, tensor=tensor_parallel_size)
+            return self.handover.full_weights(target=target, park=park)
+        return self.handover.shard_weights(target=target, tensor=tensor_parallel_size, park=park)
+
+    def end_generation(self) -> None:
+        """Give the ZeRO-3 partitions parked by ``generation_weights(park=True)`` their storage back (bit for bit);
+        a no-op when none is parked."""
+        self.handover.restore()
 
     def reshard_weights(self, target: Any) -> dict[str, torch.Tensor]:
         """This rank's shards of a generation layout ``target`` (a :class:`hybridflow.resharding.ModelLayout` over

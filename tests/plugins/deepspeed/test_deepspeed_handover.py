@@ -1,7 +1,8 @@
 """Train → generate handover of the deepspeed engine on 2 gloo ranks: ZeRO-3 partitions go through the core reshard
 planner and each rank receives exactly the lower bound (the bytes it lacked, counted from the executor's buffers),
 for a tg = 1 target and a tg = 2 tensor-parallel target; ZeRO-1 moves nothing. The gathered weights equal
-DeepSpeed's own gather (``deepspeed.zero.GatheredParameters``)."""
+DeepSpeed's own gather (``deepspeed.zero.GatheredParameters``). With ``park=True`` at tg = 1 the ZeRO-3 partitions
+are released into the full generation weights (a rank holds M, not M/2 + M) and come back bit for bit."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (bash script
 pytestmark = pytest.mark.deepspeed
 
 
-def _engine(stage: int) -> Any:
+def _engine(stage: int, **extra: Any) -> Any:
     from hybridflow.engines import ModelSpec, OptimConfig, TrainingEngineConfig
     from hybridflow.presets import tiny_model_config
     from hybridflow_deepspeed.training import DeepSpeedTrainingEngine
@@ -26,7 +27,7 @@ def _engine(stage: int) -> Any:
     # vocab 46 (the char fixture's 45 plus one unused row) so that tg = 2 splits the embedding evenly
     model = ModelSpec(config={**tiny_model_config(), "vocab_size": 46}, seed=3)
     config = TrainingEngineConfig(model=model, optim=OptimConfig(lr=1e-2), micro_batch_size=2,
-                                  extra={"zero_stage": stage})
+                                  extra={"zero_stage": stage, **extra})
     return DeepSpeedTrainingEngine(role="actor", config=config)
 
 
@@ -57,7 +58,42 @@ def _handover_rank(rank: int, world_size: int, out_dir: str) -> None:
             "tg2_shards": shards, "tg2_expected": target.extract_shards(reference, rank),
             "tg2": engine.last_handover_stats,
         }
+        if stage == 3:
+            results["park"] = _park_cycle(engine, weights, rank, world_size)
+            engine.release()
+            # every parameter partitioned (DeepSpeed keeps those under 1e5 elements, i.e. all of this tiny model's,
+            # gathered on every rank by default)
+            engine = _engine(3, param_persistence_threshold=0)
+            results["park_partitioned"] = _park_cycle(engine, dict(engine.generation_weights()), rank, world_size)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _park_cycle(engine: Any, weights: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, Any]:
+    """ZeRO-3 tg = 1 with ``park=True`` (the actor worker's path): resident weight bytes while the full model is held,
+    then the partitions after ``end_generation()`` and after a forward that skipped it."""
+    from hybridflow.resharding import count_storage_bytes
+    from hybridflow.testing.contracts.training import build_training_batch
+
+    parameters = list(engine.module.parameters())
+    batch = build_training_batch(rows=8).chunk(world_size)[rank]
+    before = engine.compute_log_probs(batch)["log_probs"]
+    snapshot = [p.ds_tensor.detach().clone() for p in parameters]
+    training = count_storage_bytes(parameters)
+    shards = dict(engine.generation_weights(park=True))
+    out = {"training": training, "stats": engine.last_handover_stats,
+           "mismatched": sorted(n for n in weights if not torch.equal(weights[n], shards[n])),
+           "parked_training": count_storage_bytes(parameters),
+           "generation": count_storage_bytes([*parameters, *shards.values()]),
+           "target": sum(t.numel() * t.element_size() for t in shards.values())}
+    del shards
+    engine.end_generation()
+    out["restored_equal"] = all(torch.equal(a, p.ds_tensor) for a, p in zip(snapshot, parameters, strict=True))
+    out["restored"] = count_storage_bytes(parameters)
+    shards = dict(engine.generation_weights(park=True))
+    out["forward_equal"] = torch.equal(engine.compute_log_probs(batch)["log_probs"], before)
+    out["forward_restored_equal"] = all(torch.equal(a, p.ds_tensor) for a, p in zip(snapshot, parameters, strict=True))
+    del shards  # held through the forward, as a rollout engine would
+    return out
 
 
 @pytest.mark.slow  # two spawned ranks, each importing DeepSpeed and building two engines: 70 s on a loaded 2-core box
@@ -83,6 +119,22 @@ def test_handover_moves_exactly_the_lower_bound(tmp_path: Path) -> None:
         # ZeRO-1 keeps full weights on every rank: nothing to move, and 0 is the lower bound
         assert zero1["tg1"].path == "replicated" and zero1["tg1"].bytes_received == zero1["tg1"].lower_bound_bytes == 0
         assert zero1["tg2"].bytes_received == zero1["tg2"].lower_bound_bytes == 0
+        # ZeRO-3, tg = 1, park=True: the flat partition buffer went into the full generation weights, so a rank
+        # holds those alone while generating: M, not M/2 + M; then every partition comes back bit for bit
+        for key in ("park", "park_partitioned"):
+            park = result[key]
+            assert park["mismatched"] == [] and park["target"] == zero3["total"], park
+            assert park["restored_equal"] and park["restored"] == park["training"], park
+            assert park["forward_equal"] and park["forward_restored_equal"], park
+            # the partitions (one flat buffer: about M/2) are what parks
+            assert park["stats"].parked_bytes == park["training"] - park["parked_training"] > 0, park
+            assert math.isclose(park["stats"].parked_bytes, zero3["total"] / 2, rel_tol=0.05), park
+            assert park["generation"] == park["parked_training"] + park["target"], park
+        # default persistence: the whole tiny model stays gathered besides (M), so generating holds 2 M (not 2.5 M)
+        assert result["park"]["parked_training"] == zero3["total"], result["park"]
+        # every parameter partitioned: only the generation weights are resident while generating, M
+        partitioned = result["park_partitioned"]
+        assert partitioned["parked_training"] == 0 and partitioned["generation"] == zero3["total"], partitioned
     # both ranks hold the same generation weights after the handover
     assert all(torch.equal(ranks[0]["zero3"]["weights"][n], ranks[1]["zero3"]["weights"][n])
                for n in ranks[0]["zero3"]["weights"])
