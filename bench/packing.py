@@ -93,8 +93,8 @@ def main() -> None:
     variants: dict[str, dict[str, Any]] = {
         "padded": {"use_remove_padding": False, "extra": {"lean_forward": False}},
         "padded_lean": {"use_remove_padding": False},
-        "packed": {},
-        "packed_budget": {"max_tokens_per_micro_batch": max(budget, int(lengths.max()))},
+        "packed": {"use_remove_padding": True},
+        "packed_budget": {"use_remove_padding": True, "max_tokens_per_micro_batch": max(budget, int(lengths.max()))},
     }
     engines = {name: FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(**{
         **{field: getattr(base, field) for field in ("model", "optim", "micro_batch_size")}, **options}))

@@ -108,7 +108,7 @@ class _ModelRole(_Section):
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
     # padding removal (fsdp engine): a micro-batch's rows packed into one sequence, attention per row (docs/fsdp.md)
-    use_remove_padding: bool = False
+    use_remove_padding: bool = True
     # micro-batches cut by this many tokens per forward (rows' attention-mask counts), replacing micro_batch_size
     max_tokens_per_micro_batch: int | None = Field(default=None, gt=0)
     mixed_precision: Literal["none", "bf16"] = "none"

@@ -205,7 +205,7 @@ class TrainingEngineConfig:
     lora: LoraConfig | None = None
     #: pack each micro-batch's rows without padding into one sequence (per-row attention) for log-probs, values and
     #: training; engines without a packed forward run the padded one
-    use_remove_padding: bool = False
+    use_remove_padding: bool = True
     #: cut micro-batches by a token budget (rows' ``attention_mask`` counts) instead of ``micro_batch_size`` rows
     max_tokens_per_micro_batch: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)

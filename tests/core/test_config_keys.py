@@ -143,8 +143,8 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "actor.lora.alpha": [["actor.lora.rank=4", "actor.lora.alpha=4"]],
         "actor.lora.dropout": [["actor.lora.rank=4", "actor.lora.dropout=0.1"]],
         "actor.lora.target_modules": [["actor.lora.rank=4", 'actor.lora.target_modules=["q_proj"]']],
-        # off by default (opt in: docs/fsdp.md, padding removal), also where the section is absent (cost_critic)
-        "*.use_remove_padding": [["{key}=true"]],
+        # on by default, also where the section is absent (cost_critic), which the generic `not current` misses
+        "*.use_remove_padding": [["{key}=false"]],
         "trainer.loggers": [["trainer.loggers=[jsonl]"]],
         "rollout.multi_turn.tools": [['rollout.multi_turn.tools=["calculator"]']],
         "rollout.multi_turn.tool_options": [['rollout.multi_turn.tools=["python"]',

@@ -78,17 +78,37 @@ def test_ppo_whitens_gae_advantages_unless_turned_off(tmp_path: Path, tiny_confi
     assert abs(raw["advantages/mean"]) > 1e-3 and raw["advantages/std"] != pytest.approx(1.0, abs=0.05)
 
 
+def window_means(values: list[float], width: int) -> list[float]:
+    """The mean of every ``width`` consecutive values (a moving average)."""
+    return [sum(values[i:i + width]) / width for i in range(len(values) - width + 1)]
+
+
 @pytest.mark.slow
 def test_safe_rlhf_keeps_cost_under_its_limit_while_reward_rises(tmp_path: Path, tiny_config) -> None:
     """Reward for the correct sum (answers 0–8), cost = response length / 10 with a limit of 2 characters: the
-    random policy's 4-character responses cost 0.36; the constrained policy learns to answer and stop."""
+    random policy's 4-character responses cost 0.36; the constrained policy learns to answer and stop.
+
+    Asserted on averages over many steps, not on the last few: λ's dual ascent keeps the constraint on average,
+    not at every step — once the cost is under the limit λ decays to 0, the cost drifts back up and λ rises again,
+    so where the final steps fall in that cycle depends on the seed and on fp32 summation order (padding removal
+    on or off). Measured (docs/fsdp.md, padding removal), packed over seeds 0–3 and padded on seed 0: the lowest
+    10-step mean cost 0.03–0.06, the second half's mean cost 0.09–0.21 and reward gain 0.11–0.14, λ's peak
+    0.29–0.34, back to 0 after it. With the cost advantage's sign flipped (a broken Safe-RLHF) 0.38, 0.40 and λ
+    climbing to 1.98; with the reward advantage's flipped the reward falls to 0 (0.015 → 0.000).
+    """
     history = run(tiny_config(
         tmp_path / "safe", "algorithm.name=safe_rlhf", "trainer.total_steps=100", "trainer.checkpoint_every=0",
         "resource_pools.main.devices_per_node=[1]", "data.task.max_operand=4", "rollout.max_new_tokens=4",
         "cost.function=response_length_cost", "cost.limit=0.2", "cost.lagrange_lr=0.1", "cost.initial_lambda=0.05"))
     rewards, costs = [m["reward/mean"] for m in history], [m["cost/mean"] for m in history]
+    lambdas = [m["lagrange/lambda"] for m in history]
     assert sum(costs[:10]) / 10 > 0.3                         # the constraint binds at the start
-    assert max(m["lagrange/lambda"] for m in history) > 0.2   # λ rose while it did
-    assert sum(costs[-20:]) / 20 < 0.2, costs                  # and holds at the end
-    assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20 + 0.08, rewards
+    peak = max(range(len(lambdas)), key=lambdas.__getitem__)
+    assert lambdas[peak] > 0.2                                # λ rose while it did
+    # the policy learned to satisfy it: a 10-step stretch averages well under the limit, and λ fell back from its
+    # peak (it only falls while the cost is under the limit)
+    assert min(window_means(costs[10:], 10)) < 0.15, costs
+    assert min(lambdas[peak:]) < lambdas[peak] / 2, lambdas
+    assert sum(costs[50:]) / 50 < 0.28, costs                 # and on average it holds over the second half
+    assert sum(rewards[50:]) / 50 > sum(rewards[:20]) / 20 + 0.06, rewards
     assert all("cost_critic/vf_loss" in m for m in history)   # the cost critic trained every step

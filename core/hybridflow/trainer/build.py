@@ -203,7 +203,7 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             micro_batch_size=section.micro_batch_size, mixed_precision=getattr(section, "mixed_precision", "none"),
             gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
             lora=build_lora_config(section) if kind == "actor" else None,
-            use_remove_padding=getattr(section, "use_remove_padding", False),
+            use_remove_padding=getattr(section, "use_remove_padding", True),
             max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
             extra=dict(getattr(section, "extra", {})))
         options: dict[str, Any] = {}

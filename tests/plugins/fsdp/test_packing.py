@@ -47,7 +47,6 @@ def token_mean_nll(outputs, micro_batch):
 
 def engine(role: str = "actor", preset: str = "qwen2", **options) -> FSDPTrainingEngine:
     options.setdefault("optim", OptimConfig(lr=1e-2, eps=1e-2))  # a large eps: the update follows the gradient
-    options.setdefault("use_remove_padding", True)  # opt-in (off by default): these tests are about the packed path
     spec = ModelSpec(config=tiny_model_config(**PRESETS[preset]), seed=3)
     return FSDPTrainingEngine(role=role, config=TrainingEngineConfig(model=spec, **options))
 
