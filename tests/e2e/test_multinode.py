@@ -84,11 +84,15 @@ def _finish(process: subprocess.Popen[str], run_dir: Path, steps: int, timeout_s
 
 
 def _wait_for(path: Path, process: subprocess.Popen[str], timeout_s: float) -> None:
+    """Until ``path`` exists; the run (``path``'s grandparent) must not exit before, nor take over ``timeout_s``."""
     deadline = time.time() + timeout_s
     while not path.exists():
-        if process.poll() is not None or time.time() > deadline:
-            _finish(process, path.parents[1], STEPS, timeout_s=1)  # fails with the run's log
-            pytest.fail(f"{path} never appeared within {timeout_s}s")
+        if process.poll() is None and time.time() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        if process.poll() is not None:
+            log = path.parents[1].with_suffix(".log").read_text(errors="replace")
+            pytest.fail(f"{path} never appeared (run exited {process.returncode}):\n{log[-5000:]}")
         time.sleep(0.5)
 
 
