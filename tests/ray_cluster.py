@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -100,9 +101,16 @@ class RayNode:
     log: IO[bytes]
     resources: dict[str, float] = field(default_factory=dict)
 
-    def log_tail(self) -> str:
+    def log_tail(self, full: bool = False) -> str:
         self.log.flush()
-        return (self.temp_dir / "ray-start.log").read_text(errors="replace")[-3000:]
+        text = (self.temp_dir / "ray-start.log").read_text(errors="replace")
+        return text if full else text[-3000:]
+
+    def stop(self) -> None:
+        """Stop the node's process group and remove its temp dir."""
+        stop_process_group(self.process)
+        self.log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     @property
     def session_logs(self) -> Path:
@@ -128,35 +136,43 @@ class LoopbackCluster:
         return {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **self.env}
 
     def add_node(self, *, num_cpus: int = 2, resources: dict[str, float] | None = None,
-                 object_store_bytes: int = 100_000_000, timeout_s: float = 90.0) -> RayNode:
+                 object_store_bytes: int = 100_000_000, timeout_s: float = 120.0) -> RayNode:
         """``ray start --address HEAD`` as a second raylet in its own process group; returns once it joined."""
         known_before = {node["NodeID"] for node in self.nodes()}  # a node just killed may still read as alive
-        node = _start_node(["--address", self.address], self.env, num_cpus=num_cpus, resources=resources or {},
-                           object_store_bytes=object_store_bytes, head=False)
+        node = _start_until_up(lambda: _start_node(["--address", self.address], self.env, num_cpus=num_cpus,
+                                                   resources=resources or {}, object_store_bytes=object_store_bytes,
+                                                   head=False), what="ray start --address", timeout_s=timeout_s)
         self.workers.append(node)
         deadline = time.time() + timeout_s
-        while not list(node.temp_dir.glob("session_*/logs/raylet.out")):
-            if node.process.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"ray start --address did not start a raylet: {node.log_tail()}")
-            time.sleep(0.5)
         while not [n for n in self.alive_nodes() if n["NodeID"] not in known_before]:  # registered with the GCS
             if node.process.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"ray start --address did not join: {node.log_tail()}")
             time.sleep(1.0)
         return node
 
-    def nodes(self) -> list[dict[str, Any]]:
-        """``ray.nodes()`` of the cluster, read by a short-lived driver (this process may have its own Ray)."""
+    def nodes(self, timeout_s: float = 180.0) -> list[dict[str, Any]]:
+        """``ray.nodes()`` of the cluster, read by a short-lived driver (this process may have its own Ray).
+
+        Retried while the head's raylet has not registered with its GCS yet (a driver then finds "No node info"
+        to connect to: seen on a loaded box, where registering takes longer than the head's port opening)."""
         code = (f"import json, ray; ray.init(address={self.address!r}, include_dashboard=False, log_to_driver=False)\n"
                 "keys = ('NodeID', 'Alive', 'Resources', 'NodeManagerAddress')\n"
                 "print('NODES=' + json.dumps([{k: n[k] for k in keys} for n in ray.nodes()]))")
-        result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True, text=True,
-                                timeout=120, check=False)
-        for line in result.stdout.splitlines():
-            if line.startswith("NODES="):
-                nodes: list[dict[str, Any]] = json.loads(line[len("NODES="):])
-                return nodes
-        raise RuntimeError(f"could not list the cluster's nodes: {result.stderr[-3000:]}")
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True,
+                                        text=True, timeout=max(10.0, deadline - time.time()), check=False)
+            except subprocess.TimeoutExpired as exc:
+                raise RuntimeError(f"could not list the cluster's nodes within {timeout_s}s: "
+                                   f"{exc.stderr!r:.3000}") from exc
+            for line in result.stdout.splitlines():
+                if line.startswith("NODES="):
+                    nodes: list[dict[str, Any]] = json.loads(line[len("NODES="):])
+                    return nodes
+            if "No node info found" not in result.stderr or time.time() > deadline:
+                raise RuntimeError(f"could not list the cluster's nodes: {result.stderr[-3000:]}")
+            time.sleep(1.0)
 
     def alive_nodes(self) -> list[dict[str, Any]]:
         return [node for node in self.nodes() if node["Alive"]]
@@ -170,9 +186,7 @@ class LoopbackCluster:
 
     def stop(self) -> None:
         for node in [*self.workers, self.head]:
-            stop_process_group(node.process)
-            node.log.close()
-            shutil.rmtree(node.temp_dir, ignore_errors=True)
+            node.stop()
         shutil.rmtree(self.token_dir, ignore_errors=True)
 
 
@@ -196,6 +210,30 @@ def _start_node(join: list[str], token_env: dict[str, str], *, num_cpus: int, re
     return RayNode(process=process, temp_dir=temp_dir, log=log, resources=dict(resources))
 
 
+#: what ``ray start --block`` prints once its node is up and registered with the GCS
+STARTED = "Ray runtime started."
+
+
+def _start_until_up(start: Callable[[], RayNode], *, what: str, timeout_s: float, attempts: int = 3) -> RayNode:
+    """``start()`` a node and wait for :data:`STARTED`; a start that exits first is tried again (``attempts`` in
+    all): on a loaded box ``ray start`` gives up by itself when its dashboard agent takes over 15 s to start (the
+    raylet's fixed wait for the agent's port file; seen at load 15-25 on 2 cores) or its raylet over 30 s to
+    register with the GCS."""
+    failures = []
+    for _ in range(attempts):
+        node = start()
+        deadline = time.time() + timeout_s
+        while STARTED not in node.log_tail(full=True):
+            if node.process.poll() is not None or time.time() > deadline:
+                failures.append(node.log_tail())
+                node.stop()
+                break
+            time.sleep(0.5)
+        else:
+            return node
+    raise RuntimeError(f"{what} did not come up ({attempts} tries): " + "\n---\n".join(failures))
+
+
 def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
                object_store_bytes: int = 200_000_000, extra_env: dict[str, str] | None = None,
                timeout_s: float = 90.0) -> LoopbackCluster:
@@ -211,14 +249,16 @@ def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
     token_file.write_text(secrets.token_hex(32))
     token_file.chmod(0o600)
     token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
-    node = _start_node(["--head", "--port", str(port)], token_env, num_cpus=num_cpus, resources=resources or {},
-                       object_store_bytes=object_store_bytes, head=True, extra_env=extra_env)
+    try:
+        node = _start_until_up(lambda: _start_node(["--head", "--port", str(port)], token_env, num_cpus=num_cpus,
+                                                   resources=resources or {}, object_store_bytes=object_store_bytes,
+                                                   head=True, extra_env=extra_env),
+                               what="ray start --head", timeout_s=timeout_s)
+    except RuntimeError:
+        shutil.rmtree(token_dir, ignore_errors=True)
+        raise
     cluster = LoopbackCluster(port=port, env=token_env, head=node, token_dir=token_dir)
-    deadline = time.time() + timeout_s
-    while not list(node.temp_dir.glob("session_*/logs/raylet.out")) or not accepts(port):
-        if node.process.poll() is not None or time.time() > deadline:
-            tail = node.log_tail()
-            cluster.stop()
-            raise RuntimeError(f"ray start --head did not come up: {tail}")
-        time.sleep(0.5)
+    if not accepts(port):
+        cluster.stop()
+        raise RuntimeError(f"ray start --head came up without its GCS port {port} accepting: {node.log_tail()}")
     return cluster

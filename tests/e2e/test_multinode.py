@@ -1,11 +1,13 @@
 """Multi-node on Ray, for real on one box: a two-node Ray cluster on loopback (``ray start --head`` and
-``ray start --address`` for a second raylet, token authentication on), ``hybridflow train`` joining it by
-``ray.address`` with a pool of ``devices_per_node: [1, 1]``, and one node's raylet killed mid-run.
+``ray start --address`` for a second raylet, token authentication on) that ``hybridflow train`` joins by
+``ray.address``, with a pool of ``devices_per_node: [2, 2]`` (one short run) and ``[1, 1]`` (a run whose second node
+is killed mid-run, and the same run without the kill with both ranks on one node).
 
-What it shows: one rank per node (each worker reports its own Ray node id; the manifest's ``placement`` lists
-them), a torch.distributed rendezvous spanning both nodes (FSDP's gloo group), GRPO rewards each step, and the node
-death detected (the rank on it dies) and recovered by the existing replay once a replacement node joins: the
-node's placement group is re-reserved on the new node (never on the surviving one) and the run finishes.
+What it shows: the ranks of each ``devices_per_node`` entry sit on one node and the entries on distinct nodes (each
+worker reports its own Ray node id; the manifest's ``placement`` lists them), a torch.distributed rendezvous
+spanning both nodes (FSDP's gloo group trains), and the node death detected (the rank on it dies) and recovered by
+the existing replay once a replacement node joins: the node's placement group is re-reserved on the new node (never
+on the surviving one), the run finishes, and its final weights are bit-identical to the uninjected one-node run's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from hybridflow.export import export_run
 from ray_cluster import BIN, FAST_FAILURE_DETECTION, LoopbackCluster, kill_process_group, start_head
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,9 +32,16 @@ EXAMPLE = REPO / "examples" / "grpo_arithmetic_scratch.yaml"
 STEPS = 4
 
 
-@pytest.fixture
+@pytest.fixture(scope="session", autouse=True)
+def _ray_session() -> None:
+    """No Ray in this process (it overrides the e2e conftest's local one): the runs are ``hybridflow train``
+    processes joining the cluster, and the cluster is read by short-lived drivers."""
+
+
+@pytest.fixture(scope="module")
 def two_nodes() -> Iterator[LoopbackCluster]:
-    """Head (2 CPUs, resource ``node_a``) and a second raylet (2 CPUs, ``node_b``); both killed afterwards."""
+    """Head (2 CPUs, resource ``node_a``) and a second raylet (2 CPUs, ``node_b``); both killed afterwards. Shared
+    by the module's tests; the node-kill test, which replaces ``node_b``, runs last."""
     try:
         cluster = start_head(num_cpus=2, resources={"node_a": 1}, extra_env=FAST_FAILURE_DETECTION)
     except RuntimeError as exc:
@@ -48,51 +60,98 @@ def two_nodes() -> Iterator[LoopbackCluster]:
         cluster.stop()
 
 
-def _wait_for(path: Path, process: subprocess.Popen[str], timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while not list(path.parent.glob(path.name)):
-        if process.poll() is not None or time.time() > deadline:
-            out, err = process.communicate(timeout=30) if process.poll() is not None else ("", "")
-            pytest.fail(f"{path} never appeared (run exited {process.returncode}):\n{out[-2000:]}\n{err[-4000:]}")
-        time.sleep(0.5)
+def _train(cluster: LoopbackCluster, run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
+    """``hybridflow train`` of the example joining ``cluster``, in its own session, logging to ``run_dir``.log."""
+    command = [str(BIN / "hybridflow"), "train", str(EXAMPLE), f"ray.address={cluster.address}",
+               f"trainer.run_dir={run_dir}", "trainer.tensorboard=false", "trainer.resume=never",
+               "trainer.deadline_s=120", "trainer.val_every=0", *overrides, "--no-progress"]
+    with run_dir.with_suffix(".log").open("w") as log:
+        return subprocess.Popen(command, env=cluster.driver_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                cwd=REPO, start_new_session=True)
 
 
-@pytest.mark.slow  # ~2 min on a loaded 2-core box: two raylets, a 4-step run, a node death and its recovery
-@pytest.mark.timeout(600)
-def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_path: Path,
-                                                                            two_nodes: LoopbackCluster) -> None:
-    nodes = {name: two_nodes.node_id_with(name) for name in ("node_a", "node_b")}
-    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in two_nodes.alive_nodes()}
-    assert nodes["node_a"] != nodes["node_b"]
-    run_dir = tmp_path / "run"
-    # both ranks hang inside their update of iteration 3 (a deterministic moment mid-run, and the rank left alive
-    # stays busy, as a peer blocked in a collective would); the test then kills the second node's raylet
-    command = [str(BIN / "hybridflow"), "train", str(EXAMPLE), f"ray.address={two_nodes.address}",
-               "resource_pools.main.devices_per_node=[1,1]", f"trainer.total_steps={STEPS}",
-               "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}", "trainer.tensorboard=false",
-               "trainer.resume=never", "trainer.deadline_s=120", "trainer.val_every=0",
-               'reliability.faults=["actor.update@3:hang:rank=0","actor.update@3:hang:rank=1"]',
-               "--no-progress"]
-    log_path = tmp_path / "train.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, env=two_nodes.driver_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   text=True, cwd=REPO, start_new_session=True)
+def _finish(process: subprocess.Popen[str], run_dir: Path, steps: int, timeout_s: float = 300) -> None:
+    """Wait for the run; it must exit 0 having done ``steps`` steps (killed, with its log, otherwise)."""
     try:
-        for rank in (0, 1):
-            _wait_for(run_dir / "faults" / f"actor.update@3.hang.rank{rank}.fired", process, timeout_s=300)
-        manifest = json.loads((run_dir / "manifest.json").read_text())
-        kill_process_group(two_nodes.workers[0].process)  # the second machine dies: raylet, store, workers
-        replacement = two_nodes.add_node(num_cpus=2, resources={"node_b": 1})
-        new_b = two_nodes.node_id_with("node_b")
-        assert new_b != nodes["node_b"]
-        rc = process.wait(timeout=300)
+        rc = process.wait(timeout=timeout_s)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
-    output = log_path.read_text(errors="replace")
+    output = run_dir.with_suffix(".log").read_text(errors="replace")
     assert rc == 0, output[-5000:]
-    assert f"done: {STEPS} steps" in output, output[-3000:]
+    assert f"done: {steps} steps" in output, output[-3000:]
+
+
+def _wait_for(path: Path, process: subprocess.Popen[str], timeout_s: float) -> None:
+    """Until ``path`` exists; the run (``path``'s grandparent) must not exit before, nor take over ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        if process.poll() is None and time.time() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        if process.poll() is not None:
+            log = path.parents[1].with_suffix(".log").read_text(errors="replace")
+            pytest.fail(f"{path} never appeared (run exited {process.returncode}):\n{log[-5000:]}")
+        time.sleep(0.5)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # ~1 min on a loaded 2-core box: four workers, one step
+@pytest.mark.timeout(400)
+def test_two_ranks_per_node_sit_on_their_node_and_train_together(tmp_path: Path, two_nodes: LoopbackCluster) -> None:
+    nodes = {two_nodes.node_id_with("node_a"), two_nodes.node_id_with("node_b")}
+    run_dir = tmp_path / "run"
+    _finish(_train(two_nodes, run_dir, "resource_pools.main.devices_per_node=[2,2]", "trainer.total_steps=1",
+                   "trainer.checkpoint_every=0"), run_dir, 1)
+    placement = json.loads((run_dir / "manifest.json").read_text())["placement"]["main"]
+    ranks = placement["ranks"]
+    assert [(p["rank"], p["node_index"], p["local_rank"]) for p in ranks] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)], ranks
+    # as each worker saw it from inside: both ranks of an entry on one node, the two entries on the two nodes
+    node_of_entry = [{p["node_id"] for p in ranks if p["node_index"] == index} for index in (0, 1)]
+    assert all(len(ids) == 1 for ids in node_of_entry), ranks
+    assert node_of_entry[0] | node_of_entry[1] == nodes, (ranks, nodes)
+    assert placement["local_ray"] is False
+    # the four ranks' gloo group trained one step over both nodes
+    (row,) = _metrics(run_dir)
+    assert row["step"] == 0 and 0.0 <= row["reward/mean"] <= 1.0 and row["actor/policy_version"] == 1.0, row
+
+
+@pytest.mark.slow  # ~3 min on a loaded 2-core box: an uninjected 4-step run on one node, then the two-node run
+# with a node death
+@pytest.mark.timeout(900)
+def test_one_rank_per_node_and_a_dead_node_is_recovered_to_the_uninjected_weights(
+        tmp_path: Path, two_nodes: LoopbackCluster) -> None:
+    nodes = {name: two_nodes.node_id_with(name) for name in ("node_a", "node_b")}
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in two_nodes.alive_nodes()}
+    assert nodes["node_a"] != nodes["node_b"]
+    common = (f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2")
+    # the reference: the same config and seed without the fault, its two ranks on ONE node of the same cluster
+    # (devices_per_node=[2]: one placement group, packed). Same world size, ranks and seeds, so equal weights show
+    # both that the replay reproduced the run and that spreading the ranks over two nodes changed nothing.
+    clean_dir = tmp_path / "clean"
+    _finish(_train(two_nodes, clean_dir, "resource_pools.main.devices_per_node=[2]", *common), clean_dir, STEPS)
+    clean_ranks = json.loads((clean_dir / "manifest.json").read_text())["placement"]["main"]["ranks"]
+    assert len({p["node_id"] for p in clean_ranks}) == 1, clean_ranks
+
+    # both ranks hang inside their update of iteration 3 (a deterministic moment mid-run, after the optimizer step,
+    # and the rank left alive stays busy, as a peer blocked in a collective would); the test then kills the second
+    # node's raylet
+    run_dir = tmp_path / "run"
+    process = _train(two_nodes, run_dir, "resource_pools.main.devices_per_node=[1,1]", *common,
+                     'reliability.faults=["actor.update@3:hang:rank=0","actor.update@3:hang:rank=1"]')
+    for rank in (0, 1):
+        _wait_for(run_dir / "faults" / f"actor.update@3.hang.rank{rank}.fired", process, timeout_s=300)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    kill_process_group(two_nodes.workers[0].process)  # the second machine dies: raylet, store, workers
+    replacement = two_nodes.add_node(num_cpus=2, resources={"node_b": 1})
+    new_b = two_nodes.node_id_with("node_b")
+    assert new_b != nodes["node_b"]
+    _finish(process, run_dir, STEPS)
     assert replacement.process.poll() is None
 
     # one rank per node, as each worker saw it from inside; the rendezvous spanned both (the run trained)
@@ -121,6 +180,14 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_on_its_replacement(tmp_p
     # the rank of the dead node came back on the replacement node, the other rank stayed on the head
     assert {p["rank"]: p["node_id"] for p in event["placement"]["main"]["ranks"]} == {**node_of, on_b: new_b}, event
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(STEPS)), metrics
-    assert all(0.0 <= m["reward/mean"] <= 1.0 for m in metrics), metrics
+    # the replay reproduced the uninjected run: the same samples scored the same each step, and the final weights
+    # (the last checkpoint, exported offline) are bit-identical
+    clean, faulty = _metrics(clean_dir), _metrics(run_dir)
+    assert [m["step"] for m in faulty] == list(range(STEPS)), faulty
+    assert [m["reward/mean"] for m in faulty] == [m["reward/mean"] for m in clean], (clean, faulty)
+    weights = {name: load_file(export_run(path, tmp_path / f"w_{name}") / "model.safetensors")
+               for name, path in (("clean", clean_dir), ("faulty", run_dir))}
+    assert weights["clean"].keys() == weights["faulty"].keys()
+    differing = [k for k in weights["clean"] if not torch.equal(weights["clean"][k], weights["faulty"][k])]
+    assert differing == [], differing
+    assert [m["actor/policy_version"] for m in faulty] == [1.0, 2.0, 3.0, 4.0], faulty  # one update per step
