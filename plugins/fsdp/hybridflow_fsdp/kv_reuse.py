@@ -119,13 +119,14 @@ class ConversationKVCache:
         generated ids that decoding fed back (every one but a row's last, when it was sampled at the last step)."""
         k, v, mask, prefill_width = decoder.cache_state()
         steps = mask.shape[1] - prefill_width  # ids fed back by decode steps, every row alike
-        stacked = torch.stack([torch.stack(pair) for pair in zip(k, v)])  # [layers, 2, B, KV, T, D]
         for row, (key, prompt, ids) in enumerate(zip(keys, prompts, generated)):
             fed = min(len(ids), steps)
             slots = torch.cat((mask[row, :prefill_width].nonzero().squeeze(1),
                                torch.arange(prefill_width, prefill_width + fed, device=mask.device)))
-            entry = _Entry(ids=(*(int(t) for t in prompt), *(int(t) for t in ids[:fed])),
-                           kv=stacked[:, :, row].index_select(3, slots))
+            # only the row's slots are copied (no copy of the whole batch's cache)
+            kv = torch.stack([torch.stack((k_layer[row].index_select(1, slots), v_layer[row].index_select(1, slots)))
+                              for k_layer, v_layer in zip(k, v)])
+            entry = _Entry(ids=(*(int(t) for t in prompt), *(int(t) for t in ids[:fed])), kv=kv)
             if len(entry.ids) != len(slots):
                 raise AssertionError(f"kept {len(slots)} cache slots for {len(entry.ids)} ids")
             self._pop(key)
