@@ -1,11 +1,14 @@
 """Multi-turn rollout wall time with slow tools vs the same token stream with instant tools (the waits must overlap
-with other conversations' generation).
+with other conversations' generation), and with vs without the engine's KV-cache reuse across turns.
 
 K conversations on the real hf engine (tiny Qwen2, the test chat tokenizer) run ``--turns`` model turns each; a
-policy double (``ToolCallingPolicyDouble``: a random model does not write tool calls) runs the real engine for every
-turn's generation, then answers with a fixed call of the bench's ``wait`` tool, which sleeps L ms. Both runs see
-identical token streams (same seeds, same tool output), so the only difference is the tool latency. Prints
-``RESULT {"K", "latency_ms", "max_batch_rows", "wall_s", "no_wait_wall_s", "ratio"}`` per setting.
+policy double (``ToolCallingPolicyDouble``: a random model does not write tool calls) has the real engine generate
+every turn (greedy), keeps what it wrote up to its first special id and appends a fixed call of the bench's ``wait``
+tool, which sleeps L ms. Greedy turns depend only on the conversation, so every run sees the same token stream; the
+differences are the tool latency and whether the engine prefills only each turn's new ids (``kv_cache_reuse``, the
+default) or the whole conversation (``rollout.extra.kv_cache_reuse: false``). Prints per ``max_batch_rows`` setting
+``RESULT {"K", "latency_ms", "max_batch_rows", "wall_s", "no_wait_wall_s", "ratio", "no_reuse_wall_s",
+"reuse_speedup", "prefill_tokens", "no_reuse_prefill_tokens", "prefill_saved"}`` (walls: best of ``--repeats``).
 
 Run: ``OMP_NUM_THREADS=1 python bench/agent_rollout.py [--conversations 32] [--latency-ms 50] [--turns 4]``.
 """
@@ -14,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -50,30 +54,40 @@ class WaitTool:
 
 class ToolCallingPolicyDouble:
     """Test double of a policy that always calls the tool: the real engine generates every turn (its compute is the
-    cost being measured), then the turn's ids are a fixed tool call."""
+    cost being measured); the turn is what it wrote up to its first special id, then a fixed tool call."""
 
     def __init__(self, engine: HFRolloutEngine, chat: ChatFormat) -> None:
         self.engine = engine
         self.capabilities = engine.capabilities
         self.call_ids = tuple(chat.encode(CALL))
+        self.special = set(chat.tokenizer.added_tokens_decoder)
 
     @property
     def weights_version(self) -> int:
         return self.engine.weights_version
 
+    def release_cache(self, keys: Iterable[Hashable] | None = None) -> None:
+        self.engine.release_cache(keys)
+
     def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                             stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
-        self.engine.generate_from_tokens(prompts, sampling, stop_token_ids=())
-        return [TokenCompletion(token_ids=self.call_ids, log_probs=(0.0,) * len(self.call_ids),
-                                finish_reason="stop") for _ in prompts]
+                             stop_token_ids: Sequence[int] = (),
+                             cache_keys: Sequence[Hashable] | None = None) -> list[TokenCompletion]:
+        out = []
+        for completion in self.engine.generate_from_tokens(prompts, sampling, cache_keys=cache_keys):
+            text = completion.token_ids
+            text = text[:next((i for i, t in enumerate(text) if t in self.special), len(text))]
+            ids = text + self.call_ids
+            out.append(TokenCompletion(token_ids=ids, log_probs=(0.0,) * len(ids), finish_reason="stop"))
+        return out
 
 
-def build_engine(chat: ChatFormat) -> HFRolloutEngine:
+def build_engine(chat: ChatFormat, *, reuse: bool) -> HFRolloutEngine:
     tokenizer = chat.tokenizer
     model = {**tiny_model_config(max_position_embeddings=4096), "vocab_size": len(tokenizer),
              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
     config = RolloutEngineConfig(model=ModelSpec(config=model, seed=0), max_prompt_length=512, max_new_tokens=32,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=-1)  # never stops early
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=-1,  # never stops early
+                                 extra={"kv_cache_reuse": reuse})
     return HFRolloutEngine(config=config)
 
 
@@ -84,8 +98,15 @@ def run_once(engine: HFRolloutEngine, chat: ChatFormat, *, conversations: int, l
                                      max_batch_rows=max_batch_rows))
     prompts = [chat.render_prompt([{"role": "user", "content": f"task {i}"}]) for i in range(conversations)]
     started = time.perf_counter()
-    done = loop.run(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))
+    done = loop.run(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens))
     return time.perf_counter() - started, sum(len(c.response_ids) for c in done)
+
+
+def prefilled(engine: HFRolloutEngine, run: Callable[[], tuple[float, int]]) -> tuple[float, int, int]:
+    """``run()``'s wall time and tokens, and the ids the engine prefilled meanwhile."""
+    before = engine.kv_cache_stats["prefill_tokens"]
+    wall, tokens = run()
+    return wall, tokens, engine.kv_cache_stats["prefill_tokens"] - before
 
 
 def main() -> None:
@@ -99,24 +120,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     chat = ChatFormat(build_chat_tokenizer())
-    engine = build_engine(chat)
-    run_once(engine, chat, conversations=4, latency_s=0.0, turns=2, new_tokens=4, max_batch_rows=0)  # warm up
+    engine, no_reuse = build_engine(chat, reuse=True), build_engine(chat, reuse=False)
+    for warm in (engine, no_reuse):
+        run_once(warm, chat, conversations=4, latency_s=0.0, turns=2, new_tokens=4, max_batch_rows=0)
     for rows in (int(value) for value in args.max_batch_rows.split(",")):
-        waits, no_waits = [], []
-        for _ in range(args.repeats):  # alternate so both see the same machine load
-            wall, tokens = run_once(engine, chat, conversations=args.conversations,
-                                    latency_s=args.latency_ms / 1000, turns=args.turns,
-                                    new_tokens=args.new_tokens, max_batch_rows=rows)
-            base, base_tokens = run_once(engine, chat, conversations=args.conversations, latency_s=0.0,
-                                         turns=args.turns, new_tokens=args.new_tokens, max_batch_rows=rows)
-            assert tokens == base_tokens, (tokens, base_tokens)
-            waits.append(wall)
-            no_waits.append(base)
-        wall, base = min(waits), min(no_waits)
-        print("RESULT " + json.dumps({"K": args.conversations, "latency_ms": args.latency_ms, "turns": args.turns,
-                                      "max_batch_rows": rows, "tokens": tokens, "wall_s": round(wall, 3),
-                                      "no_wait_wall_s": round(base, 3), "ratio": round(wall / base, 3)}), flush=True)
-
+        walls: dict[str, list[float]] = {"wait": [], "no_wait": [], "no_reuse": []}
+        counts: dict[str, tuple[int, int]] = {}
+        for _ in range(args.repeats):  # interleaved so all three see the same machine load
+            for name, target, latency in (("wait", engine, args.latency_ms / 1000), ("no_wait", engine, 0.0),
+                                          ("no_reuse", no_reuse, args.latency_ms / 1000)):
+                wall, tokens, prefill = prefilled(target, functools.partial(
+                    run_once, target, chat, conversations=args.conversations, latency_s=latency, turns=args.turns,
+                    new_tokens=args.new_tokens, max_batch_rows=rows))
+                walls[name].append(wall)
+                counts[name] = (tokens, prefill)
+        tokens = {count[0] for count in counts.values()}
+        assert len(tokens) == 1, f"the runs saw different token streams: {counts}"
+        best = {name: min(values) for name, values in walls.items()}
+        prefill, full = counts["wait"][1], counts["no_reuse"][1]
+        print("RESULT " + json.dumps({
+            "K": args.conversations, "latency_ms": args.latency_ms, "turns": args.turns, "max_batch_rows": rows,
+            "tokens": tokens.pop(), "wall_s": round(best["wait"], 3), "no_wait_wall_s": round(best["no_wait"], 3),
+            "ratio": round(best["wait"] / best["no_wait"], 3), "no_reuse_wall_s": round(best["no_reuse"], 3),
+            "reuse_speedup": round(best["no_reuse"] / best["wait"], 3), "prefill_tokens": prefill,
+            "no_reuse_prefill_tokens": full, "prefill_saved": round(1 - prefill / full, 3)}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -30,13 +30,17 @@ Training contract:
   each given list of token ids (prompts of any lengths; the engine pads them) and returns exactly the ids it
   sampled, their log-probs and why it stopped. Multi-turn rollouts (:mod:`hybridflow.agent`) need it: the token
   stream is never re-tokenized between turns.
+- Capability ``kv_cache_reuse`` (on top of ``continue_from_tokens``): ``generate_from_tokens(..., cache_keys=[one
+  hashable per prefix])`` keeps each row's keys/values under its key, and a later call with that key whose prefix
+  extends the kept ids computes only the new ids (same outputs as without); ``release_cache(keys)`` frees entries
+  (the agent loop passes one key per conversation and releases it when the conversation ends).
 - Engines may expose ``last_handover_stats`` (bytes received, seconds) after ``generation_weights`` is consumed,
   and rollout engines ``resident_weight_bytes()``; the ledger reports them when present.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -66,6 +70,7 @@ __all__ = [
     "ROLLOUT_CAPABILITIES",
     "TokenCompletion",
     "TokenContinuationEngine",
+    "KVCacheReuseEngine",
     "local_mini_batch_rows",
 ]
 
@@ -73,7 +78,8 @@ Role = Literal["actor", "critic", "reference", "reward_model"]
 ROLES: tuple[str, ...] = ("actor", "critic", "reference", "reward_model")
 
 #: optional rollout capabilities an engine may report in ``capabilities``
-ROLLOUT_CAPABILITIES = ("sleep", "update_weights_in_memory", "log_probs", "seed", "continue_from_tokens")
+ROLLOUT_CAPABILITIES = ("sleep", "update_weights_in_memory", "log_probs", "seed", "continue_from_tokens",
+                        "kv_cache_reuse")
 
 
 def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
@@ -336,6 +342,23 @@ class TokenContinuationEngine(Protocol):
                              stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
         """Continue every prefix once (``sampling.n`` is ignored): at most ``sampling.max_new_tokens`` ids each,
         stopping after EOS or any of ``stop_token_ids`` (kept as the last id)."""
+        ...
+
+
+@runtime_checkable
+class KVCacheReuseEngine(TokenContinuationEngine, Protocol):
+    """A rollout engine with capabilities ``continue_from_tokens`` and ``kv_cache_reuse``. Stability: public
+    (experimental)."""
+
+    def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                             stop_token_ids: Sequence[int] = (),
+                             cache_keys: Sequence[Hashable] | None = None) -> list[TokenCompletion]:
+        """As :meth:`TokenContinuationEngine.generate_from_tokens`; with ``cache_keys`` (one per prefix) each row's
+        keys/values are kept under its key and reused by a later call whose prefix extends them."""
+        ...
+
+    def release_cache(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Free the entries of ``keys`` (all when None)."""
         ...
 
 

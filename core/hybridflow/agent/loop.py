@@ -5,6 +5,8 @@ Token-in/token-out: a conversation is the list of ids the engine was given and p
 (:class:`~hybridflow.agent.format.ChatFormat` tokenizes only that new text); nothing is decoded and re-encoded.
 Turns are batched continuously: every conversation not waiting on a tool goes into the next
 ``generate_from_tokens`` call (run in a thread) while other conversations' tools run concurrently on the event loop.
+With an engine that reports ``kv_cache_reuse`` each conversation passes its own cache key, so the engine prefills
+only what was appended since its last turn; the key is released when the conversation ends.
 Assembling the training batch is :mod:`hybridflow.agent.batch`'s. Stability: public (experimental).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,7 +23,7 @@ from typing import Any
 
 from hybridflow.agent.format import ChatFormat, ToolCall, parse_tool_calls
 from hybridflow.agent.interaction import Interaction
-from hybridflow.engines import SamplingParams, TokenCompletion, TokenContinuationEngine
+from hybridflow.engines import KVCacheReuseEngine, SamplingParams, TokenCompletion, TokenContinuationEngine
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow.tools import Tool, ToolResult, call_tool
 
@@ -29,6 +32,8 @@ __all__ = ["MultiTurnConfig", "Conversation", "AgentLoop", "AGENT_NAMES"]
 #: the loops a row's ``agent_name`` (verl's column) may choose: ``tool_agent`` (the default: turns with tool calls)
 #: or ``single_turn_agent`` (one model turn, tool calls in it are not run)
 AGENT_NAMES = ("tool_agent", "single_turn_agent")
+
+_CACHE_KEYS = itertools.count()  # conversation keys for an engine's kept keys/values, unique in the process
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +78,8 @@ class Conversation:
     #: the interaction's state (rows with ``extra_info.interaction_kwargs`` when the loop has an interaction)
     interaction_state: Any = None
     user_turns: int = 0
+    #: the engine's key for this conversation's kept keys/values (capability kv_cache_reuse)
+    cache_key: int = field(default_factory=lambda: next(_CACHE_KEYS))
 
     @property
     def tool_errors(self) -> int:
@@ -102,6 +109,8 @@ class AgentLoop:
         self.config = config
         self.interaction = interaction
         self.generate_calls = 0
+        self.reuse: KVCacheReuseEngine | None = engine if "kv_cache_reuse" in engine.capabilities and isinstance(
+            engine, KVCacheReuseEngine) else None
 
     def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
             tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
@@ -144,6 +153,7 @@ class AgentLoop:
         try:
             return await self._run_conversations(conversations, sampling)
         finally:
+            self._release_caches(conversations)
             await asyncio.gather(*[self._release(conversation) for conversation in conversations])
             if self.interaction is not None:
                 for conversation in conversations:
@@ -159,27 +169,43 @@ class AgentLoop:
                 cap = self.config.max_batch_rows or len(ready)
                 batch, ready = ready[:cap], ready[cap:]
                 completions = await asyncio.to_thread(self._generate, batch, sampling)
+                ended = []
                 for conversation, completion in zip(batch, completions):
                     calls = self._take_turn(conversation, completion)
                     if calls is not None:
                         waiting.add(asyncio.create_task(self._run_tools(conversation, calls)))
                     elif self._user_answers(conversation):
                         waiting.add(asyncio.create_task(self._run_interaction(conversation, completion)))
+                    else:
+                        ended.append(conversation)
+                self._release_caches(ended)
                 finished = {task for task in waiting if task.done()}
             else:
                 finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             waiting -= finished
-            ready.extend(task.result() for task in finished if not task.result().finish)
+            results = [task.result() for task in finished]
+            ready.extend(conversation for conversation in results if not conversation.finish)
+            self._release_caches([conversation for conversation in results if conversation.finish])
         return conversations
+
+    def _release_caches(self, conversations: Sequence[Conversation]) -> None:
+        """The engine frees the kept keys/values of conversations that ended (called between generate calls)."""
+        if self.reuse is not None and conversations:
+            self.reuse.release_cache([conversation.cache_key for conversation in conversations])
 
     def _generate(self, batch: list[Conversation], sampling: SamplingParams) -> list[TokenCompletion]:
         budgets = [self.config.max_tokens - len(c.response_ids) for c in batch]
         width = min(sampling.max_new_tokens, max(budgets))
         seed = None if sampling.seed is None else sampling.seed + 7919 * self.generate_calls
         self.generate_calls += 1
-        completions = self.engine.generate_from_tokens(
-            [c.ids for c in batch], replace(sampling, n=1, max_new_tokens=width, seed=seed),
-            stop_token_ids=self.format.stop_token_ids)
+        prefixes, turn_sampling = [c.ids for c in batch], replace(sampling, n=1, max_new_tokens=width, seed=seed)
+        if self.reuse is not None:  # the engine continues from each conversation's kept keys/values
+            completions = self.reuse.generate_from_tokens(prefixes, turn_sampling,
+                                                          stop_token_ids=self.format.stop_token_ids,
+                                                          cache_keys=[c.cache_key for c in batch])
+        else:
+            completions = self.engine.generate_from_tokens(prefixes, turn_sampling,
+                                                           stop_token_ids=self.format.stop_token_ids)
         if len(completions) != len(batch):
             raise EngineError(f"generate_from_tokens returned {len(completions)} completions for {len(batch)} "
                               "prefixes; an engine must continue every prefix it is given")

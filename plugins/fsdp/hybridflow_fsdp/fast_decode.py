@@ -9,13 +9,14 @@ models it does not recognise (other architectures, sliding windows, non-default 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanDecoder", "build_lean_decoder", "lean_decoder_unsupported_reason"]
+__all__ = ["LeanDecoder", "PastKV", "build_lean_decoder", "lean_decoder_unsupported_reason"]
 
 _ARCHITECTURES = ("qwen2", "llama")
 
@@ -63,6 +64,20 @@ class _CausalLM(Protocol):
     lm_head: _Linear
 
 
+@dataclass(frozen=True, slots=True)
+class PastKV:
+    """Keys (post-RoPE) and values of tokens an earlier call computed, for :meth:`LeanDecoder.prefill` to continue
+    from: ``kv`` [layers, 2, B, KV, P, D] and ``keys`` [B, P] (True where a slot holds a token; a row's tokens are
+    right-aligned, in order, so ``keys[r].sum()`` is the position its next token takes)."""
+
+    kv: torch.Tensor
+    keys: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.keys.sum(-1)
+
+
 def lean_decoder_unsupported_reason(model: nn.Module) -> str | None:
     """Why :class:`LeanDecoder` cannot run ``model`` (None when it can)."""
     config = getattr(model, "config", None)
@@ -105,6 +120,7 @@ class LeanDecoder:
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._bias = torch.empty(0)
+        self._keys = torch.empty(0, dtype=torch.bool)
         self._packed: list[Any] = []
         self._cos = self._sin = torch.empty(0)
         self._step_cos = self._step_sin = torch.empty(0)
@@ -265,44 +281,61 @@ class LeanDecoder:
     # --- public ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                max_new_tokens: int, *, repeats: int = 1) -> torch.Tensor:
+                max_new_tokens: int, *, repeats: int = 1, past: PastKV | None = None) -> torch.Tensor:
         """Logits [B·repeats, V] of the last prompt position; allocates the cache for ``max_new_tokens`` more.
 
         With ``repeats`` > 1 each prompt row is computed once and its keys/values are shared by ``repeats``
         consecutive rows of the cache (``repeat_interleave`` order), the layout of n samples per prompt.
         Afterwards :meth:`step` may be called without positions: row r's k-th new token sits at its last prompt
         position + 1 + k (the tables for that are made here).
+
+        With ``past`` (keys/values of tokens computed by an earlier call, :class:`PastKV`) they fill cache slots
+        ``[0, P)`` and only ``input_ids`` are computed, attending to them: ``position_ids`` are then absolute (row
+        r's first new token at ``past.lengths[r]``). The logits are those of a prefill of the whole sequence.
         """
         rows, width = input_ids.shape
-        total = width + max_new_tokens
+        past_width = 0 if past is None else past.keys.shape[1]
+        if past is not None and repeats > 1:
+            raise ValueError("prefill with past keys/values does not share prompts (repeats must be 1)")
+        total = past_width + width + max_new_tokens
         backbone = self._hf.model
         parameter = backbone.embed_tokens.weight
         dtype, device = parameter.dtype, parameter.device
         self._k = [torch.empty(rows * repeats, self.num_kv_heads, total, self.head_dim, dtype=dtype, device=device)
                    for _ in self.layers]
         self._v = [torch.empty_like(k) for k in self._k]
+        if past is not None:
+            for index in range(len(self.layers)):
+                self._k[index][:, :, :past_width] = past.kv[index, 0]
+                self._v[index][:, :, :past_width] = past.kv[index, 1]
         last = position_ids[:, -1].repeat_interleave(repeats) if repeats > 1 else position_ids[:, -1]
         self._rope_tables(int(position_ids.max()) + max_new_tokens + 1, device)
         steps = last[None, :] + torch.arange(1, max_new_tokens + 1, device=device)[:, None]  # [N, B·r]
         self._step_cos = self._cos[steps].unsqueeze(2).to(dtype)  # [N, B·r, 1, D]
         self._step_sin = self._sin[steps].unsqueeze(2).to(dtype)
         keys = torch.ones(rows, total, dtype=torch.bool, device=device)
-        keys[:, :width] = attention_mask.bool()
+        keys[:, past_width:past_width + width] = attention_mask.bool()
+        prompt_mask = self._prompt_mask(attention_mask.bool())
+        if past is not None:
+            keys[:, :past_width] = past.keys
+            prompt_mask = torch.cat((past.keys[:, None, None, :].expand(rows, 1, width, past_width), prompt_mask), -1)
         if repeats > 1:
             keys = keys.repeat_interleave(repeats, dim=0)
+        self._keys = keys
         bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill_(~keys, float("-inf"))
         self._bias = bias[:, None, None]
         self._pack()
-        prompt_mask = self._prompt_mask(attention_mask.bool())
-        self._length = self._prompt_width = width
+        self._length = self._prompt_width = past_width + width
         logits = self._prefill_forward(input_ids, position_ids, prompt_mask, repeats)
         return logits.repeat_interleave(repeats, dim=0) if repeats > 1 else logits
 
     def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                          repeats: int) -> torch.Tensor:
-        """The prompts through the packed weights (as :meth:`_decode_layer`), filling cache slots ``[0, W)`` (each
-        prompt row into ``repeats`` consecutive cache rows); logits [B, V] of the last position."""
+        """The prompts through the packed weights (as :meth:`_decode_layer`), filling cache slots ``[S, S + W)`` (each
+        prompt row into ``repeats`` consecutive cache rows) and attending to slots ``[0, S + W)`` (S: the past
+        keys/values' width, 0 without); logits [B, V] of the last position."""
         rows, width = input_ids.shape
+        start = self._length - width
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         h = self._embed(input_ids)
         cos = self._cos[positions].unsqueeze(2).to(h.dtype)  # [B, W, 1, D]
@@ -316,8 +349,10 @@ class LeanDecoder:
             qk = self._rope(qk, cos, sin).transpose(1, 2)  # [B, H+KV, W, D]
             k = qk[:, heads:]
             v = qkv[..., (heads + kv_heads) * dim :].view(rows, width, kv_heads, dim).transpose(1, 2)
-            self._k[index].view(shape)[:, :, :, :width] = k.unsqueeze(1)
-            self._v[index].view(shape)[:, :, :, :width] = v.unsqueeze(1)
+            self._k[index].view(shape)[:, :, :, start:start + width] = k.unsqueeze(1)
+            self._v[index].view(shape)[:, :, :, start:start + width] = v.unsqueeze(1)
+            if start:  # continuing: attend to the past keys/values too
+                k, v = self._k[index][:, :, :start + width], self._v[index][:, :, :start + width]
             out = F.scaled_dot_product_attention(qk[:, :heads], k, v, attn_mask=mask, scale=1.0,  # q pre-scaled
                                                  enable_gqa=kv_heads != heads)
             h = h + self._row(out.transpose(1, 2).reshape(rows, width, heads * dim), o_weight, o_bias)
@@ -410,9 +445,18 @@ class LeanDecoder:
             h = self._decode_layer(index, h, cos, sin, slot)
         return self._head_logits(h)
 
+    def cache_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int]:
+        """What the cache holds now (before :meth:`release`): keys and values [B, KV, T, D] per layer, the key mask
+        [B, T] (False on padding and holes) and the prefill width (slots from it on hold the tokens given to
+        :meth:`step`, one per step)."""
+        length = self._length
+        return ([k[:, :, :length] for k in self._k], [v[:, :, :length] for v in self._v], self._keys[:, :length],
+                self._prompt_width)
+
     def release(self) -> None:
         """Free the KV cache."""
         self._k, self._v, self._packed = [], [], []
+        self._keys = torch.empty(0, dtype=torch.bool)
         self._embedding, self._head = torch.empty(0), (torch.empty(0), None)  # no reference to the weights kept
         self._bias = torch.empty(0)
         self._step_cos = self._step_sin = torch.empty(0)

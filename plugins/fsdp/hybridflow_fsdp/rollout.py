@@ -9,7 +9,7 @@ Weights only come back through :meth:`HFRolloutEngine.update_weights` after :met
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -19,6 +19,7 @@ from hybridflow.engines import RolloutEngineConfig, SamplingParams, TokenComplet
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_fsdp.fast_decode import LeanDecoder, build_lean_decoder, lean_decoder_unsupported_reason
 from hybridflow_fsdp.forward import require_columns
+from hybridflow_fsdp.kv_reuse import ConversationKVCache
 from hybridflow_fsdp.models import build_hf_config, build_model, compute_position_ids
 from hybridflow_fsdp.sampling import sample_tokens
 from hybridflow_fsdp.tensor_parallel import (
@@ -89,6 +90,13 @@ class HFRolloutEngine:
         self._weights_loaded = True
         self._calls = 0
         self.last_update_stats: dict[str, float] = {}
+        # keys/values kept across generate_from_tokens calls (multi-turn): the lean decoder continues from them
+        # (not yet at tg > 1, untested there)
+        reuse = (bool(config.extra.get("kv_cache_reuse", True)) and self.decoder is not None
+                 and self.tensor_group is None)
+        self._kv_reuse = reuse
+        self._kv_cache = ConversationKVCache(max_bytes=int(config.extra.get("kv_cache_max_bytes", 2 << 30)))
+        self.capabilities = CAPABILITIES | ({"kv_cache_reuse"} if reuse else set())
 
     @property
     def weights_version(self) -> int:
@@ -135,35 +143,71 @@ class HFRolloutEngine:
         return torch.Generator().manual_seed(int(seed))
 
     def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                             stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
+                             stop_token_ids: Sequence[int] = (),
+                             cache_keys: Sequence[Hashable] | None = None) -> list[TokenCompletion]:
         """Continue each id list (capability ``continue_from_tokens``): the prefixes are left-padded into one batch,
         prefilled and sampled together; each row's ids are returned up to and including its stop token.
 
-        The KV cache is rebuilt from the whole prefix on every call (no cross-turn cache reuse yet)."""
+        ``cache_keys`` (capability ``kv_cache_reuse``, one key per row, e.g. a conversation id): the keys/values of
+        each row are kept under its key after the call, and a later call with that key whose prefix extends the
+        kept ids prefills only the ids after them (the same logits as a full prefill; ``kv_cache_stats`` counts
+        prefilled and reused ids). :meth:`release_cache` frees entries; new weights and ``sleep`` drop them all."""
         self._require_weights("generate_from_tokens")
         if not prompts:
             return []
         if any(len(prompt) == 0 for prompt in prompts):
             raise ConfigError("generate_from_tokens got an empty prefix; every conversation starts with its prompt")
-        width = max(len(prompt) for prompt in prompts)
+        if cache_keys is not None and len(cache_keys) != len(prompts):
+            raise ConfigError(f"generate_from_tokens got {len(cache_keys)} cache_keys for {len(prompts)} prefixes; "
+                              "give one key per prefix (or none)")
+        keep = self._kv_reuse and cache_keys is not None
+        past, reused = None, [0] * len(prompts)
+        if keep:
+            assert cache_keys is not None
+            with torch.inference_mode():
+                past, reused = self._kv_cache.take(cache_keys, prompts, device=self.device,
+                                                   dtype=next(iter(self._parameters.values())).dtype)
+        else:
+            self._kv_cache.stats["prefill_tokens"] += sum(len(prompt) for prompt in prompts)
+        suffixes = [prompt[n:] for prompt, n in zip(prompts, reused)]
+        width = max(len(suffix) for suffix in suffixes)
         input_ids = torch.full((len(prompts), width), self.config.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-            attention_mask[row, width - len(prompt):] = 1
-        sampled = sample_tokens(self.model, input_ids.to(self.device), attention_mask.to(self.device),
-                                sampling=replace(sampling, n=1), eos_token_id=self.config.eos_token_id,
-                                pad_token_id=self.config.pad_token_id, generator=self._generator(sampling),
-                                decoder=self.decoder, stop_token_ids=tuple(int(t) for t in stop_token_ids))
-        stops = {self.config.eos_token_id, *(int(t) for t in stop_token_ids)}
-        completions = []
-        for row in range(len(prompts)):
-            length = int(sampled.response_mask[row].sum())
-            ids = tuple(int(t) for t in sampled.responses[row, :length].tolist())
-            completions.append(TokenCompletion(
-                token_ids=ids, log_probs=tuple(float(x) for x in sampled.log_probs[row, :length].tolist()),
-                finish_reason="stop" if ids and ids[-1] in stops else "length"))
+        for row, suffix in enumerate(suffixes):
+            input_ids[row, width - len(suffix):] = torch.as_tensor(list(suffix), dtype=torch.long)
+            attention_mask[row, width - len(suffix):] = 1
+        try:
+            sampled = sample_tokens(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                    sampling=replace(sampling, n=1), eos_token_id=self.config.eos_token_id,
+                                    pad_token_id=self.config.pad_token_id, generator=self._generator(sampling),
+                                    decoder=self.decoder, stop_token_ids=tuple(int(t) for t in stop_token_ids),
+                                    past=past, keep_cache=keep)
+            stops = {self.config.eos_token_id, *(int(t) for t in stop_token_ids)}
+            completions = []
+            for row in range(len(prompts)):
+                length = int(sampled.response_mask[row].sum())
+                ids = tuple(int(t) for t in sampled.responses[row, :length].tolist())
+                completions.append(TokenCompletion(
+                    token_ids=ids, log_probs=tuple(float(x) for x in sampled.log_probs[row, :length].tolist()),
+                    finish_reason="stop" if ids and ids[-1] in stops else "length"))
+            if keep:
+                assert cache_keys is not None and self.decoder is not None
+                with torch.inference_mode():
+                    self._kv_cache.store(cache_keys, prompts, [c.token_ids for c in completions], self.decoder)
+        finally:
+            if keep and self.decoder is not None:
+                self.decoder.release()
         return completions
+
+    @property
+    def kv_cache_stats(self) -> dict[str, int]:
+        """Counters of ``generate_from_tokens`` (see :class:`~hybridflow_fsdp.kv_reuse.ConversationKVCache`:
+        ``prefill_tokens`` counts with reuse off too), plus the entries and bytes held now."""
+        return {**self._kv_cache.stats, "entries": len(self._kv_cache), "held_bytes": self._kv_cache.held_bytes}
+
+    def release_cache(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Free the kept keys/values of ``keys`` (every entry when None): a conversation that ended."""
+        self._kv_cache.release(keys)
 
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """Sample ``sampling.n`` responses per prompt (rows repeated interleaved); columns as in hybridflow.engines."""
@@ -259,14 +303,16 @@ class HFRolloutEngine:
             )
         self._weights_loaded = True
         self._version = int(version)
+        self.release_cache()  # kept keys/values were computed with the old weights
         self.last_update_stats = {"bytes_copied": float(copied), "bytes_bound": float(bound),
                                   "seconds": time.perf_counter() - started, "parameters": float(len(seen))}
 
     def sleep(self) -> None:
-        """Drop every parameter's storage, bound tensors' references included (the KV cache lives only inside
-        ``generate``)."""
+        """Drop every parameter's storage, bound tensors' references included, and the keys/values kept for
+        conversations (the generation KV cache lives only inside a call)."""
         if self.decoder is not None:
             self.decoder.release()
+        self.release_cache()
         for parameter in self._parameters.values():
             parameter.data = torch.empty(0, dtype=parameter.dtype, device=self.device)
         self._bound.clear()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybridflow.engines import SamplingParams
-from hybridflow_fsdp.fast_decode import LeanDecoder
+from hybridflow_fsdp.fast_decode import LeanDecoder, PastKV
 from hybridflow_fsdp.models import compute_position_ids
 
 __all__ = ["SampledTokens", "filter_logits", "pick_tokens", "sample_tokens"]
@@ -91,6 +91,8 @@ def sample_tokens(
     decoder: LeanDecoder | None = None,
     repeats: int = 1,
     stop_token_ids: tuple[int, ...] = (),
+    past: PastKV | None = None,
+    keep_cache: bool = False,
 ) -> SampledTokens:
     """Generate ``sampling.max_new_tokens`` columns for every row; rows stop at EOS (kept, masked 1), then pad.
 
@@ -98,20 +100,27 @@ def sample_tokens(
     :class:`~hybridflow_fsdp.fast_decode.LeanDecoder` of ``model``) the prompts' forward is computed once and shared,
     and the logits come from its lean forward; otherwise from ``model(...)`` with the HF KV cache. Both give the
     same logits. ``stop_token_ids`` stop a row like EOS (kept, masked 1).
+
+    ``past`` (decoder only): the rows continue tokens whose keys/values an earlier call computed (the input ids
+    are only the new tokens; their positions start at ``past.lengths``). ``keep_cache``: the decoder's cache is
+    left for the caller to read (``decoder.cache_state()``) and release.
     """
+    if (past is not None or keep_cache) and decoder is None:
+        raise ValueError("past keys/values and keep_cache need the lean decoder")
     # inference mode (no version counters or autograd bookkeeping: ~10% off each decode step); what leaves it is
     # cloned into ordinary tensors, so callers may use the outputs in autograd
     with torch.inference_mode():
         sampled = _sample(model, input_ids, attention_mask, sampling=sampling, eos_token_id=eos_token_id,
                           pad_token_id=pad_token_id, generator=generator, decoder=decoder, repeats=repeats,
-                          stop_token_ids=stop_token_ids)
+                          stop_token_ids=stop_token_ids, past=past, keep_cache=keep_cache)
     return SampledTokens(responses=sampled.responses.clone(), log_probs=sampled.log_probs.clone(),
                          response_mask=sampled.response_mask.clone())
 
 
 def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, sampling: SamplingParams,
             eos_token_id: int, pad_token_id: int, generator: torch.Generator, decoder: LeanDecoder | None,
-            repeats: int, stop_token_ids: tuple[int, ...] = ()) -> SampledTokens:
+            repeats: int, stop_token_ids: tuple[int, ...] = (), past: PastKV | None = None,
+            keep_cache: bool = False) -> SampledTokens:
     width = sampling.max_new_tokens
     if decoder is None and repeats > 1:
         input_ids = input_ids.repeat_interleave(repeats, dim=0)
@@ -123,8 +132,10 @@ def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     log_probs = torch.zeros((rows, width), dtype=torch.float32, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     position_ids = compute_position_ids(attention_mask)
+    if past is not None:
+        position_ids = position_ids + past.lengths[:, None]
     if decoder is not None:
-        logits = decoder.prefill(input_ids, attention_mask, position_ids, width, repeats=repeats)
+        logits = decoder.prefill(input_ids, attention_mask, position_ids, width, repeats=repeats, past=past)
     else:
         cache_argument = _cache_argument(model)
         output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
@@ -149,7 +160,7 @@ def _sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
                        position_ids=positions.unsqueeze(-1), use_cache=True,
                        **{cache_argument: getattr(output, cache_argument)})
         logits = output.logits[:, -1, :]
-    if decoder is not None:
+    if decoder is not None and not keep_cache:
         decoder.release()
     # a column is alive until (and including) the row's first EOS (or stop token); after it: pad, log-prob 0, mask 0
     eos_before = torch.isin(responses[:, :steps], stops).long().cumsum(-1)

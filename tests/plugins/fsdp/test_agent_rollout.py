@@ -9,8 +9,9 @@ other turn, and every turn's prefix handling, goes through the real :class:`HFRo
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ class ScriptedToolCallerDouble:
     p_call: float = 0.5
     seed: int = 0
     cycle: bool = False  # scripted calls in SCRIPTED_CALLS order (every kind shows up) instead of at random
+    #: a scripted turn starts with what the engine generated for it (up to its first special id, at most a quarter
+    #: of the turn), as a model writing some text before its call; the engine then holds keys/values of that text
+    continue_real: bool = False
     events: list[tuple[tuple[int, ...], TokenCompletion]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -56,24 +60,39 @@ class ScriptedToolCallerDouble:
     def weights_version(self) -> int:
         return self.engine.weights_version
 
+    def release_cache(self, keys: Iterable[Hashable] | None = None) -> None:
+        self.engine.release_cache(keys)
+
     def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                             stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
+                             stop_token_ids: Sequence[int] = (),
+                             cache_keys: Sequence[Hashable] | None = None) -> list[TokenCompletion]:
         scripted = [self.rng.random() < self.p_call for _ in prompts]
-        real_rows = [row for row, s in enumerate(scripted) if not s]
+        real_rows = [row for row, s in enumerate(scripted) if not s or self.continue_real]
         real = self.engine.generate_from_tokens([prompts[row] for row in real_rows], sampling,
-                                                stop_token_ids=stop_token_ids)
+                                                stop_token_ids=stop_token_ids,
+                                                cache_keys=None if cache_keys is None else
+                                                [cache_keys[row] for row in real_rows])
         by_row = dict(zip(real_rows, real))
         out = []
+        special = set(self.chat_format.tokenizer.added_tokens_decoder)
         for row, prompt in enumerate(prompts):
             completion = by_row.get(row)
-            if completion is None:
+            if scripted[row]:
                 template = SCRIPTED_CALLS[self.scripted % len(SCRIPTED_CALLS)] if self.cycle else \
                     self.rng.choice(SCRIPTED_CALLS)
                 self.scripted += 1
                 text = template % tuple(self.rng.randint(10, 99) for _ in range(template.count("%d")))
-                ids = tuple(self.chat_format.encode(text))[: sampling.max_new_tokens]
-                completion = TokenCompletion(token_ids=ids, log_probs=(0.0,) * len(ids),
+                head: tuple[int, ...] = ()
+                head_log_probs: tuple[float, ...] = ()
+                if completion is not None:  # continue_real
+                    cut = next((i for i, t in enumerate(completion.token_ids) if t in special),
+                               len(completion.token_ids))
+                    cut = min(cut, sampling.max_new_tokens // 4)
+                    head, head_log_probs = completion.token_ids[:cut], completion.log_probs[:cut]
+                ids = (head + tuple(self.chat_format.encode(text)))[: sampling.max_new_tokens]
+                completion = TokenCompletion(token_ids=ids, log_probs=(head_log_probs + (0.0,) * len(ids))[:len(ids)],
                                              finish_reason="stop" if ids[-1] in stop_token_ids else "length")
+            assert completion is not None
             self.events.append((tuple(int(t) for t in prompt), completion))
             out.append(completion)
         return out
@@ -123,10 +142,20 @@ def test_multi_turn_ids_are_exact_and_masks_cover_the_model(engine: HFRolloutEng
     prompts = [chat_format.render_prompt([{"role": "user", "content": f"What is {rng.randint(100, 999)} times "
                                            f"{rng.randint(100, 999)}? ({i})"}], tool_schemas(tools))
                for i in range(24)]
-    double = ScriptedToolCallerDouble(engine=engine, chat_format=chat_format, p_call=0.6)
+    double = ScriptedToolCallerDouble(engine=engine, chat_format=chat_format, p_call=0.6, continue_real=True)
     config = MultiTurnConfig(max_turns=4, max_tokens=400, tool_timeout_s=1.0)
     loop = AgentLoop(double, tools, chat_format, config)
+    before = engine.kv_cache_stats
     conversations = loop.run(prompts, SamplingParams(temperature=1.0, max_new_tokens=48, seed=5))
+    # the default path reuses each conversation's keys/values across turns and frees them when it ends
+    after = engine.kv_cache_stats
+    # (every turn goes through the engine here: a conversation's turns after its first continue its entry, and
+    # prefill only its new ids: the tool turn, the scripted call and at most one sampled id)
+    assert loop.reuse is double and after["entries"] == 0
+    assert after["misses"] - before["misses"] == len(prompts)
+    assert after["hits"] - before["hits"] == sum(c.turns - 1 for c in conversations)
+    continued = after["prefill_tokens"] - before["prefill_tokens"] - sum(len(p) for p in prompts)
+    assert after["reused_tokens"] - before["reused_tokens"] > 5 * continued
     batch = build_rollout_batch(_prompt_batch(chat_format, prompts), conversations, width=config.max_tokens,
                                 pad_token_id=chat_format.tokenizer.pad_token_id, policy_version=0)
 
@@ -206,8 +235,10 @@ def test_hang_does_not_block_other_conversations(engine: HFRolloutEngine, chat_f
         """Row 0's first turn calls a hanging tool; everyone else ends after one real turn."""
 
         def generate_from_tokens(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                                 stop_token_ids: Sequence[int] = ()) -> list[TokenCompletion]:
-            out = self.engine.generate_from_tokens(prompts, sampling, stop_token_ids=stop_token_ids)
+                                 stop_token_ids: Sequence[int] = (),
+                                 cache_keys: Sequence[Hashable] | None = None) -> list[TokenCompletion]:
+            out = self.engine.generate_from_tokens(prompts, sampling, stop_token_ids=stop_token_ids,
+                                                   cache_keys=cache_keys)
             self.events.append((tuple(len(p) for p in prompts), out[0]))
             if len(self.events) == 1:
                 ids = tuple(self.chat_format.encode(SCRIPTED_CALLS[4]))
@@ -245,3 +276,26 @@ def test_run_from_inside_an_event_loop(engine: HFRolloutEngine, chat_format: Cha
                             SamplingParams(max_new_tokens=4, seed=0)))
 
     assert asyncio.run(inside()) == 1
+
+
+def test_trainer_agent_path_passes_cache_keys_and_frees_them(tmp_path: Path, chat_format: ChatFormat) -> None:
+    """``rollout.multi_turn.enable``'s worker path (``AgentRollout``) over the hf engine continues conversations from
+    their kept keys/values by default: every conversation's first turn is looked up under its key (a miss), and
+    nothing stays held after the batch."""
+    from hybridflow.agent.worker import AgentRollout
+    from hybridflow.testing.chat_tokenizer import save_tiny_chat_model
+
+    tokenizer = chat_format.tokenizer
+    config = RolloutEngineConfig(model=ModelSpec(path=str(save_tiny_chat_model(tmp_path / "model"))),
+                                 max_prompt_length=128, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+    engine = HFRolloutEngine(config=config)
+    rollout = AgentRollout(engine, config, {"max_turns": 2, "max_tokens": 32, "tool_timeout_s": 1.0,
+                                            "max_tool_calls_per_turn": 2, "max_batch_rows": 0,
+                                            "tools": ["calculator"]})
+    assert rollout.loop.reuse is engine
+    prompts = [chat_format.render_prompt([{"role": "user", "content": f"q{i}"}]) for i in range(3)]
+    out = rollout.generate(_prompt_batch(chat_format, prompts), SamplingParams(max_new_tokens=8, n=2, seed=0))
+    assert out["responses"].shape[0] == 6
+    stats = engine.kv_cache_stats
+    assert stats["misses"] == 6 and stats["entries"] == 0 and stats["held_bytes"] == 0
