@@ -3,15 +3,28 @@ wall-second of GRPO (examples/grpo_arithmetic_scratch.yaml, shortened) for
 
 - ``colocated``: the synchronous hybrid engine, actor training and generating on one pool of ``--colocated-workers``;
 - ``split-k0/k1/k2``: the actor on one pool of 1 worker, generation on a rollout pool of 1 worker
-  (``rollout.pool``), ``trainer.max_staleness`` = 0, 1, 2.
+  (``rollout.pool``), ``trainer.max_staleness`` = 0, 1, 2;
+- ``split-k0/k1-after-update``: the same with the weight sync and the next generation dispatched once the step's
+  update has returned to the driver (``AsyncRollout.sync_behind_update = False``, the schedule before they were
+  dispatched right behind the update): the ablation of that change.
 
-Timing covers the training steps (Σ ``time/step_s``, the first step excluded as warm-up: it also pays the first
-weight sync); worker start-up is not counted. ``reward_per_wall_s`` = Σ over the timed steps of ``reward/mean`` /
-their seconds (reward collected per second); ``reward_last`` the mean reward of the last quarter of the steps.
-Prints ``RESULT {json}`` per (setting, seed). Simplified: one tiny random-init model, CPU workers, a few steps; on a
-shared box the numbers move with the load, so compare settings of one invocation.
+Timing covers the training steps after the first (warm-up: it also pays the first weight sync), wall clock from the
+end of step 0 to the end of the last step; worker start-up is not counted. ``reward_per_wall_s`` = Σ over the timed
+steps of ``reward/mean`` / their seconds; ``reward_last`` the mean reward of the last quarter of the steps.
 
-Run: ``OMP_NUM_THREADS=1 python bench/async.py [--steps 12] [--seeds 0 1] [--settings colocated split-k0 ...]``.
+Where the time goes (the profile of each run, over the timed window): ``actor_busy_frac`` / ``rollout_busy_frac``
+the fraction of the wall time the actor's pool / the rollout pool spent inside a call (the colocated pool does both:
+its generation counts as rollout), ``overlap_frac`` the fraction both were busy at once, ``trainer_wait_s`` the time
+a step waited for its rollout (``async/wait_s``), ``sync_wait_s`` the rollout worker's wait for the actor's weight
+export, ``cpu_cores_used`` the CPU seconds of the driver and the workers per wall second (how many cores the run
+actually got: on a box with no free core, running the pools side by side cannot shorten a step).
+
+Settings run interleaved, ``--rounds`` times each (seeds × rounds × settings, the order rotated each round), so the
+box's load drifts over all of them alike; ``RESULT`` per run, then per setting the median over its runs and the
+ratio to ``split-k0`` and to ``colocated``, with the load average. Simplified: one tiny random-init model, CPU
+workers, a few steps; compare settings of one invocation only.
+
+Run: ``OMP_NUM_THREADS=1 python bench/async.py [--steps 8] [--rounds 2] [--seeds 0] [--settings colocated ...]``.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,14 +40,18 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import psutil
 import yaml
 
 from hybridflow.config import load_config
-from hybridflow.controller import init_ray
+from hybridflow.controller import CallRecord, init_ray
 from hybridflow.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
-SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2")
+SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update")
+DEFAULT_SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k1-after-update")
+#: the calls that are generation (on the rollout pool, or the colocated actor's own)
+GENERATION = ("generate", "load_weights")
 
 
 def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: float) -> list[str]:
@@ -41,76 +59,142 @@ def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: 
         pools = {"main": {"devices_per_node": [colocated_workers], "device": "cpu",
                           "cpus_per_worker": cpus_per_worker}}
         return [f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}"]
-    staleness = int(setting.removeprefix("split-k"))
+    staleness = int(setting.removeprefix("split-k").removesuffix("-after-update"))
     pools = {name: {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": cpus_per_worker}
              for name in ("main", "gen")}
     return [f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}", "rollout.pool=gen",
             f"trainer.max_staleness={staleness}"]
 
 
+def _busy_intervals(records: list[CallRecord], *, generation: bool) -> list[tuple[float, float]]:
+    """Per call: (end − the slowest rank's time inside the method, end), for generation calls or the others."""
+    return [(record.finished_at - max(record.compute_seconds_per_rank), record.finished_at) for record in records
+            if record.compute_seconds_per_rank and (record.method in GENERATION) == generation]
+
+
+def _clip_union(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, stop in sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in first for c, d in second)
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     overrides = [
-        f"trainer.run_dir={root / f'{setting}-{seed}'}", f"trainer.seed={seed}", f"trainer.total_steps={args.steps}",
-        "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0",
-        "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never", "trainer.log_rollouts=0",
-        f"data.batch_size={args.batch_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"trainer.run_dir={root / f'{setting}-{seed}-{time.time_ns()}'}", f"trainer.seed={seed}",
+        f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1",
+        "data.task.num_val_prompts=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
+        "trainer.log_rollouts=0", f"data.batch_size={args.batch_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
         *setting_overrides(setting, colocated_workers=args.colocated_workers, cpus_per_worker=args.cpus_per_worker),
     ]
     trainer = Trainer(load_config(EXAMPLE, overrides), progress=False)
-    started = time.perf_counter()
+    records: list[CallRecord] = []
+    trainer.call_observers.append(records.append)
+    history: list[dict[str, float]] = []
     try:
-        history = trainer.fit()
+        trainer.start()  # what fit() does first; its loop below, timed (no validation or checkpoint is due)
+        groups = [*trainer.worker_groups().by_pool.values()]
+        if trainer.async_rollout is not None:
+            trainer.async_rollout.sync_behind_update = not setting.endswith("-after-update")
+            trainer.async_rollout.group.observers.append(records.append)
+            groups.append(trainer.async_rollout.group)
+        pids = [os.getpid(), *(pid for group in groups for pid in (group.local_process_ids() or {}).values())]
+        marks = [time.time()]
+        cpu = [_cpu_seconds(pids)]
+        while trainer.step < args.steps:
+            history.append(trainer.supervisor.run_iteration())
+            marks.append(time.time())
+            cpu.append(_cpu_seconds(pids))
     finally:
         trainer.close()
-    total_s = time.perf_counter() - started
     timed = history[1:] or history
-    seconds = sum(row["time/step_s"] for row in timed)
+    lo, hi = (marks[1], marks[-1]) if len(history) > 1 else (marks[0], marks[-1])
+    wall = hi - lo
     tokens = sum(row["tokens/prompt_and_response"] for row in timed)
     last = history[-max(1, len(history) // 4):]
-    result = {
+    train = _clip_union(_busy_intervals(records, generation=False), lo, hi)
+    generate = _clip_union(_busy_intervals(records, generation=True), lo, hi)
+    result: dict[str, Any] = {
         "setting": setting, "seed": seed, "steps": len(history), "timed_steps": len(timed),
-        "step_s": seconds / len(timed), "tokens_per_s": tokens / seconds,
-        "reward_per_wall_s": sum(row["reward/mean"] for row in timed) / seconds,
+        "step_s": wall / len(timed), "tokens_per_s": tokens / wall,
+        "reward_per_wall_s": sum(row["reward/mean"] for row in timed) / wall,
         "reward_mean": sum(row["reward/mean"] for row in history) / len(history),
         "reward_last": sum(row["reward/mean"] for row in last) / len(last),
-        "run_s_with_startup": total_s,
+        "actor_busy_frac": sum(b - a for a, b in train) / wall,
+        "rollout_busy_frac": sum(b - a for a, b in generate) / wall,
+        "overlap_frac": _overlap(train, generate) / wall,
+        "cpu_cores_used": (cpu[-1] - cpu[1 if len(history) > 1 else 0]) / wall,
+        "load_avg_1m": os.getloadavg()[0],
     }
     if setting.startswith("split"):
         result.update({
+            "trainer_wait_s": sum(row["async/wait_s"] for row in timed) / len(timed),
+            "sync_wait_s": sum(row["async/weight_sync_wait_s"] for row in timed) / len(timed),
+            "sync_load_s": sum(row["async/weight_sync_load_s"] for row in timed) / len(timed),
             "staleness_mean": sum(row["async/staleness_mean"] for row in history) / len(history),
             "staleness_max": max(row["async/staleness_max"] for row in history),
             "dropped_stale_samples": history[-1]["async/dropped_stale_samples_total"],
-            "weight_sync_s_per_step": sum(row["async/weight_sync_s"] for row in timed) / len(timed),
         })
     return result
 
 
+def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per setting: medians over its runs, and its tokens/s as a ratio to split-k0's and colocated's."""
+    medians = {setting: {key: statistics.median(row[key] for row in rows) for key in rows[0]
+                         if isinstance(rows[0][key], float)} for setting, rows in results.items()}
+    out = []
+    for setting, values in medians.items():
+        row: dict[str, Any] = {"setting": setting, "summary": True, "runs": len(results[setting]), **values}
+        for reference in ("split-k0", "colocated"):
+            if reference in medians and reference != setting:
+                row[f"tokens_per_s_vs_{reference}"] = values["tokens_per_s"] / medians[reference]["tokens_per_s"]
+        out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each setting per seed, interleaved")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), choices=SETTINGS)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated pool (split: 1+1)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     args = parser.parse_args()
     init_ray(num_cpus=4, object_store_memory=300_000_000)
     results: dict[str, list[dict[str, Any]]] = {}
+    print(f"# load average at start: {os.getloadavg()}, {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as directory:
         for seed in args.seeds:
-            for setting in args.settings:
-                result = run_setting(setting, seed, args, Path(directory))
-                results.setdefault(setting, []).append(result)
-                print("RESULT " + json.dumps(result), flush=True)
-    base = results.get("split-k0")
-    if base:
-        base_tokens = sum(r["tokens_per_s"] for r in base) / len(base)
-        for setting, rows in results.items():
-            tokens = sum(r["tokens_per_s"] for r in rows) / len(rows)
-            print("RESULT " + json.dumps({"setting": setting, "summary": True, "tokens_per_s": tokens,
-                                          "speedup_vs_split_k0": tokens / base_tokens,
-                                          "reward_mean": sum(r["reward_mean"] for r in rows) / len(rows)}))
+            for round_index in range(args.rounds):
+                shift = round_index % len(args.settings)
+                for setting in args.settings[shift:] + args.settings[:shift]:
+                    result = run_setting(setting, seed, args, Path(directory))
+                    results.setdefault(setting, []).append(result)
+                    print("RESULT " + json.dumps(result), flush=True)
+    for row in summarize(results):
+        print("RESULT " + json.dumps(row), flush=True)
+    print(f"# load average at end: {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def fit_and_export(config: Config, export_dir: Path) -> tuple[list[dict[str, flo
     trainer = Trainer(config, progress=False)
     try:
         history = trainer.fit()
-        trainer.worker_groups().role("actor").export_hf(str(export_dir))
+        actor = trainer.worker_groups().role("actor")
+        assert actor is not None
+        actor.export_hf(str(export_dir))
     finally:
         trainer.close()
     return history, load_file(str(export_dir / "model.safetensors"))
@@ -48,7 +50,9 @@ def test_max_staleness_0_on_a_rollout_pool_is_the_synchronous_loop_bit_for_bit(t
         compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
         assert {key: got[key] for key in compared} == compared, f"step {step}"
         assert got["async/staleness_max"] == 0 and got["async/dropped_stale_samples"] == 0
-    assert split[0]["async/weight_sync_bytes"] > 0  # the weights really crossed to the rollout pool
+    # the weights really crossed to the rollout pool, every step's version before it: the first sync at step 0,
+    # each later one (dispatched behind the update before) checked at the step whose rollout it was loaded for
+    assert all(row["async/weight_sync_bytes"] > 0 and row["async/weight_sync_buckets"] >= 1 for row in split)
     assert split_weights.keys() == colocated_weights.keys()
     for name, tensor in colocated_weights.items():
         assert torch.equal(split_weights[name], tensor), name
@@ -102,6 +106,10 @@ def test_max_staleness_1_overlaps_and_drops_what_is_beyond_the_bound(tmp_path: P
     # iteration 1 went to the rollout pool before step 0's update had finished: generation overlapped training
     update = ledger[0]["nodes"]["actor.update_policy"]
     assert ledger[1]["nodes"]["rollout.generate"]["dispatched_at"] < update["dispatched_at"] + update["seconds"]
+    # and the sync of version 1 (checked behind iteration 2's rollout) was dispatched behind the update, export and
+    # load both, not after the driver saw the update end: the hand-over from update to generation has no round trip
+    for node in ("actor.export_generation_weights", "rollout.load_weights"):
+        assert ledger[2]["nodes"][node]["dispatched_at"] < update["dispatched_at"] + update["seconds"], node
     consumed = _consumed(ledger[2])
     assert len(consumed) == rows - config.rollout.n and not set(stale) & set(consumed)
     assert len(_consumed(ledger[3])) == rows

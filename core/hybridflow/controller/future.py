@@ -283,6 +283,15 @@ class BatchFuture:
         self._handle.resolve(timeout)
         return self
 
+    def output_ref(self, rank: int = 0) -> Any:
+        """The object ref of ``rank``'s raw output, without waiting or fetching: passed inside another call's
+        arguments (not resolved by Ray there), that worker fetches the output itself, straight from the producer's
+        object store, while the driver never holds the bytes (the rollout pool's weight sync does this)."""
+        if rank not in self._handle.data_refs:
+            raise ConfigError(f"{self.node} ran on ranks {sorted(self._handle.data_refs)}; expected one of them, got "
+                              f"rank {rank}")
+        return self._handle.data_refs[rank]
+
     def get(self, timeout: float | None = None) -> Any:
         """The collected result, fetched to the driver (a ``Batch`` for concatenating protocols)."""
         handle = self._handle

@@ -3,9 +3,11 @@
 version tag when it reaches the trainer: groups generated more than k versions behind the weights they would update
 are dropped and counted, never trained on.
 
-Schedule: iteration j is generated under the weights the actor had after step j − k (version max(0, j − k)); after
-each update the actor's weights go to the rollout pool (:class:`~hybridflow.workers.rollout.RolloutWorker`) and
-iteration step + 1 + k is dispatched behind them, so the rollout pool generates while the actor trains. k = 0 is
+Schedule: iteration j is generated under the weights the actor had after step j − k (version max(0, j − k)). The
+moment a step's ``actor.update_policy`` is dispatched, the weight export is dispatched behind it on the actor, the
+load behind the rollout pool's queued generation (it fetches the buckets from the actor's output by object ref) and
+iteration step + 1 + k behind that: the hand-over from update to generation needs no driver round trip, and the
+rollout pool (:class:`~hybridflow.workers.rollout.RolloutWorker`) generates while the actor trains. k = 0 is
 synchronous generation on the rollout pool. The algorithm's dataflow is untouched: its ``actor.generate`` call of a
 step is answered with that step's rollout. Partial rollout, streaming mini-batches and recovery of the rollout pool
 (the fault matrix) are not here.
@@ -26,7 +28,7 @@ from hybridflow.controller.decorator import Dispatch
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan
-from hybridflow.workers.rollout import BUCKET_BYTES
+from hybridflow.workers.rollout import BUCKET_BYTES, WeightsRef
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
 
@@ -110,12 +112,38 @@ class _StepGeneration:
         return self
 
 
+class _StepUpdate:
+    """``actor.update_policy`` as the algorithm sees it: dispatched as usual, then (a step's first update) the weight
+    sync and the next generation are dispatched right behind it (:meth:`AsyncRollout.after_update_dispatched`)."""
+
+    def __init__(self, rollout: AsyncRollout, actor: Any, bound: Any) -> None:
+        self._rollout, self._actor, self._bound = rollout, actor, bound
+
+    @property
+    def dispatch(self) -> Dispatch:
+        return self._bound.dispatch  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(*args, **kwargs).get()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        future = self._bound.submit(*args, **kwargs)
+        if self._rollout.sync_behind_update:
+            self._rollout.after_update_dispatched(self._actor)
+        return future
+
+    def with_deadline(self, seconds: float) -> _StepUpdate:
+        return _StepUpdate(self._rollout, self._actor, self._bound.with_deadline(seconds))
+
+
 class _ActorWithRolloutPool:
-    """The actor's handle with ``generate`` answered by :class:`_StepGeneration`; every other method unchanged."""
+    """The actor's handle with ``generate`` answered by :class:`_StepGeneration` and ``update_policy`` followed by
+    the weight sync (:class:`_StepUpdate`); every other method unchanged."""
 
     def __init__(self, rollout: AsyncRollout, actor: Any) -> None:
         self._actor = actor
         self.generate = _StepGeneration(rollout, actor.generate)
+        self.update_policy = _StepUpdate(rollout, actor, actor.update_policy)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -138,6 +166,9 @@ class AsyncRollout:
         self.total_steps = config.trainer.total_steps
         self.timeout_s = config.trainer.deadline_s
         self.bucket_bytes = BUCKET_BYTES
+        #: dispatch the sync and the next generation right behind the step's update (else once the step returned:
+        #: a driver round trip later, the schedule before; bench/async.py's ablation)
+        self.sync_behind_update = True
         self.loader = loader
         actor = next(plan for plan in plans if plan.role == "actor")
         device = config.resource_pools[self.pool_name].device
@@ -147,7 +178,9 @@ class AsyncRollout:
         self.pending: deque[PendingRollout] = deque()
         self.synced_version: int | None = None
         self.dropped_total = 0
-        self._loads: list[Any] = []
+        self._syncs: list[tuple[int, Any, Any]] = []  # (version, export future, load future) not yet checked
+        self._step: int | None = None  # the step between begin_step and end_step
+        self._sent_after_update: int | None = None  # the step whose update the sync was dispatched behind
         self._shadow: PromptLoader | None = None
         self._current: Batch | None = None
         self._stats: dict[str, float] = {}
@@ -171,7 +204,13 @@ class AsyncRollout:
                                      device="cpu", cpus_per_worker=pool_config.cpus_per_worker)
         self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": {"spec": self.spec}},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
-                                 observers=observers)
+                                 observers=[*observers, self._observe])
+
+    def _observe(self, record: Any) -> None:
+        """Time the rollout pool spent computing (generations and weight loads), summed per step."""
+        if record.compute_seconds_per_rank:
+            self._stats["async/rollout_busy_s"] = self._stats.get("async/rollout_busy_s", 0.0) + max(
+                record.compute_seconds_per_rank)
 
     def close(self) -> None:
         self.reset()
@@ -185,9 +224,10 @@ class AsyncRollout:
     def reset(self) -> None:
         """Forget the generations in flight (a failed or retried step starts over from the actor's weights)."""
         self.pending.clear()
-        self._loads.clear()
+        self._syncs.clear()
         self._shadow = None
         self._current = None
+        self._step = self._sent_after_update = None
         self.synced_version = None
 
     def wrap_actor(self, actor: Any) -> Any:
@@ -198,13 +238,12 @@ class AsyncRollout:
     def begin_step(self, step: int, prompts: Batch, actor: Any) -> None:
         """Before step ``step`` (actor weights at version ``step``): its rollout in flight, and the next ones up to
         ``step + k`` (under the latest weights sent)."""
-        self._current = prompts
-        self._stats = {"async/weight_sync_s": 0.0, "async/weight_sync_bytes": 0.0, "async/regenerated": 0.0,
-                       "async/wait_s": 0.0}
+        self._current, self._step = prompts, step
+        self._stats = {key: 0.0 for key in _STEP_STATS}
         head = self.pending[0] if self.pending else None
         if head is None or head.iteration != step or _uids(head.prompts) != _uids(prompts):
             self.reset()
-            self._current = prompts
+            self._current, self._step = prompts, step
             self._shadow = PromptLoader(self.loader.dataset, batch_size=self.loader.batch_size,
                                         seed=self.loader.seed, shuffle=self.loader.shuffle)
             self._shadow.load_state_dict(self.loader.state_dict())  # positioned after this step's prompts
@@ -215,15 +254,23 @@ class AsyncRollout:
             assert self._shadow is not None
             self._dispatch(self.pending[-1].iteration + 1, self._shadow.next_batch())
 
-    def end_step(self, step: int, actor: Any) -> dict[str, float]:
-        """After step ``step``'s update (actor at ``step + 1``): send the weights, dispatch iteration step + 1 + k;
-        returns the step's ``async/*`` metrics."""
+    def after_update_dispatched(self, actor: Any) -> None:
+        """Right after the current step's update is dispatched (actor at ``step + 1`` once it ends): the weight
+        export behind it, the load and iteration step + 1 + k behind the rollout pool's queue; once per step."""
+        if self._step is None or self._sent_after_update == self._step:
+            return
+        step, self._sent_after_update = self._step, self._step
         following = step + 1 + self.max_staleness
         if following < self.total_steps:
             assert self._shadow is not None
             self._sync(actor, step + 1)
             self._dispatch(following, self._shadow.next_batch())
-        self._current = None
+
+    def end_step(self, step: int, actor: Any) -> dict[str, float]:
+        """After step ``step``'s update (actor at ``step + 1``): the sync and iteration step + 1 + k if the update
+        did not dispatch them (a retried step reusing its update); returns the step's ``async/*`` metrics."""
+        self.after_update_dispatched(actor)
+        self._current = self._step = None
         staleness, dropped = self._claimed.get(step, ([0], 0))
         self._claimed = {iteration: value for iteration, value in self._claimed.items() if iteration > step}
         metrics = dict(self._stats)
@@ -270,10 +317,14 @@ class AsyncRollout:
     # --- internals ----------------------------------------------------------------------------------------
     def _fetch(self, entry: PendingRollout) -> Batch:
         """The rollout of ``entry`` with each row tagged with the version it was generated at (a tag already on a
-        row is kept); the weight loads it queued behind are checked too."""
-        for load in self._loads:
-            load.get(timeout=self.timeout_s)  # a failed load raises here rather than passing silently
-        self._loads.clear()
+        row is kept); the weight syncs it queued behind are checked too (a failed one raises here)."""
+        behind = [sync for sync in self._syncs if sync[0] <= entry.version]
+        self._syncs = [sync for sync in self._syncs if sync[0] > entry.version]
+        for _, export, load in behind:
+            loaded = load.get(timeout=self.timeout_s)[0]  # one_to_all: one report per rank, alike
+            export.wait(timeout=self.timeout_s)  # its record reaches the ledger
+            for key in ("bytes", "buckets", "wait_s", "load_s"):
+                self._stats[f"async/weight_sync_{key}"] += loaded[key]
         source = entry.source
         batch: Batch = source if isinstance(source, Batch) else source.get(timeout=self.timeout_s)
         if STALENESS_COLUMN not in batch:
@@ -285,25 +336,16 @@ class AsyncRollout:
         return batch
 
     def _sync(self, actor: Any, version: int) -> None:
-        """Send the actor's weights (which must be ``version``) to the rollout pool, behind what it has queued."""
+        """Send the actor's weights (which must be ``version`` once its queued calls end) to the rollout pool,
+        behind what each has queued: the export is the actor's call output, fetched by the rollout worker itself."""
         self._retry_actor = actor
         if self.synced_version == version:
             return
         started = time.perf_counter()
-        outputs = actor.export_generation_weights(self.bucket_bytes)
-        exported = next((output for output in outputs if output is not None), None) if isinstance(outputs, list) \
-            else outputs
-        if isinstance(exported, tuple):
-            got, buckets = exported
-            if int(got) != version:
-                raise VersionMismatchError(f"the actor exported weights of version {got}; the rollout pool expects "
-                                           f"version {version}")
-            self._stats["async/weight_sync_bytes"] = self._stats.get("async/weight_sync_bytes", 0.0) + float(
-                sum(bucket.nbytes for bucket in buckets))
-            self._stats["async/weight_sync_buckets"] = float(len(buckets))
-        self._loads.append(self.group.rollout.load_weights(exported))
-        self._stats["async/weight_sync_s"] = self._stats.get("async/weight_sync_s", 0.0) + (
-            time.perf_counter() - started)
+        export = actor.export_generation_weights.submit(self.bucket_bytes)
+        load = self.group.rollout.load_weights(WeightsRef(export.output_ref(0)), version)
+        self._syncs.append((version, export, load))
+        self._stats["async/weight_sync_driver_s"] += time.perf_counter() - started
         self.synced_version = version
 
     def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
@@ -314,6 +356,14 @@ class AsyncRollout:
         if queue:
             self.pending.append(entry)
         return entry
+
+
+#: per-step counters of :class:`AsyncRollout` (zeroed by ``begin_step``): the weight syncs checked this step (bytes,
+#: buckets, the rollout worker's seconds waiting for the export and fetching + loading it, the driver's seconds
+#: dispatching), the time the step waited for its rollout and the rollout pool's compute time observed
+_STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_wait_s",
+               "async/weight_sync_load_s", "async/weight_sync_driver_s", "async/regenerated", "async/wait_s",
+               "async/rollout_busy_s")
 
 
 def _uids(batch: Batch) -> list[str]:

@@ -1,15 +1,19 @@
 """The workers of a split rollout (``rollout.pool``, docs/async.md): a rollout worker that only generates, on a pool
 of its own, and the actor worker that exports its generation weights for it in bounded buckets.
 
-Weights travel between the pools through the driver and Ray's object store (one bucket of at most ``bucket_bytes``
-per object); when to sync and how far generation may run ahead is :mod:`hybridflow.trainer.async_loop`'s business.
+Weights travel between the pools through Ray's object store, not through the driver: the actor's rank 0 stores its
+export (buckets of at most ``bucket_bytes``) as its call's output and the rollout worker fetches it from there by
+its object ref (:class:`WeightsRef`); when to sync and how far generation may run ahead is
+:mod:`hybridflow.trainer.async_loop`'s business.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -19,7 +23,8 @@ from hybridflow.engines import RolloutEngine, SamplingParams
 from hybridflow.errors import EngineError, VersionMismatchError
 from hybridflow.workers.roles import ActorRolloutWorker, RoleSpec
 
-__all__ = ["WeightBucket", "pack_weight_buckets", "unpack_weight_buckets", "RolloutWorker", "WeightExportingActor"]
+__all__ = ["WeightBucket", "WeightsRef", "pack_weight_buckets", "unpack_weight_buckets", "RolloutWorker",
+           "WeightExportingActor"]
 
 #: default bound of one bucket of a weight sync between pools
 BUCKET_BYTES = 32 * 1024 * 1024
@@ -80,6 +85,15 @@ def unpack_weight_buckets(buckets: Iterable[WeightBucket]) -> Iterator[tuple[str
             yield name, bucket.buffer[offset:offset + numel].view(shape)
 
 
+@dataclass(frozen=True, slots=True)
+class WeightsRef:
+    """The object ref of the output of :meth:`WeightExportingActor.export_generation_weights` on the actor's rank 0
+    (``BatchFuture.output_ref``): the rollout worker fetches the buckets itself, so the export can be dispatched
+    behind the actor's update and the load behind the rollout's generation without the driver waiting for either."""
+
+    ref: Any
+
+
 class WeightExportingActor(ActorRolloutWorker):
     """The actor worker of a run with ``rollout.pool``: the hybrid engine plus :meth:`export_generation_weights`."""
 
@@ -122,13 +136,34 @@ class RolloutWorker(Worker):
                           stacklevel=1)
 
     @register(protocol="one_to_all", blocking=False, idempotent=True)
-    def load_weights(self, exported: tuple[int, list[WeightBucket]]) -> int:
-        """Load the actor's exported weights, tagged with its policy version; returns that version."""
-        version, buckets = exported
+    def load_weights(self, exported: tuple[int, list[WeightBucket]] | WeightsRef,
+                     expected_version: int | None = None) -> dict[str, float]:
+        """Load the actor's exported weights (or fetch them first by their :class:`WeightsRef`, waiting for the
+        export), tagged with its policy version, which must be ``expected_version`` when given. Returns the
+        version, bytes and buckets loaded, the seconds spent waiting for the export and fetching + loading."""
+        started = time.perf_counter()
+        waited = 0.0
+        payload: tuple[int, list[WeightBucket]] | None
+        if isinstance(exported, WeightsRef):
+            import ray
+
+            ray.wait([exported.ref], num_returns=1, timeout=None, fetch_local=False)  # the actor's update + export
+            waited = time.perf_counter() - started
+            payload = ray.get(exported.ref)
+        else:
+            payload = exported
+        if payload is None:
+            raise EngineError("the actor's rank 0 exported no weights (its export_generation_weights returned None)")
+        version, buckets = payload
+        if expected_version is not None and int(version) != int(expected_version):
+            raise VersionMismatchError(f"the actor exported weights of version {version}; the rollout pool expects "
+                                       f"version {expected_version} (did the update before the export fail?)")
         self.rollout.update_weights(unpack_weight_buckets(buckets), version=int(version))
-        self.bytes_received += sum(bucket.nbytes for bucket in buckets)
+        nbytes = sum(bucket.nbytes for bucket in buckets)
+        self.bytes_received += nbytes
         self.synced = True
-        return int(version)
+        return {"version": float(version), "bytes": float(nbytes), "buckets": float(len(buckets)),
+                "wait_s": waited, "load_s": time.perf_counter() - started - waited}
 
     @register(protocol="one_to_all", idempotent=True)
     def weights_version(self) -> int:
