@@ -50,8 +50,9 @@ from hybridflow.trainer import Trainer
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
 SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update")
 DEFAULT_SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k1-after-update")
-#: the calls that are generation (on the rollout pool, or the colocated actor's own)
-GENERATION = ("generate", "load_weights")
+#: the calls that are generation (on the rollout pool, or the colocated actor's own); a rollout worker's
+#: load_weights is neither (most of its time is waiting for the actor's export: ``sync_wait_s``)
+GENERATION = ("generate",)
 
 
 def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: float) -> list[str]:
@@ -69,7 +70,8 @@ def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: 
 def _busy_intervals(records: list[CallRecord], *, generation: bool) -> list[tuple[float, float]]:
     """Per call: (end − the slowest rank's time inside the method, end), for generation calls or the others."""
     return [(record.finished_at - max(record.compute_seconds_per_rank), record.finished_at) for record in records
-            if record.compute_seconds_per_rank and (record.method in GENERATION) == generation]
+            if record.compute_seconds_per_rank and record.method != "load_weights"
+            and (record.method in GENERATION) == generation]
 
 
 def _clip_union(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:

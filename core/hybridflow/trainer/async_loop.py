@@ -207,8 +207,9 @@ class AsyncRollout:
                                  observers=[*observers, self._observe])
 
     def _observe(self, record: Any) -> None:
-        """Time the rollout pool spent computing (generations and weight loads), summed per step."""
-        if record.compute_seconds_per_rank:
+        """Time the rollout pool spent generating, summed per step (a load's time is mostly waiting for the
+        actor's export: ``async/weight_sync_wait_s`` / ``_load_s``)."""
+        if record.method == "generate" and record.compute_seconds_per_rank:
             self._stats["async/rollout_busy_s"] = self._stats.get("async/rollout_busy_s", 0.0) + max(
                 record.compute_seconds_per_rank)
 
