@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -180,15 +181,21 @@ def _handover_case(args: dict) -> dict:
     return out
 
 
-def scenario_handover(args: dict) -> dict:
-    """Every case of ``args["cases"]`` (its own (p, t) over the same processes) through :func:`_handover_case`."""
+def _each_case(args: dict, run_case: Callable[[dict], dict]) -> dict:
+    """Every case of ``args["cases"]`` (its own (p, t) over the same processes) through ``run_case``, Megatron's
+    parallel state torn down after each."""
     from hybridflow_megatron.model import destroy_parallel_state
 
     results = []
     for case in args["cases"]:
-        results.append(_handover_case({**args, **case}))
+        results.append(run_case({**args, **case}))
         destroy_parallel_state()
     return {"cases": results}
+
+
+def scenario_handover(args: dict) -> dict:
+    """Every case of ``args["cases"]`` through :func:`_handover_case`."""
+    return _each_case(args, _handover_case)
 
 
 def _park_case(args: dict) -> dict:
@@ -243,13 +250,7 @@ def _park_case(args: dict) -> dict:
 
 def scenario_park(args: dict) -> dict:
     """Every case of ``args["cases"]`` through :func:`_park_case`."""
-    from hybridflow_megatron.model import destroy_parallel_state
-
-    results = []
-    for case in args["cases"]:
-        results.append(_park_case({**args, **case}))
-        destroy_parallel_state()
-    return {"cases": results}
+    return _each_case(args, _park_case)
 
 
 def main() -> None:
