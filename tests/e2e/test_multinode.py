@@ -121,7 +121,7 @@ def test_two_ranks_per_node_sit_on_their_node_and_train_together(tmp_path: Path,
     assert row["step"] == 0 and 0.0 <= row["reward/mean"] <= 1.0 and row["actor/policy_version"] == 1.0, row
 
 
-@pytest.mark.slow  # ~3 min on a loaded 2-core box: an uninjected 4-step run on one node, then the two-node run
+@pytest.mark.slow  # 91 s on a quiet 2-core box: an uninjected 4-step run on one node, then the two-node run
 # with a node death
 @pytest.mark.timeout(900)
 def test_one_rank_per_node_and_a_dead_node_is_recovered_to_the_uninjected_weights(
