@@ -118,7 +118,10 @@ def test_bf16_and_optimizer_offload_train(model_path: Path) -> None:
         assert engine.engine.zero_cpu_offload() is offload
         runs[offload] = (_train(engine, 2), dict(engine.generation_weights()))
     assert runs[True][0] == pytest.approx(runs[False][0], abs=1e-6)
-    assert all(torch.allclose(runs[True][1][n], runs[False][1][n], atol=1e-6) for n in runs[False][1])
+    # the offloaded optimizer steps on a CPU copy of the fp32 state, the other in place: Adam divides by √v, so a
+    # parameter whose gradient is ~0 moves by a rounding-sized different fraction of lr (measured 1.7e-6 on a fresh box
+    # with e961701, where atol=1e-6 failed); 1% of lr still catches an offloaded step that is missing or wrong (≈ lr)
+    assert all(torch.allclose(runs[True][1][n], runs[False][1][n], atol=OPTIM.lr / 100) for n in runs[False][1])
 
 
 def test_export_hf_reloads_to_the_same_log_probs(model_path: Path, tmp_path: Path) -> None:
