@@ -13,4 +13,7 @@ echo "ruff: $("$py" -m ruff --version)"
 "$py" -m ruff check core plugins tests bench scripts examples
 echo "$("$py" -m mypy --version): strict over core and the five plugins (files in pyproject.toml [tool.mypy])"
 "$py" -m mypy
-exec "$py" -m pytest -ra --durations=25 "$@"
+# Two pytest workers (HYBRIDFLOW_TEST_WORKERS; 0 runs in this process): most tests keep one core busy, a trainer run
+# rarely two. --dist loadfile keeps each module on one worker, so a module-scoped run or Ray is set up once; modules
+# go out in the order tests/conftest.py sorts them (most `slow` tests first), not xdist's own (most tests first).
+exec "$py" -m pytest -ra --durations=60 -n "${HYBRIDFLOW_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

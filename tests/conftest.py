@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections import Counter
 from collections.abc import Generator, Iterable
 
 import pytest
@@ -86,3 +87,21 @@ def pytest_make_collect_report(
         report.outcome = "failed"
         report.longrepr = message
     return report
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules with the most ``slow`` tests first, each module's tests together and in their own order.
+
+    ``scripts/test.sh`` runs two pytest-xdist workers that take whole modules in this order
+    (``--dist loadfile --no-loadscope-reorder``): the long modules start early and the short ones fill in behind them,
+    instead of one worker starting a several-minute module while the other has nothing left to run.
+    """
+    slow = Counter(_module(item) for item in items if item.get_closest_marker("slow") is not None)
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(_module(item), index)
+    items.sort(key=lambda item: (-slow[_module(item)], first[_module(item)]))

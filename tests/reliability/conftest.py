@@ -37,8 +37,10 @@ def run_and_export(config: Config, export: Path) -> Any:
     return trainer
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _ray_session() -> None:
+    """One local Ray (4 logical CPUs) for the pytest worker, started by the first test that needs it and again after
+    a module that shut it down (tests/core/controller runs its own)."""
     from hybridflow.controller import init_ray
 
-    init_ray(num_cpus=4, object_store_memory=300_000_000)
+    init_ray(num_cpus=4, object_store_memory=300_000_000)  # returns at once while Ray is up

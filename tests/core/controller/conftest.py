@@ -1,4 +1,8 @@
-"""One local Ray per test module of the controller (2 logical CPUs: pools prove fractional placement)."""
+"""One local Ray per test module of the controller (2 logical CPUs: pools prove fractional placement).
+
+A Ray left running by an earlier module on the same pytest worker (the e2e session's, with 4 CPUs) is shut down
+first; the e2e and reliability fixtures start theirs again when their next test needs it.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ def ray_session() -> Iterator[None]:
 
     from hybridflow.controller import init_ray
 
-    started = not ray.is_initialized()
+    if ray.is_initialized():
+        ray.shutdown()
     init_ray(num_cpus=2, object_store_memory=200_000_000)
     yield
-    if started:
-        ray.shutdown()
+    ray.shutdown()
