@@ -25,7 +25,7 @@ from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards_remote import RewardPool, build_reward_function
 from hybridflow.trainer.async_loop import AsyncRollout, use_weight_exporting_actor
-from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
+from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles, start_ray
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.progress import MetricsWriter, Progress
 from hybridflow.trainer.rollouts import RolloutWriter
@@ -116,8 +116,6 @@ class Trainer:
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from hybridflow.controller import init_ray
-
         self._copy_plan()
         if self.config.trainer.advisor_every or self.config.trainer.advisor_runs:  # ConfigErrors before workers
             from hybridflow.placement.advisor import RunAdvisor
@@ -126,11 +124,7 @@ class Trainer:
                                       total_steps=self.config.trainer.total_steps,
                                       calibration_runs=self.config.trainer.advisor_runs)
         started = time.perf_counter()
-        ray_config = self.config.ray
-        if ray_config.address is None:
-            init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
-        else:
-            init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
+        start_ray(self.config.ray)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
         self.groups.group_of("actor").before_block = self._submit_generation_ahead
