@@ -9,12 +9,13 @@ models it does not recognise (other architectures, sliding windows, non-default 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridflow_fsdp.kv_reuse import PastKV, write_past
 
 __all__ = ["LeanDecoder", "PastKV", "build_lean_decoder", "lean_decoder_unsupported_reason"]
 
@@ -62,20 +63,6 @@ class _Backbone(Protocol):
 class _CausalLM(Protocol):
     model: _Backbone
     lm_head: _Linear
-
-
-@dataclass(frozen=True, slots=True)
-class PastKV:
-    """Keys (post-RoPE) and values of tokens an earlier call computed, for :meth:`LeanDecoder.prefill` to continue
-    from: ``kv`` [layers, 2, B, KV, P, D] and ``keys`` [B, P] (True where a slot holds a token; a row's tokens are
-    right-aligned, in order, so ``keys[r].sum()`` is the position its next token takes)."""
-
-    kv: torch.Tensor
-    keys: torch.Tensor
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.keys.sum(-1)
 
 
 def lean_decoder_unsupported_reason(model: nn.Module) -> str | None:
@@ -290,8 +277,9 @@ class LeanDecoder:
         position + 1 + k (the tables for that are made here).
 
         With ``past`` (keys/values of tokens computed by an earlier call, :class:`PastKV`) they fill cache slots
-        ``[0, P)`` and only ``input_ids`` are computed, attending to them: ``position_ids`` are then absolute (row
-        r's first new token at ``past.lengths[r]``). The logits are those of a prefill of the whole sequence.
+        ``[0, P)`` (:func:`hybridflow_fsdp.kv_reuse.write_past`) and only ``input_ids`` are computed, attending to
+        them: ``position_ids`` are then absolute (row r's first new token at ``past.lengths[r]``). The logits are
+        those of a prefill of the whole sequence.
         """
         rows, width = input_ids.shape
         past_width = 0 if past is None else past.keys.shape[1]
@@ -304,10 +292,6 @@ class LeanDecoder:
         self._k = [torch.empty(rows * repeats, self.num_kv_heads, total, self.head_dim, dtype=dtype, device=device)
                    for _ in self.layers]
         self._v = [torch.empty_like(k) for k in self._k]
-        if past is not None:
-            for index in range(len(self.layers)):
-                self._k[index][:, :, :past_width] = past.kv[index, 0]
-                self._v[index][:, :, :past_width] = past.kv[index, 1]
         last = position_ids[:, -1].repeat_interleave(repeats) if repeats > 1 else position_ids[:, -1]
         self._rope_tables(int(position_ids.max()) + max_new_tokens + 1, device)
         steps = last[None, :] + torch.arange(1, max_new_tokens + 1, device=device)[:, None]  # [N, B·r]
@@ -316,9 +300,8 @@ class LeanDecoder:
         keys = torch.ones(rows, total, dtype=torch.bool, device=device)
         keys[:, past_width:past_width + width] = attention_mask.bool()
         prompt_mask = self._prompt_mask(attention_mask.bool())
-        if past is not None:
-            keys[:, :past_width] = past.keys
-            prompt_mask = torch.cat((past.keys[:, None, None, :].expand(rows, 1, width, past_width), prompt_mask), -1)
+        if past is not None:  # the kept keys/values in slots [0, P), the new ids attending to them
+            prompt_mask = write_past(past, self._k, self._v, keys, prompt_mask)
         if repeats > 1:
             keys = keys.repeat_interleave(repeats, dim=0)
         self._keys = keys
