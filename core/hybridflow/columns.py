@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.errors import EngineError
+from hybridflow.errors import DatasetError, EngineError
 
-__all__ = ["require_columns", "compute_position_ids", "position_ids_of", "build_teacher_forcing_batch"]
+__all__ = ["require_columns", "compute_position_ids", "position_ids_of", "check_demonstration_fits",
+           "build_teacher_forcing_batch"]
 
 
 def require_columns(batch: Batch, *columns: str, method: str) -> None:
@@ -40,12 +41,24 @@ def position_ids_of(batch: Batch, attention_mask: torch.Tensor) -> torch.Tensor:
     return compute_position_ids(attention_mask)
 
 
+def check_demonstration_fits(prompt: Sequence[int], response: Sequence[int], *, max_prompt_length: int,
+                             max_response_length: int, where: str, prompt_label: str, response_label: str) -> None:
+    """Raise :class:`DatasetError` when a tokenised demonstration's prompt or response (with its EOS) exceeds
+    ``data.max_prompt_length`` / ``data.max_response_length``; the labels name the text in the message."""
+    if len(prompt) > max_prompt_length:
+        raise DatasetError(f"{where}: {prompt_label} has {len(prompt)} tokens, more than data.max_prompt_length="
+                           f"{max_prompt_length}; raise the limit")
+    if len(response) > max_response_length:
+        raise DatasetError(f"{where}: {response_label} has {len(response)} tokens with the EOS, more than "
+                           f"data.max_response_length={max_response_length}; raise it")
+
+
 def build_teacher_forcing_batch(examples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], *,
                                 max_prompt_length: int, max_response_length: int, pad_token_id: int) -> Batch:
     """Demonstrations as (prompt ids, response ids, loss mask over the response) → the engines' SFT layout:
     ``prompts`` left-padded, ``responses`` right-padded (both with ``pad_token_id``), ``input_ids`` and
     ``attention_mask`` of both (every response token attended), ``response_mask`` the loss mask. The callers check
-    that each row fits (their errors name their columns and limits)."""
+    that each row fits (:func:`check_demonstration_fits`, naming their columns)."""
     prompts = torch.full((len(examples), max_prompt_length), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros_like(prompts)
     responses = torch.full((len(examples), max_response_length), pad_token_id, dtype=torch.long)

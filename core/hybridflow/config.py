@@ -9,201 +9,33 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hybridflow.config_checks import check_async, check_generation_layout, check_pool_batches, check_registered_names
 from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
+from hybridflow.config_sections import (
+    ActorConfig,
+    CriticConfig,
+    LoraSection,
+    ModelConfig,
+    OptimSection,
+    ParallelSection,
+    PoolConfig,
+    RayConfig,
+    ReferenceConfig,
+    RoleSection,
+    _Section,
+)
 from hybridflow.errors import ConfigError
 
-# the checks and the override parser live in config_checks / config_io; they are re-exported here, where callers
-# have always imported them
+# the checks, the override parser and the cluster / model-role sections live in config_checks / config_io /
+# config_sections; they are re-exported here, where callers have always imported them
 __all__ = ["Config", "load_config", "apply_overrides", "read_yaml_mapping", "config_hash", "check_registered_names",
-           "check_pool_batches"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    #: keys this section refuses with the reason and the fix (keys other sections have, or that were removed)
-    rejected_keys: ClassVar[dict[str, str]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, reason in cls.rejected_keys.items():
-                if key in data:
-                    raise PydanticCustomError("rejected_key", "{reason}", {"key": key, "reason": reason})
-        return data
-
-
-class RayConfig(_Section):
-    address: str | None = None
-    num_cpus: int | None = Field(default=None, gt=0)
-    object_store_memory: int = Field(default=400_000_000, ge=78_643_200)
-    allow_remote_without_auth: bool = False
-
-    @model_validator(mode="after")
-    def _sizes_only_for_a_local_ray(self) -> RayConfig:
-        if self.address is not None and self.num_cpus is not None:
-            raise ValueError(f"ray.num_cpus={self.num_cpus} sizes a local Ray, but ray.address={self.address!r} joins "
-                             "a cluster whose resources are fixed; drop ray.num_cpus (or ray.address)")
-        return self
-
-
-class PoolConfig(_Section):
-    devices_per_node: list[int] = Field(min_length=1)
-    device: Literal["cpu", "cuda"] = "cpu"
-    cpus_per_worker: float = Field(default=0.5, gt=0)
-
-    @model_validator(mode="after")
-    def _positive_counts(self) -> PoolConfig:
-        if any(n <= 0 for n in self.devices_per_node):
-            raise ValueError(f"devices_per_node entries must be > 0, got {self.devices_per_node}")
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.devices_per_node)
-
-
-class ModelConfig(_Section):
-    path: str | None = None
-    config: dict[str, Any] | None = None
-    preset: Literal["tiny-qwen2", "tiny-qwen2-h16", "tiny-llama", "tiny-qwen2-4h"] | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelConfig:
-        given = [k for k in ("path", "config", "preset") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"set exactly one of path, config, preset (got {given or 'none'})")
-        return self
-
-
-class ParallelSection(_Section):
-    tensor_parallel_size: int = Field(default=1, gt=0)
-    pipeline_parallel_size: int = Field(default=1, gt=0)
-    data_parallel_size: int = Field(default=0, ge=0)
-
-
-class OptimSection(_Section):
-    lr: float = Field(default=1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    grad_clip: float = Field(default=1.0, ge=0)
-
-
-class _ModelRole(_Section):
-    """What every model-holding role has: engine, pool, model, parallel sizes, micro-batches, precision, extra."""
-
-    engine: str = "fsdp"
-    pool: str = "main"
-    model: ModelConfig | None = None
-    parallel: ParallelSection = ParallelSection()
-    micro_batch_size: int = Field(default=64, gt=0)
-    # padding removal (fsdp engine): a micro-batch's rows packed into one sequence, attention per row (docs/fsdp.md)
-    use_remove_padding: bool = True
-    # micro-batches cut by this many tokens per forward (rows' attention-mask counts), replacing micro_batch_size
-    max_tokens_per_micro_batch: int | None = Field(default=None, gt=0)
-    mixed_precision: Literal["none", "bf16"] = "none"
-    extra: dict[str, Any] = Field(default_factory=dict)  # engine-specific options, passed through unchanged
-    # worker method → transfer protocol replacing the one it declares (e.g. generate: my_protocol); docs/controller.md
-    protocols: dict[str, str] = Field(default_factory=dict)
-
-
-class _TrainedRole(_ModelRole):
-    """A role with an optimizer (actor, critic): mini-batches, epochs, loss aggregation, activation checkpointing."""
-
-    optim: OptimSection = OptimSection()
-    mini_batch_size: int | None = Field(default=None, gt=0)
-    ppo_epochs: int = Field(default=1, gt=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    gradient_checkpointing: bool = False  # recompute activations in backward (HF gradient_checkpointing_enable)
-
-
-_DECIDED_BY_ALGORITHM = {
-    "critic": ("does nothing: whether a critic runs follows from algorithm.name (ppo and safe_rlhf "
-               "train one; grpo, rloo, remax, reinforce_pp do not). Fix: remove critic.enabled, or choose the "
-               "algorithm"),
-    "reference": ("does nothing: a reference runs when the algorithm uses a KL term "
-                  "(actor.kl_loss_coef > 0, or algorithm.kl_coef > 0 for the algorithms that put KL in the "
-                  "reward). Fix: remove reference.enabled and set those coefficients instead"),
-}
-
-
-def _actor_only(key: str, instead: str = "") -> str:
-    return (f"{key} is an actor (policy-loss) key; the critic trains on a value loss and never reads it. Fix: set "
-            f"actor.{key}{instead}, and remove critic.{key}")
-
-
-class LoraSection(_Section):
-    """``actor.lora``: train low-rank adapters on the actor's linear layers instead of every weight (docs/fsdp.md)."""
-
-    rank: int  # the adapters' inner dimension r (required: there is no LoRA without it)
-    alpha: float = Field(default=16.0, gt=0)  # the adapters' product is scaled by alpha / rank
-    dropout: float = Field(default=0.0, ge=0, lt=1)  # on the adapters' input, in training
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"  # module names (q_proj, ...) or every linear
-
-    @model_validator(mode="after")
-    def _positive_rank(self) -> LoraSection:
-        if self.rank <= 0:
-            raise ValueError(f"lora.rank = {self.rank}: the adapters' inner dimension must be a positive integer. "
-                             "Fix: set actor.lora.rank to e.g. 8 (or remove actor.lora to train every weight)")
-        if isinstance(self.target_modules, list) and not self.target_modules:
-            raise ValueError("lora.target_modules is empty: it must name at least one module. Fix: list module "
-                             'names (e.g. [q_proj, v_proj]) or set "all-linear"')
-        return self
-
-
-class ActorConfig(_TrainedRole):
-    lora: LoraSection | None = None  # LoRA adapters (fsdp engine); None: full fine-tuning
-    clip_ratio_low: float = Field(default=0.2, ge=0)
-    clip_ratio_high: float = Field(default=0.2, ge=0)
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = Field(default=0.0, ge=0)
-    kl_loss_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
-    recompute_log_probs: bool = True
-
-
-class CriticConfig(_TrainedRole):
-    """The critic's own keys: no policy-loss keys (those are the actor's)."""
-
-    rejected_keys: ClassVar[dict[str, str]] = {
-        "enabled": _DECIDED_BY_ALGORITHM["critic"],
-        "clip_ratio_low": _actor_only("clip_ratio_low", " (critic.value_clip clips the value loss)"),
-        "clip_ratio_high": _actor_only("clip_ratio_high", " (critic.value_clip clips the value loss)"),
-        "entropy_coef": _actor_only("entropy_coef"),
-        "kl_loss_coef": _actor_only("kl_loss_coef"),
-        "kl_loss_kind": _actor_only("kl_loss_kind"),
-        "recompute_log_probs": _actor_only("recompute_log_probs"),
-    }
-    value_clip: float = Field(default=0.2, ge=0)
-
-
-class RoleSection(CriticConfig):
-    """A role an algorithm declares beyond the built-in sections, configured under ``roles.<key>`` (the algorithm's
-    docs name the key); its engine reads the keys its kind needs (a reward model: engine, pool, model, parallel)."""
-
-
-_NOT_TRAINED = ("the reference is frozen (forward passes only, no optimizer or backward pass), so {key} has nothing "
-                "to act on. Fix: remove reference.{key} (set it on actor or critic)")
-
-
-class ReferenceConfig(_ModelRole):
-    """The frozen reference policy: a model, where it runs, and how it computes (no training keys)."""
-
-    rejected_keys: ClassVar[dict[str, str]] = {
-        "enabled": _DECIDED_BY_ALGORITHM["reference"],
-        **{key: _NOT_TRAINED.format(key=key) for key in (
-            "optim", "mini_batch_size", "ppo_epochs", "loss_agg", "gradient_checkpointing", "clip_ratio_low",
-            "clip_ratio_high", "entropy_coef", "kl_loss_coef", "kl_loss_kind", "recompute_log_probs")},
-    }
+           "check_pool_batches", "RayConfig", "PoolConfig", "ModelConfig", "ParallelSection", "OptimSection",
+           "LoraSection", "ActorConfig", "CriticConfig", "RoleSection", "ReferenceConfig"]
 
 
 class MultiTurnSection(_Section):

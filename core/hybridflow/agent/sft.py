@@ -15,7 +15,7 @@ from typing import Any
 
 from hybridflow.agent.format import ChatFormat
 from hybridflow.batch import Batch
-from hybridflow.columns import build_teacher_forcing_batch
+from hybridflow.columns import build_teacher_forcing_batch, check_demonstration_fits
 from hybridflow.errors import DatasetError
 
 __all__ = ["encode_conversation", "build_multiturn_sft_batch"]
@@ -78,12 +78,9 @@ def build_multiturn_sft_batch(rows: Sequence[Mapping[str, Any]], chat_format: Ch
             raise DatasetError(f"{where} lacks column {messages_key!r} (data.messages_key); found {sorted(row)}")
         prompt, response, mask = encode_conversation(row[messages_key], chat_format, tools=row.get(tools_key) or (),
                                                      where=where)
-        if len(prompt) > max_prompt_length:
-            raise DatasetError(f"{where}: the prompt has {len(prompt)} tokens, more than data.max_prompt_length="
-                               f"{max_prompt_length}; raise the limit")
-        if len(response) > max_response_length:
-            raise DatasetError(f"{where}: the turns after the prompt have {len(response)} tokens, more than "
-                               f"data.max_response_length={max_response_length}; raise it")
+        check_demonstration_fits(prompt, response, max_prompt_length=max_prompt_length,
+                                 max_response_length=max_response_length, where=where, prompt_label="the prompt",
+                                 response_label="the response (the turns after the prompt)")
         examples.append((prompt, response, mask))
     return build_teacher_forcing_batch(examples, max_prompt_length=max_prompt_length,
                                        max_response_length=max_response_length, pad_token_id=pad_token_id)

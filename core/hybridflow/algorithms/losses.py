@@ -25,7 +25,8 @@ of the per-rank losses; for an exact global token mean set T = (all-reduced toke
 absent the loss is normalised locally (the micro-batch's own mean), and an engine that accumulates several such
 losses must weight them itself (e.g. by 1 / number of micro-batches). Metrics are always local micro-batch means.
 
-Padding rows (``is_padding``, from ``Batch.chunk(pad=True)``) and masked tokens never contribute to a loss.
+Padding rows (``is_padding``, from ``Batch.chunk(pad=True)``) and masked tokens never contribute to a loss. The
+per-token terms themselves live in :mod:`hybridflow.algorithms.loss_terms` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -33,11 +34,30 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from hybridflow.algorithms.advantages import AlgorithmInputError, masked_mean
+from hybridflow.algorithms.loss_terms import (
+    KL_KINDS,
+    LOSS_AGGREGATIONS,
+    LOSS_SCALE_ROWS,
+    LOSS_SCALE_TOKENS,
+    ROLLOUT_CORRECTIONS,
+    KLKind,
+    LossAggregation,
+    LossResult,
+    RolloutCorrection,
+    _check_choice,
+    _valid,
+    aggregate_loss,
+    compute_rollout_correction_weights,
+    entropy_bonus,
+    kl_penalty,
+    ppo_policy_loss,
+    value_loss,
+)
 from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.errors import ConfigError
 
@@ -49,36 +69,8 @@ __all__ = [
     "compute_rollout_correction_weights",
 ]
 
-LOSS_SCALE_TOKENS = "loss_scale_tokens"
-LOSS_SCALE_ROWS = "loss_scale_rows"
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KLKind = Literal["k1", "k2", "k3", "abs"]
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
-LossResult = tuple[torch.Tensor, dict[str, float]]
-RolloutCorrection = Literal["none", "tis", "mis"]
-ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
 #: :func:`ppo_policy_loss`'s metric names → the ``actor/`` names verl logs them under
 VERL_ACTOR_METRICS = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "approx_kl": "ppo_kl"}
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f'{name} must be one of {", ".join(choices)}; got "{value}"')
-
-
-def _valid(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _fill_padding(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Padded positions set to 0 so that neither their values nor their gradients can be NaN/inf."""
-    if values.shape != valid.shape:
-        raise AlgorithmInputError(
-            f"a per-token tensor has shape {tuple(values.shape)}, expected the response_mask shape "
-            f"{tuple(valid.shape)} ([batch, response_length])"
-        )
-    return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def compute_loss_scale(batch: Batch) -> dict[str, float]:
@@ -88,204 +80,6 @@ def compute_loss_scale(batch: Batch) -> dict[str, float]:
         LOSS_SCALE_TOKENS: float(valid.sum()),
         LOSS_SCALE_ROWS: float(valid.any(dim=1).sum()),
     }
-
-
-def _aggregate(loss_matrix: torch.Tensor, valid: torch.Tensor, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(numerator, local denominator) of ``loss_agg`` over ``loss_matrix`` whose padding is already 0."""
-    _check_choice("loss_agg", loss_agg, LOSS_AGGREGATIONS)
-    weights = valid.to(loss_matrix.dtype)
-    if loss_agg == "token-mean":
-        return (loss_matrix * weights).sum(), weights.sum()
-    row_tokens = weights.sum(dim=1)
-    row_sums = (loss_matrix * weights).sum(dim=1)
-    if loss_agg == "seq-mean-token-mean":
-        row_sums = row_sums / row_tokens.clamp(min=1)
-    return row_sums.sum(), (row_tokens > 0).to(loss_matrix.dtype).sum()
-
-
-def aggregate_loss(
-    loss_matrix: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg: str = "token-mean",
-    *,
-    loss_scale: float | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss ``[B, R]`` to a scalar by ``loss_agg``, over ``loss_scale`` if given (see module)."""
-    valid = _valid(response_mask)
-    numerator, local = _aggregate(_fill_padding(loss_matrix, valid), valid, loss_agg)
-    return _scaled(numerator, local, loss_scale)
-
-
-def _scaled(numerator: torch.Tensor, local: torch.Tensor, loss_scale: float | None) -> torch.Tensor:
-    """``numerator`` over the local count, or over ``loss_scale`` (the mini-batch count, which must be > 0)."""
-    if loss_scale is None:
-        return numerator / local.clamp(min=1)
-    if not loss_scale > 0:
-        raise AlgorithmInputError(f"loss_scale must be > 0, got {loss_scale}; it is the mini-batch token/row count "
-                                  "(a mini-batch with no valid response token has no loss)")
-    return numerator / loss_scale
-
-
-def ppo_policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    loss_agg: str = "token-mean",
-    loss_scale: float | None = None,
-    token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate (Schulman et al. 2017), asymmetric clip range, optional dual clip (Ye et al. 2020).
-
-    ``token_weights`` (no gradient) multiply each token's clipped loss: the off-policy correction of
-    :func:`compute_rollout_correction_weights`. Returns the loss and local metrics: ``pg_loss``, ``clipfrac`` (tokens
-    where the clipped term is active), ``clipfrac_lower`` (tokens where the dual clip is active), ``approx_kl`` (mean
-    of old − new log-prob), ``ratio_mean``.
-    """
-    valid = _valid(response_mask)
-    log_probs = _fill_padding(log_probs, valid)
-    old_log_probs = _fill_padding(old_log_probs.detach(), valid)
-    advantages = _fill_padding(advantages.detach(), valid)
-    log_ratio = torch.clamp(log_probs - old_log_probs, min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    losses = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    dual_active = torch.zeros_like(clip_active)
-    if dual_clip_c is not None:
-        if not dual_clip_c > 1.0:
-            raise ConfigError(f"dual_clip_c must be > 1 (it bounds the loss at c·|A| for A < 0), got {dual_clip_c}")
-        bound = -advantages * dual_clip_c
-        dual_active = (advantages < 0) & (losses > bound)
-        losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
-    if token_weights is not None:
-        losses = losses * _fill_padding(token_weights.detach(), valid)
-    numerator, local = _aggregate(losses, valid, loss_agg)
-    loss = _scaled(numerator, local, loss_scale)
-    with torch.no_grad():
-        metrics = {
-            "pg_loss": float(numerator / local.clamp(min=1)),
-            "clipfrac": float(masked_mean(clip_active.to(losses.dtype), valid)),
-            "clipfrac_lower": float(masked_mean(dual_active.to(losses.dtype), valid)),
-            "approx_kl": float(masked_mean(old_log_probs - log_probs, valid)),
-            "ratio_mean": float(masked_mean(ratio, valid)),
-        }
-    return loss, metrics
-
-
-def compute_rollout_correction_weights(
-    old_log_probs: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    mode: str,
-    threshold: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token importance weights ρ = π_old / π_rollout for samples the rollout engine drew (its own log-probs)
-    under another policy or numerics than the actor's, and their metrics.
-
-    ``tis`` (truncated IS): min(ρ, threshold). ``mis`` (masked IS): ρ inside [1/threshold, threshold], 0 outside (the
-    token leaves the loss). ``none``: all ones. Metrics (local means over valid tokens): ``rollout_is_weight_mean``,
-    ``rollout_is_masked_fraction`` (mis) / ``rollout_is_truncated_fraction`` (tis).
-    """
-    _check_choice("rollout_correction", mode, ROLLOUT_CORRECTIONS)
-    if not threshold > 1.0:
-        raise ConfigError(f"rollout_correction_threshold must be > 1 (weights are cut at it), got {threshold}")
-    valid = _valid(response_mask)
-    log_ratio = _fill_padding(old_log_probs.detach(), valid) - _fill_padding(rollout_log_probs.detach(), valid)
-    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
-    metrics: dict[str, float] = {}
-    if mode == "none":
-        weights = torch.ones_like(ratio)
-    elif mode == "tis":
-        weights = torch.clamp(ratio, max=threshold)
-        metrics["rollout_is_truncated_fraction"] = float(masked_mean((ratio > threshold).to(ratio.dtype), valid))
-    else:
-        inside = (ratio <= threshold) & (ratio >= 1.0 / threshold)
-        weights = torch.where(inside, ratio, torch.zeros_like(ratio))
-        metrics["rollout_is_masked_fraction"] = float(masked_mean((~inside).to(ratio.dtype), valid))
-    weights = _fill_padding(weights, valid)
-    metrics["rollout_is_weight_mean"] = float(masked_mean(weights, valid))
-    return weights, metrics
-
-
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_range: float | None = 0.2,
-    loss_agg: str = "token-mean",
-    loss_scale: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss ``½·max((V − G)², (V_old + clip(V − V_old, ±c) − G)²)``; ``clip_range=None`` disables it.
-
-    Returns the loss and local metrics ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
-    """
-    valid = _valid(response_mask)
-    values = _fill_padding(values, valid)
-    old_values = _fill_padding(old_values.detach(), valid)
-    returns = _fill_padding(returns.detach(), valid)
-    unclipped = (values - returns) ** 2
-    if clip_range is None:
-        losses, clip_active = 0.5 * unclipped, torch.zeros_like(valid)
-    else:
-        clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
-        clipped = (clipped_values - returns) ** 2
-        losses, clip_active = 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
-    numerator, local = _aggregate(losses, valid, loss_agg)
-    loss = _scaled(numerator, local, loss_scale)
-    with torch.no_grad():
-        metrics = {
-            "vf_loss": float(numerator / local.clamp(min=1)),
-            "vf_clipfrac": float(masked_mean(clip_active.to(losses.dtype), valid)),
-            "vpred_mean": float(masked_mean(values, valid)),
-        }
-    return loss, metrics
-
-
-def kl_penalty(
-    log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    kind: str = "k3",
-    *,
-    response_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-token estimate of KL(π ‖ π_ref) from sampled-token log-probs (Schulman's k1/k2/k3, or |k1|).
-
-    k1 = log π − log π_ref (unbiased, any sign); k2 = ½·k1²; k3 = exp(−k1) + k1 − 1 (unbiased, ≥ 0, low variance;
-    clamped to [−10, 10] as in verl). Padded positions are 0 when ``response_mask`` is given.
-    """
-    _check_choice("kl kind", kind, KL_KINDS)
-    if response_mask is not None:
-        valid = _valid(response_mask)
-        log_probs, ref_log_probs = _fill_padding(log_probs, valid), _fill_padding(ref_log_probs, valid)
-    difference = log_probs - ref_log_probs
-    if kind == "k1":
-        return difference
-    if kind == "abs":
-        return difference.abs()
-    if kind == "k2":
-        return 0.5 * difference**2
-    reverse = torch.clamp(-difference, min=-20.0, max=20.0)
-    return torch.clamp(torch.exp(reverse) - reverse - 1.0, min=-10.0, max=10.0)
-
-
-def entropy_bonus(
-    entropy: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg: str = "token-mean",
-    loss_scale: float | None = None,
-) -> torch.Tensor:
-    """Entropy aggregated like the policy loss; the actor loss subtracts ``entropy_coef`` times this."""
-    return aggregate_loss(entropy, response_mask, loss_agg, loss_scale=loss_scale)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

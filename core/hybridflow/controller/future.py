@@ -1,7 +1,8 @@
 """``BatchFuture``: the lazy result of a non-blocking group call, holding per-rank object refs and row ranges.
 
 Slicing or chunking a future fetches nothing: it narrows row ranges, so a receiving group's ranks each fetch
-only their shard. The worker group (:mod:`hybridflow.controller.group`) creates call handles and routes futures.
+only their shard. The worker group (:mod:`hybridflow.controller.group`) creates call handles and routes futures;
+the errors of a failed call are :mod:`hybridflow.controller.call_errors`'.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from hybridflow.batch import check_versions
+from hybridflow.controller.call_errors import dead_call_error, raised_call_error
 from hybridflow.controller.host import FetchArg, RankResult
 from hybridflow.controller.records import CallObserver, CallRecord, notify_observers
 from hybridflow.controller.watchdog import raise_deadline_exceeded
-from hybridflow.errors import ConfigError, WorkerError
+from hybridflow.errors import ConfigError
 from hybridflow.transfer.concat import concat_batches
 from hybridflow.transfer.protocol import TransferContext
 
@@ -120,14 +122,7 @@ class CallHandle:
         failed = [result for result in results.values() if not result.ok]
         self._emit(results, ok=not failed)
         if failed:
-            first = min(failed, key=lambda result: result.rank)
-            self.failure = WorkerError(
-                f"{self.node}.{self.method} failed on rank {first.rank} of {self.world_size}"
-                f"{f' (failed ranks: {sorted(r.rank for r in failed)})' if len(failed) > 1 else ''}: {first.error}. "
-                f"Fix the worker code; the remote traceback follows.\n--- rank {first.rank} traceback ---\n"
-                f"{first.remote_traceback}",
-                rank=first.rank, method=f"{self.role}.{self.method}", remote_traceback=first.remote_traceback,
-            )
+            self.failure = raised_call_error(self.node, self.method, self.role, self.world_size, failed)
             raise self.failure
         return results
 
@@ -171,17 +166,9 @@ class CallHandle:
         results = {rank: ray.get(ref, timeout=10.0) for rank, ref in self.info_refs.items() if ref in ready_set}
         self.results = results
         self._emit(results, ok=False)
-        failed = sorted(rank for rank, result in results.items() if not result.ok)
-        first = results[failed[0]]
+        failed = [result for result in results.values() if not result.ok]
         running = sorted(set(self.info_refs) - set(results))
-        self.failure = WorkerError(
-            f"{self.node}.{self.method} failed on rank {first.rank} of {self.world_size}"
-            f"{f' (failed ranks: {failed})' if len(failed) > 1 else ''}: {first.error}; ranks {running} were still "
-            f"running (waiting for it in a collective?) and are abandoned: restart the group (the supervisor does). "
-            f"Fix the worker code; the remote traceback follows.\n--- rank {first.rank} traceback ---\n"
-            f"{first.remote_traceback}",
-            rank=first.rank, method=f"{self.role}.{self.method}", remote_traceback=first.remote_traceback,
-        )
+        self.failure = raised_call_error(self.node, self.method, self.role, self.world_size, failed, running=running)
         raise self.failure
 
     def _fail_dead(self, dead: dict[int, str], ready: list[Any]) -> dict[int, RankResult]:
@@ -196,15 +183,8 @@ class CallHandle:
                 results[rank] = ray.get(ref, timeout=10.0)
         self.results = results
         self._emit(results, ok=False)
-        first = min(dead)
         running = sorted(set(self.info_refs) - set(results))
-        self.failure = WorkerError(
-            f"{self.node}.{self.method} failed: rank {first} of {self.world_size} died"
-            f"{f' (dead ranks: {sorted(dead)})' if len(dead) > 1 else ''} ({dead[first]})"
-            f"{f'; ranks {running} were still running and are abandoned' if running else ''}. A dead worker "
-            f"process or Ray node (OOM kill, crash, machine lost); the supervisor restarts the group.",
-            rank=first, method=f"{self.role}.{self.method}", remote_traceback=dead[first],
-        )
+        self.failure = dead_call_error(self.node, self.method, self.role, self.world_size, dead, running=running)
         raise self.failure
 
     def _emit(self, results: dict[int, RankResult], *, ok: bool) -> None:

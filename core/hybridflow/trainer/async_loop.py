@@ -27,7 +27,7 @@ from hybridflow.config import Config
 from hybridflow.controller.decorator import Dispatch
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
-from hybridflow.trainer.build import RolePlan
+from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
 from hybridflow.workers.rollout import BUCKET_BYTES, WeightsRef
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
@@ -192,16 +192,10 @@ class AsyncRollout:
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self, *, observers: list[Any], deadline_s: float, stack_dump_dir: str | None) -> None:
         """Create the rollout pool's worker group (its engine gets weights at the first :meth:`begin_step`)."""
-        from hybridflow.controller import ResourcePool, WorkerGroup
+        from hybridflow.controller import WorkerGroup
         from hybridflow.workers.rollout import RolloutWorker
 
-        pool_config = self.config.resource_pools[self.pool_name]
-        if pool_config.device == "cuda":
-            self.pool = ResourcePool(self.pool_name, devices_per_node=list(pool_config.devices_per_node),
-                                     device="cuda")
-        else:
-            self.pool = ResourcePool(self.pool_name, devices_per_node=list(pool_config.devices_per_node),
-                                     device="cpu", cpus_per_worker=pool_config.cpus_per_worker)
+        self.pool = build_resource_pool(self.pool_name, self.config.resource_pools[self.pool_name])
         self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": {"spec": self.spec}},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
                                  observers=[*observers, self._observe])
@@ -215,12 +209,8 @@ class AsyncRollout:
 
     def close(self) -> None:
         self.reset()
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-        if self.pool is not None:
-            self.pool.release()
-            self.pool = None
+        release_worker_group(self.group, self.pool)
+        self.group = self.pool = None
 
     def reset(self) -> None:
         """Forget the generations in flight (a failed or retried step starts over from the actor's weights)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.config import Config, ModelConfig, ParallelSection, check_pool_batches
+from hybridflow.config import Config, ModelConfig, ParallelSection, PoolConfig, RayConfig, check_pool_batches
 from hybridflow.engines import (
     LoraConfig,
     ModelSpec,
@@ -25,8 +25,10 @@ from hybridflow.workers import RoleSpec
 
 if TYPE_CHECKING:
     from hybridflow.algorithms.roles import RoleDeclaration
+    from hybridflow.controller import ResourcePool
 
-__all__ = ["RolePlan", "plan_roles", "resolve_section", "build_model_spec", "build_tokenizer", "build_groups"]
+__all__ = ["RolePlan", "plan_roles", "resolve_section", "build_model_spec", "build_tokenizer", "build_groups",
+           "start_ray", "build_resource_pool", "release_worker_group"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -251,6 +253,34 @@ def _multi_turn_options(config: Config, tokenizer: Any) -> dict[str, Any]:
     return section.model_dump()
 
 
+def start_ray(ray: RayConfig) -> None:
+    """Start a local Ray sized by the ``ray`` section, or join the cluster at ``ray.address``."""
+    from hybridflow.controller import init_ray
+
+    if ray.address is None:
+        init_ray(num_cpus=ray.num_cpus, object_store_memory=ray.object_store_memory)
+    else:
+        init_ray(ray.address, allow_remote_without_auth=ray.allow_remote_without_auth)
+
+
+def build_resource_pool(name: str, pool: PoolConfig) -> ResourcePool:
+    """The resource pool ``resource_pools.<name>`` describes (a CPU pool with its ``cpus_per_worker``)."""
+    from hybridflow.controller import ResourcePool
+
+    if pool.device == "cuda":
+        return ResourcePool(name, devices_per_node=list(pool.devices_per_node), device="cuda")
+    return ResourcePool(name, devices_per_node=list(pool.devices_per_node), device="cpu",
+                        cpus_per_worker=pool.cpus_per_worker)
+
+
+def release_worker_group(group: Any, pool: Any) -> None:
+    """Shut down a worker group, then release its resource pool (either may be None: never built)."""
+    if group is not None:
+        group.shutdown()
+    if pool is not None:
+        pool.release()
+
+
 @dataclass(slots=True)
 class Groups:
     """The worker groups of a run, by pool, and which pool hosts each role."""
@@ -284,19 +314,14 @@ def build_groups(config: Config, plans: list[RolePlan], *, deadline_s: float, st
 
     ``observers``: the call observers every group shares (the very list: the run's owner adds and removes them).
     """
-    from hybridflow.controller import ResourcePool, WorkerGroup
+    from hybridflow.controller import WorkerGroup
 
     groups = Groups()
     by_pool: dict[str, list[RolePlan]] = {}
     for plan in plans:
         by_pool.setdefault(plan.pool, []).append(plan)
     for pool_name, pool_plans in by_pool.items():
-        pool_config = config.resource_pools[pool_name]
-        if pool_config.device == "cuda":
-            pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cuda")
-        else:
-            pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cpu",
-                                cpus_per_worker=pool_config.cpus_per_worker)
+        pool = build_resource_pool(pool_name, config.resource_pools[pool_name])
         groups.pools[pool_name] = pool
         classes = {plan.role: plan.worker for plan in pool_plans}
         init_kwargs = {plan.role: {"spec": plan.spec} for plan in pool_plans}

@@ -19,14 +19,15 @@ from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows, make_task_rows
 from hybridflow.errors import CheckpointError, HybridflowError
-from hybridflow.ledger import IterationRecord, Ledger
+from hybridflow.ledger import Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards_remote import RewardPool, build_reward_function
 from hybridflow.trainer.async_loop import AsyncRollout, use_weight_exporting_actor
-from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles
+from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles, start_ray
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
+from hybridflow.trainer.iteration_record import IterationRecorder
 from hybridflow.trainer.progress import MetricsWriter, Progress
 from hybridflow.trainer.rollouts import RolloutWriter
 from hybridflow.trainer.validation import Validation, build_validation
@@ -100,10 +101,7 @@ class Trainer:
         self.show_progress = (config.trainer.progress if progress is None else progress) and "console" in loggers
         self.groups: Groups | None = None
         self.step = 0
-        self._record: IterationRecord | None = None
-        self._handover_totals: list[int] | None = None
-        self._handover_bounds: list[int] | None = None
-        self._actor_counters: tuple[dict[str, float], ...] = ()
+        self.recorder = IterationRecorder()  # the ledger row of the iteration in flight
         self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
         self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
         self._last_step_end: float | None = None
@@ -112,12 +110,10 @@ class Trainer:
                                      run_dir=self.run_dir)
         #: the observers of this run's group calls (shared by its groups; append to watch them): the ledger's and
         #: recovery's. Another trainer in the process has its own list and never hears these calls.
-        self.call_observers: list[CallObserver] = [self._observe, self.supervisor.observe]
+        self.call_observers: list[CallObserver] = [self.recorder.observe, self.supervisor.observe]
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from hybridflow.controller import init_ray
-
         self._copy_plan()
         if self.config.trainer.advisor_every or self.config.trainer.advisor_runs:  # ConfigErrors before workers
             from hybridflow.placement.advisor import RunAdvisor
@@ -126,16 +122,12 @@ class Trainer:
                                       total_steps=self.config.trainer.total_steps,
                                       calibration_runs=self.config.trainer.advisor_runs)
         started = time.perf_counter()
-        ray_config = self.config.ray
-        if ray_config.address is None:
-            init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
-        else:
-            init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
+        start_ray(self.config.ray)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
         self.groups.group_of("actor").before_block = self._submit_generation_ahead
         if self.async_rollout is not None:
-            self.async_rollout.start(observers=[self._observe], deadline_s=self.config.trainer.deadline_s,
+            self.async_rollout.start(observers=[self.recorder.observe], deadline_s=self.config.trainer.deadline_s,
                                      stack_dump_dir=str(self.run_dir / "stacks"))
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
@@ -215,7 +207,7 @@ class Trainer:
 
     def abandon_iteration(self) -> None:
         """Forget the iteration in flight: its ledger row (kept across retries) is not written."""
-        self._record = None
+        self.recorder.record = None
 
     # --- checkpoints --------------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -262,65 +254,6 @@ class Trainer:
         self.writer.truncate_after(self.step - 1)
         self.rollouts.truncate_after(self.step - 1)
 
-    # --- the loop -----------------------------------------------------------------------------------------
-    def _observe(self, record: Any) -> None:
-        if self._record is None:
-            return
-        node = f"{record.role}.{record.method}"
-        # the version each node ran at comes from its outputs (Supervisor.annotate), not from this record
-        busy = max(record.compute_seconds_per_rank) if record.compute_seconds_per_rank else None
-        self._record.add_node(node, pool=record.group, start=record.started_at, end=record.finished_at,
-                              busy_seconds=busy)
-        self._record.add_edge("driver" if not any(record.bytes_in_per_rank) else "object_store", node,
-                              protocol=record.protocol, bytes_per_rank=list(record.bytes_in_per_rank))
-        if record.role == "actor" and record.counters_per_rank:
-            self._actor_counters = record.counters_per_rank
-
-    def _record_process_stats(self, record: IterationRecord) -> None:
-        """Bytes resident per pool (RSS of its worker processes) and this iteration's weight-handover bytes.
-
-        RSS is read from /proc here when the pool's workers share the driver's node, else asked of the workers; the
-        handover bytes are the actor's ``counters()``, which come back with every call's report."""
-        assert self.groups is not None
-        for pool, group in self.groups.by_pool.items():
-            record.resident_bytes[pool] = self._pool_rss(pool, group)
-        if "actor" in self.groups.role_pool:
-            counters = self._actor_counters
-            totals = [int(c.get("handover_bytes_received", 0)) for c in counters]
-            bounds = [int(c.get("handover_lower_bound_bytes", 0)) for c in counters]
-            previous = self._handover_totals or [0] * len(totals)
-            previous_bounds = self._handover_bounds or [0] * len(bounds)
-            self._handover_totals, self._handover_bounds = totals, bounds
-
-            def delta(now: list[int], before: list[int]) -> list[int]:
-                return [n - b if n >= b else n for n, b in zip(now, before)]  # n < b: a restarted worker
-
-            # "reshard": the planner's plan, bytes counted from the executor's buffers, next to its lower bound;
-            # "gather": full weights gathered outside the planner (no lower bound to compare with)
-            planned = bool(counters) and all(c.get("handover_planned", 0.0) for c in counters)
-            record.add_edge("actor.training_engine", "actor.rollout_engine",
-                            protocol="reshard" if planned else "gather", bytes_per_rank=delta(totals, previous),
-                            lower_bound_bytes_per_rank=delta(bounds, previous_bounds) if planned else None)
-            for phase in ("training", "generation"):
-                key = f"handover_weight_bytes_{phase}"
-                if counters and all(key in c for c in counters):
-                    record.weight_bytes[phase] = [int(c[key]) for c in counters]
-
-    def _pool_rss(self, pool: str, group: Any) -> int:
-        import psutil
-
-        local = group.local_process_ids()
-        if local:
-            try:
-                return sum(psutil.Process(pid).memory_info().rss for pid in local.values())
-            except psutil.Error:  # a worker exited since: ask the group (a clear error if it is gone)
-                pass
-        assert self.groups is not None
-        role = next(r for r, p in self.groups.role_pool.items() if p == pool)
-        handle = self.groups.role(role)
-        assert handle is not None  # role_pool lists the hosted roles
-        return sum(stats["rss_bytes"] for stats in handle.process_stats())
-
     # --- lookahead ----------------------------------------------------------------------------------------
     def _lookahead_allowed(self) -> bool:
         """Submitting the next generation ahead changes nothing a run can observe when the update it queues behind
@@ -365,14 +298,15 @@ class Trainer:
             for group in self.groups.by_pool.values():
                 group.drop_ahead()
 
+    # --- the loop -----------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """One iteration of the algorithm, recorded in the ledger and metrics (a failed attempt's nodes stay in the
         record, so the row of a retried iteration shows the lost work too)."""
         runtime = self.supervisor.wrap_runtime(self.runtime())
         prompts = self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
         prompts, overlapped = self._claim_ahead_prompts(prompts)
-        if self._record is None or self._record.iteration != self.step:
-            self._record = self.ledger.begin(self.step, policy_version=self.step)
+        if self.recorder.record is None or self.recorder.record.iteration != self.step:
+            self.recorder.record = self.ledger.begin(self.step, policy_version=self.step)
         start = time.perf_counter()
         self._in_step = True
         try:
@@ -388,7 +322,7 @@ class Trainer:
             raise
         finally:
             self._in_step = False
-        record, self._record = self._record, None
+        record, self.recorder.record = self.recorder.record, None
         self.supervisor.annotate(record, prompts)
         now = time.perf_counter()
         # with a generation submitted ahead, this step's work began before train_step did: time it end to end
@@ -396,7 +330,7 @@ class Trainer:
         self._last_step_end = now
         tokens = metrics.get("tokens/prompt_and_response", 0.0)
         metrics["throughput/prompt_response_tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
-        self._record_process_stats(record)
+        self.recorder.record_process_stats(record, self.worker_groups())
         record.metrics = {k: float(v) for k, v in metrics.items()}
         self.ledger.commit(record)
         self.writer.write(self.step, metrics)

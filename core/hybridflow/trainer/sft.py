@@ -135,24 +135,16 @@ class SFTTrainer:
             sampling=SamplingParams(n=1, temperature=1.0, max_new_tokens=data.max_response_length, seed=seed))
 
     def start(self) -> None:
-        from hybridflow.controller import ResourcePool, WorkerGroup, init_ray
+        from hybridflow.controller import WorkerGroup
         from hybridflow.plugins import load_plugins
+        from hybridflow.trainer.build import build_resource_pool, start_ray
         from hybridflow.workers import ActorRolloutWorker
 
         load_plugins()
         self._check_engines()
-        ray_config = self.config.ray
-        if ray_config.address is None:
-            init_ray(num_cpus=ray_config.num_cpus, object_store_memory=ray_config.object_store_memory)
-        else:
-            init_ray(ray_config.address, allow_remote_without_auth=ray_config.allow_remote_without_auth)
+        start_ray(self.config.ray)
         pool_name = self.config.actor.pool
-        pool_config = self.config.resource_pools[pool_name]
-        if pool_config.device == "cuda":
-            self.pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cuda")
-        else:
-            self.pool = ResourcePool(pool_name, devices_per_node=list(pool_config.devices_per_node), device="cpu",
-                                     cpus_per_worker=pool_config.cpus_per_worker)
+        self.pool = build_resource_pool(pool_name, self.config.resource_pools[pool_name])
         spec = self._spec()
         self.group = WorkerGroup(self.pool, {"actor": ActorRolloutWorker}, init_kwargs={"actor": {"spec": spec}},
                                  name=pool_name, deadline_s=self.config.trainer.deadline_s,
@@ -170,12 +162,10 @@ class SFTTrainer:
                     raise ConfigError(f"{key}: {exc}") from None
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-        if self.pool is not None:
-            self.pool.release()
-            self.pool = None
+        from hybridflow.trainer.build import release_worker_group
+
+        release_worker_group(self.group, self.pool)
+        self.group = self.pool = None
 
     # --- steps ----------------------------------------------------------------------------------------------
     def _batches(self) -> Any:

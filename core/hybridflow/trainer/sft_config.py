@@ -17,9 +17,9 @@ from hybridflow.config import (
     ParallelSection,
     PoolConfig,
     RayConfig,
-    _Section,
 )
 from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
+from hybridflow.config_sections import _Section
 from hybridflow.errors import ConfigError
 
 __all__ = ["SFTConfig", "SFTDataSection", "load_sft_config"]

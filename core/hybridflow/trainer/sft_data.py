@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.batch import Batch
-from hybridflow.columns import build_teacher_forcing_batch
+from hybridflow.columns import build_teacher_forcing_batch, check_demonstration_fits
 from hybridflow.errors import ConfigError, DatasetError
 from hybridflow.trainer.sft_config import SFTDataSection
 
@@ -102,12 +102,10 @@ def build_sft_batch(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_pr
         response = [*tokenizer(row[RESPONSE_FIELD], add_special_tokens=False)["input_ids"], eos_id]
         if not prompt:
             raise DatasetError(f"demonstration {index}: the prompt is empty after tokenisation")
-        if len(prompt) > max_prompt_length:
-            raise DatasetError(f"demonstration {index}: prompt {prompt_text!r} has {len(prompt)} tokens, more "
-                               f"than data.max_prompt_length={max_prompt_length}; raise the limit")
-        if len(response) > max_response_length:
-            raise DatasetError(f"demonstration {index}: response {row[RESPONSE_FIELD]!r} has {len(response)} tokens "
-                               f"with the EOS, more than data.max_response_length={max_response_length}; raise it")
+        check_demonstration_fits(prompt, response, max_prompt_length=max_prompt_length,
+                                 max_response_length=max_response_length, where=f"demonstration {index}",
+                                 prompt_label=f"prompt {prompt_text!r}",
+                                 response_label=f"response {row[RESPONSE_FIELD]!r}")
         examples.append((prompt, response, [1] * len(response)))
     return build_teacher_forcing_batch(examples, max_prompt_length=max_prompt_length,
                                        max_response_length=max_response_length, pad_token_id=pad_id)

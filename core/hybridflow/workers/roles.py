@@ -9,146 +9,33 @@ inside the training mesh (stride grouping: micro-DP groups of the training shard
 its tensor groups, hands the weights over with the training engine's reshard (this rank's generation shards) before
 each generation, and ``generate`` uses protocol ``generation_mesh``: one shard of the prompts per generation
 replica, the same to every rank of a tensor group, collected from tensor rank 0 (at tg = 1: ``dp_compute``).
+The spec and the plumbing every role shares (engine, checkpoints, counters) are :mod:`hybridflow.workers.base`'.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.controller import Worker, register
-from hybridflow.engines import (
-    MeshInfo,
-    RolloutEngine,
-    RolloutEngineConfig,
-    SamplingParams,
-    TrainingEngine,
-    TrainingEngineConfig,
-)
+from hybridflow.controller import register
+from hybridflow.engines import MeshInfo, RolloutEngine, SamplingParams
 from hybridflow.errors import ConfigError, EngineError, LayoutError, VersionMismatchError
-from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
+from hybridflow.reliability.faults import maybe_fail
+from hybridflow.workers.base import RoleSpec, _iteration, _only, _TrainingRole
 
 if TYPE_CHECKING:
     from hybridflow.agent.worker import AgentRollout
     from hybridflow.resharding import GenerationLayout
 
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RoleSpec:
-    """How to build one role's engines inside a worker process.
-
-    ``role`` is the engine kind (``actor``, ``critic``, ``reference``, ``reward_model``: the model head and methods
-    its engine serves); ``name`` the role's name in the run (``cost_critic``), its checkpoint folder, ``role`` when
-    unset. ``output_key`` renames the column a critic (``values``) or reward model (``scores``) returns.
-    """
-
-    role: str
-    name: str | None = None
-    engine: str
-    engine_config: TrainingEngineConfig
-    device: str = "cpu"
-    threads: int = 1
-    loss: Any = None
-    mini_batch_size: int | None = None
-    epochs: int = 1
-    rollout_engine: str | None = None
-    rollout_config: RolloutEngineConfig | None = None
-    sampling: SamplingParams | None = None
-    output_key: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _build_training_engine(spec: RoleSpec) -> TrainingEngine:
-    from hybridflow import registries
-    from hybridflow.plugins import load_plugins
-
-    torch.set_num_threads(spec.threads)
-    load_plugins()
-    factory = registries.training_engines.get(spec.engine)
-    engine: TrainingEngine = factory(role=spec.role, config=spec.engine_config, device=spec.device)
-    return engine
-
-
-def _iteration(batch: Batch) -> int | None:
-    value = batch.meta.get("iteration")
-    return None if value is None else int(value)
-
-
-def _only(batch: Batch, source: Batch, **columns: str) -> Batch:
-    """A batch with ``source``'s meta holding ``new_name ← batch[old_name]`` columns only."""
-    return Batch({new: batch[old] for new, old in columns.items()}, meta=dict(source.meta))
-
-
-class _TrainingRole(Worker):
-    """Shared plumbing: build the engine, checkpoint it, report its mesh position."""
-
-    def __init__(self, spec: RoleSpec) -> None:
-        super().__init__()
-        self.spec = spec
-        # fault injection (tests, bench/faults.py), off unless configured: this role's own plan, from its spec
-        self.faults = FaultPlan.from_json(spec.extra["faults"]) if spec.extra.get("faults") else FaultPlan()
-        self.engine = _build_training_engine(spec)
-        self.policy_version = 0
-
-    def mesh_info(self) -> MeshInfo:
-        return self.engine.mesh_info()
-
-    @register(protocol="one_to_all", idempotent=True)
-    def save_checkpoint(self, path: str) -> None:
-        target = Path(path) / (self.spec.name or self.spec.role)
-        self.engine.save_checkpoint(str(target))
-        maybe_fail("checkpoint.worker_write", iteration=iteration_of_checkpoint(path), rank=self.rank,
-                   plan=self.faults)
-        if self.rank == 0:
-            (target / "worker_state.json").write_text(json.dumps({"policy_version": self.policy_version}))
-
-    @register(protocol="one_to_all", idempotent=True)
-    def load_checkpoint(self, path: str) -> None:
-        target = Path(path) / (self.spec.name or self.spec.role)
-        self.engine.load_checkpoint(str(target))
-        state_file = target / "worker_state.json"
-        if state_file.exists():
-            self.policy_version = int(json.loads(state_file.read_text())["policy_version"])
-
-    @register(protocol="one_to_all", idempotent=True)
-    def process_stats(self) -> dict[str, int]:
-        """Resident bytes of this worker process and its :meth:`counters` (the weight-handover bytes so far)."""
-        import psutil
-
-        return {"rss_bytes": int(psutil.Process().memory_info().rss),
-                **{name: int(value) for name, value in self.counters().items()}}
-
-    def counters(self) -> dict[str, float]:
-        """Cumulative counters sent back with every call's report (no extra round trip): the weight-handover bytes
-        so far and, for the actor, the planner's lower bound so far and the latest resident weight bytes per phase."""
-        handover = getattr(self, "handover", None) or {}
-        return {"handover_bytes_received": float(handover.get("bytes_received", 0)),
-                **{f"handover_{key}": float(handover[key]) for key in _HANDOVER_COUNTERS if key in handover}}
-
-    def _check_version(self, batch: Batch, what: str) -> None:
-        version = batch.meta.get("policy_version")
-        if version is not None and version != self.policy_version:
-            raise VersionMismatchError(
-                f"{self.spec.name or self.spec.role}.{what} got a batch of policy_version {version} but its weights "
-                f"are version {self.policy_version}; the iteration is aborted so versions never mix"
-            )
-
-
-#: handover keys :meth:`_TrainingRole.counters` reports (prefixed ``handover_``) next to ``bytes_received``
-_HANDOVER_COUNTERS = ("bytes_sent", "lower_bound_bytes", "aliased_bytes", "planned", "weight_bytes_training",
-                      "weight_bytes_generation")
 
 
 def _weight_tensors(engine: object, *attributes: str) -> list[torch.Tensor] | None:

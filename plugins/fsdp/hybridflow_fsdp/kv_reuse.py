@@ -13,12 +13,41 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from hybridflow_fsdp.fast_decode import LeanDecoder, PastKV
+if TYPE_CHECKING:  # fast_decode imports this module (PastKV, write_past) at run time
+    from hybridflow_fsdp.fast_decode import LeanDecoder
 
-__all__ = ["ConversationKVCache", "common_prefix_length"]
+__all__ = ["ConversationKVCache", "PastKV", "common_prefix_length", "write_past"]
+
+
+@dataclass(frozen=True, slots=True)
+class PastKV:
+    """Keys (post-RoPE) and values of tokens an earlier call computed, for :meth:`LeanDecoder.prefill` to continue
+    from: ``kv`` [layers, 2, B, KV, P, D] and ``keys`` [B, P] (True where a slot holds a token; a row's tokens are
+    right-aligned, in order, so ``keys[r].sum()`` is the position its next token takes)."""
+
+    kv: torch.Tensor
+    keys: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.keys.sum(-1)
+
+
+def write_past(past: PastKV, k: list[torch.Tensor], v: list[torch.Tensor], keys: torch.Tensor,
+               prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Prefill from the cache: ``past``'s keys/values into slots ``[0, P)`` of each layer's cache ``k``/``v``
+    [B, KV, T, D] and its key mask into ``keys`` [B, T]; returns the new ids' attention mask [B, 1, W, P + W]
+    (``prompt_mask`` [B, 1, W, W] over the new ids, behind the past keys every new id sees)."""
+    rows, width, past_width = prompt_mask.shape[0], prompt_mask.shape[2], past.keys.shape[1]
+    for index in range(len(k)):
+        k[index][:, :, :past_width] = past.kv[index, 0]
+        v[index][:, :, :past_width] = past.kv[index, 1]
+    keys[:, :past_width] = past.keys
+    return torch.cat((past.keys[:, None, None, :].expand(rows, 1, width, past_width), prompt_mask), -1)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,273 @@
+"""The lean forward of Llama/Qwen2-shaped HF causal LMs over whole sequences (no cache; gradients flow): the
+model's own parameters read at every call, no module dispatch, and rows that repeat a prompt sharing its forward.
+
+The training engine scores responses with it (:meth:`LeanForward.response_logits`); generation with a KV cache is
+:class:`hybridflow_fsdp.fast_decode.LeanDecoder`'s, which extends it. Models it does not recognise (other
+architectures, sliding windows, non-default RoPE) keep the HF forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LeanForward", "lean_decoder_unsupported_reason"]
+
+_ARCHITECTURES = ("qwen2", "llama")
+
+
+# The attributes this forward reads from an HF Llama/Qwen2 model (torch types submodule attributes as
+# ``Tensor | Module``); :func:`lean_decoder_unsupported_reason` checks the architecture before the cast.
+class _Linear(Protocol):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class _Norm(Protocol):
+    weight: torch.Tensor
+
+
+class _Attention(Protocol):
+    q_proj: _Linear
+    k_proj: _Linear
+    v_proj: _Linear
+    o_proj: _Linear
+
+
+class _Mlp(Protocol):
+    gate_proj: _Linear
+    up_proj: _Linear
+    down_proj: _Linear
+
+
+class _DecoderLayer(Protocol):
+    self_attn: _Attention
+    mlp: _Mlp
+    input_layernorm: _Norm
+    post_attention_layernorm: _Norm
+
+
+class _Backbone(Protocol):
+    embed_tokens: _Norm
+    layers: list[_DecoderLayer]
+    norm: _Norm
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _CausalLM(Protocol):
+    model: _Backbone
+    lm_head: _Linear
+
+
+def lean_decoder_unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`LeanDecoder` cannot run ``model`` (None when it can)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in _ARCHITECTURES:
+        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {_ARCHITECTURES}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope_type {rope.get('rope_type')!r} (only the default RoPE is implemented)"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return "attention dropout"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    backbone = getattr(model, "model", None)
+    if backbone is None or not hasattr(backbone, "layers") or not hasattr(model, "lm_head"):
+        return "no model.layers / lm_head"
+    return None
+
+
+class LeanForward:
+    """The model's layers as plain torch ops over whole sequences (stability: internal).
+
+    Parameters are read from the modules at every call, so weights replaced in place (``update_weights``, sleep and
+    wake swapping ``.data``) are always the current ones.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = lean_decoder_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LeanDecoder cannot run this model: {reason}")
+        config: Any = model.config
+        self.model = model
+        self._hf = cast(_CausalLM, model)
+        self.layers = list(self._hf.model.layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.eps = float(config.rms_norm_eps)
+        self._cos = self._sin = torch.empty(0)
+
+    # --- pieces ---------------------------------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, module: _Norm) -> torch.Tensor:
+        weight = module.weight
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE as ``x·cos + roll(x, D/2)·sin`` with the signed ``sin`` of :meth:`_rope_tables` (``rotate_half``
+        folded into its sign): no slicing, negating and concatenating of ``x``, and the same products and sum as
+        HF's ``x·cos + rotate_half(x)·sin``, so the same rounding."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+    def _layer(self, layer: _DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """One decoder layer over whole sequences (no cache; gradients flow)."""
+        rows, width, _ = h.shape
+        attention = layer.self_attn
+        x = self._norm(h, layer.input_layernorm)
+        q = F.linear(x, attention.q_proj.weight, attention.q_proj.bias).view(rows, width, -1, self.head_dim)
+        k = F.linear(x, attention.k_proj.weight, attention.k_proj.bias).view(rows, width, -1, self.head_dim)
+        v = F.linear(x, attention.v_proj.weight, attention.v_proj.bias).view(rows, width, -1, self.head_dim)
+        q = self._rope(q.transpose(1, 2), cos, sin)
+        k = self._rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        h = h + F.linear(out.transpose(1, 2).reshape(rows, width, -1), attention.o_proj.weight, attention.o_proj.bias)
+        mlp = layer.mlp
+        x = self._norm(h, layer.post_attention_layernorm)
+        gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+        return h + F.linear(gate * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
+                            mlp.down_proj.bias)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        backbone = self._hf.model
+        h = F.embedding(input_ids, backbone.embed_tokens.weight)
+        cos = self._cos[positions].unsqueeze(1).to(h.dtype)
+        sin = self._sin[positions].unsqueeze(1).to(h.dtype)
+        for layer in self.layers:
+            h = self._layer(layer, h, cos, sin, mask)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self._hf.lm_head
+        return F.linear(self._norm(h, self._hf.model.norm), head.weight, head.bias)
+
+    def _rope_tables(self, length: int, device: torch.device) -> None:
+        if self._cos.shape[0] >= length and self._cos.device == device:
+            return
+        with torch.inference_mode(False):  # kept across calls: ordinary tensors even when made during generation
+            reference = torch.empty(0, dtype=torch.float32, device=device)
+            rotary = self._hf.model.rotary_emb
+            cos, sin = rotary(reference, torch.arange(length, device=device).unsqueeze(0))
+            half = sin.shape[-1] // 2  # sin stored signed: its first half negated (rotate_half folded in)
+            self._cos, self._sin = cos[0].clone(), torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+    @staticmethod
+    def _prompt_mask(keys: torch.Tensor) -> torch.Tensor:
+        """[B, 1, W, W] causal ∧ key-valid, with the diagonal kept so padding queries stay finite."""
+        width = keys.shape[-1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=keys.device).tril()
+        return (causal & keys[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=keys.device)
+
+    def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *,
+                       last: int | None = None) -> torch.Tensor:
+        """Logits [B, T, V] of a whole sequence (no cache; gradients flow), or of its ``last`` positions only."""
+        self._rope_tables(int(position_ids.max()) + 1, input_ids.device)
+        h = self._hidden(input_ids, position_ids, self._prompt_mask(attention_mask.bool()))
+        return self._logits(h if last is None else h[:, -last:])
+
+    def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                        response_width: int) -> torch.Tensor:
+        """Logits [B, R, V] predicting each of the last ``response_width`` tokens (gradients flow).
+
+        Rows that repeat the previous row's prompt (the n samples of one prompt, as rollouts produce them) share
+        one forward of that prompt: the prompt columns are computed once per distinct prompt and the responses
+        attend to its keys/values — the same logits and gradients as the full forward, with the prompt's
+        arithmetic done once instead of n times. Without repeats this is :meth:`forward_logits`.
+        """
+        prompt_width = input_ids.shape[1] - response_width
+        firsts = _distinct_prompt_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
+                                       position_ids[:, :prompt_width]) if prompt_width > 0 else None
+        if firsts is None:
+            return self.forward_logits(input_ids, attention_mask, position_ids, last=response_width + 1)[:, :-1]
+        unique_rows, owner = firsts
+        return self._shared_prefix_logits(input_ids, attention_mask, position_ids, prompt_width, unique_rows, owner)
+
+    def _shared_prefix_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              position_ids: torch.Tensor, prompt_width: int, unique_rows: torch.Tensor,
+                              owner: torch.Tensor) -> torch.Tensor:
+        rows, width = input_ids.shape
+        prompts, responses = len(unique_rows), width - prompt_width
+        device = input_ids.device
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        self._rope_tables(int(position_ids.max()) + 1, device)
+        prompt_tokens = prompts * prompt_width
+        # one flat token stream: the distinct prompts' tokens, then every row's response tokens
+        ids = torch.cat((input_ids[unique_rows, :prompt_width].reshape(-1), input_ids[:, prompt_width:].reshape(-1)))
+        positions = torch.cat((position_ids[unique_rows, :prompt_width].reshape(-1),
+                               position_ids[:, prompt_width:].reshape(-1)))
+        embedding = self._hf.model.embed_tokens.weight
+        h = F.embedding(ids, embedding)
+        cos = self._cos[positions].unsqueeze(1).to(h.dtype)  # [N, 1, D]
+        sin = self._sin[positions].unsqueeze(1).to(h.dtype)
+        keys = attention_mask.bool()
+        prompt_keys = keys[unique_rows, :prompt_width]
+        prompt_mask = self._prompt_mask(prompt_keys)  # [U, 1, P, P]
+        causal = torch.ones(responses, responses, dtype=torch.bool, device=device).tril()
+        response_mask = torch.cat((keys[:, None, None, :prompt_width].expand(rows, 1, responses, prompt_width),
+                                   (causal & keys[:, None, None, prompt_width:])
+                                   | torch.eye(responses, dtype=torch.bool, device=device)), dim=-1)
+        gqa = kv_heads != heads
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            x = self._norm(h, layer.input_layernorm)
+            biases = [m.bias for m in (attention.q_proj, attention.k_proj, attention.v_proj) if m.bias is not None]
+            qkv = F.linear(x, torch.cat((attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)),
+                           torch.cat(biases) if biases else None)
+            # split (one backward cat per split) rather than slices (a zero-filled gradient per slice)
+            qk, v = torch.split(qkv, [(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+            qk = qk.view(-1, heads + kv_heads, dim)
+            qk = self._rope(qk, cos, sin)
+            qk_p, qk_r = torch.split(qk, [prompt_tokens, rows * responses])
+            v_p, v_r = torch.split(v, [prompt_tokens, rows * responses])
+            q_p, k_p = torch.split(qk_p, [heads, kv_heads], dim=1)
+            q_r, k_r = torch.split(qk_r, [heads, kv_heads], dim=1)
+            q_p = q_p.view(prompts, prompt_width, heads, dim).transpose(1, 2)
+            k_p = k_p.view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
+            v_p = v_p.view(prompts, prompt_width, kv_heads, dim).transpose(1, 2)
+            q_r = q_r.view(rows, responses, heads, dim).transpose(1, 2)
+            k_r = k_r.view(rows, responses, kv_heads, dim).transpose(1, 2)
+            v_r = v_r.view(rows, responses, kv_heads, dim).transpose(1, 2)
+            out_p = _attend(q_p, k_p, v_p, prompt_mask, gqa)
+            out_r = _attend(q_r, torch.cat((k_p[owner], k_r), dim=2), torch.cat((v_p[owner], v_r), dim=2),
+                            response_mask, gqa)
+            out = torch.cat((out_p.transpose(1, 2).reshape(prompt_tokens, heads * dim),
+                             out_r.transpose(1, 2).reshape(rows * responses, heads * dim)))
+            h = h + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
+            x = self._norm(h, layer.post_attention_layernorm)
+            # two matmuls, not one over [gate; up] then chunk: contiguous halves make silu and its backward faster
+            gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+            h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        # the last prompt position predicts the first response token; response positions predict the rest
+        h_p, h_r = torch.split(h, [prompt_tokens, rows * responses])
+        first = self._logits(h_p.view(prompts, prompt_width, -1)[:, -1])[owner].unsqueeze(1)
+        rest = self._logits(h_r.view(rows, responses, -1)[:, :-1])
+        return torch.cat((first, rest), dim=1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          prompt_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first row of each run of identical consecutive prompts, run index of every row), or None when no two
+    consecutive rows share their prompt (nothing to share)."""
+    if prompt_ids.shape[0] < 2:
+        return None
+    same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])
+            & (prompt_positions[1:] == prompt_positions[:-1])).all(-1)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat((torch.ones(1, dtype=torch.bool, device=same.device), ~same))
+    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
