@@ -25,7 +25,7 @@ from hybridflow.resharding.layout import (
     ParallelLayout,
     TrainingCoords,
 )
-from hybridflow.resharding.parking import Home, StorageParking, parking_homes
+from hybridflow.resharding.parking import Home, StorageParking, parking_cells, parking_homes
 from hybridflow.resharding.planner import (
     STRATEGIES,
     Bucket,
@@ -46,5 +46,5 @@ __all__ = [
     "Strategy", "STRATEGIES", "Transfer", "CollectiveOp", "Bucket", "ReshardPlan", "plan_reshard",
     "lower_bound_bytes",
     "ReshardStats", "execute_reshard", "count_storage_bytes",
-    "Home", "parking_homes", "StorageParking",
+    "Home", "parking_cells", "parking_homes", "StorageParking",
 ]

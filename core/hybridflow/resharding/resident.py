@@ -17,12 +17,16 @@ def count_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Σ ``nbytes`` over the distinct storages (by device and data pointer) behind ``tensors``; empty storages
     (freed parameters) count 0. DTensors count their local shard; DeepSpeed ZeRO-3 parameters their partition
     (``ds_tensor``, whose storage may be a flat buffer shared by several partitions: counted once) besides their
-    own data (empty unless gathered)."""
+    own data (empty unless gathered), and a parked storage's aside buffer (``parked_aside`` on the tensor or its
+    partition: the bytes :class:`~hybridflow.resharding.StorageParking` kept that no generation shard holds)."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         partition = getattr(tensor, "ds_tensor", None)
-        for held in (local, partition) if isinstance(partition, torch.Tensor) else (local,):
+        held_tensors = [local, partition] if isinstance(partition, torch.Tensor) else [local]
+        held_tensors += [aside for t in held_tensors if isinstance(aside := getattr(t, "parked_aside", None),
+                                                                    torch.Tensor)]
+        for held in held_tensors:
             storage = held.untyped_storage()
             if storage.nbytes() == 0:
                 continue

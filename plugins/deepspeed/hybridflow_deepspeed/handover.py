@@ -7,9 +7,10 @@ held: the weights are yielded without communication and 0 bytes received is the 
 tensor-parallel size tg > 1 (the trainer's ``rollout.tensor_parallel_size``) every stage goes through the planner to
 the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``. With
 ``park=True`` (ZeRO-3, the actor worker's path) the ``ds_tensor`` partitions' storage is released while the
-generation shards hold every byte of it (tg = 1) and unpacked back from them bit for bit afterwards
-(:class:`hybridflow.resharding.StorageParking`). Planning and moving bytes belong to :mod:`hybridflow.resharding`.
-Stability: public.
+generation shards hold its bytes (all of them at tg = 1; at tg > 1 the few a row-parallel weight's flat rows have
+outside this rank's columns are copied aside) and unpacked back bit for bit afterwards
+(:class:`hybridflow.resharding.StorageParking` with ``aside=True``). Planning and moving bytes belong to
+:mod:`hybridflow.resharding`. Stability: public.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class HandoverStats:
     ``path="reshard"``: ZeRO-3 partitions moved by ``execute_reshard``; ``bytes_received``/``bytes_sent`` are counted
     from the buffers the executor moved. ``path="replicated"``: ZeRO-1/2, every parameter already whole here, nothing
     moved. ``lower_bound_bytes`` is what this rank had to receive at least (target shards minus what it held).
-    ``parked_bytes``: ZeRO-3 partition storage released while generating (``park=True``).
+    ``parked_bytes``: ZeRO-3 partition storage released while generating (``park=True``); ``aside_bytes``: the
+    partition bytes no generation shard on this rank holds, kept in small aside buffers meanwhile (tg > 1).
     """
 
     rank: int
@@ -68,6 +70,7 @@ class HandoverStats:
     buckets: int = 0
     seconds: float = 0.0
     parked_bytes: int = 0
+    aside_bytes: int = 0
 
 
 def _layout_key(layout: ModelLayout) -> Hashable:
@@ -97,7 +100,10 @@ class WeightHandover:
 
     def _parking_for(self, plan: ReshardPlan, shards: dict[str, torch.Tensor]) -> StorageParking:
         """ZeRO-3: park the ``ds_tensor`` partitions (the optimizer's flat buffer behind all of them, for a trained
-        role) that ``shards`` were packed from; restore unpacks each rebuilt shard into its partition."""
+        role) that ``shards`` were packed from; restore unpacks each rebuilt shard into its partition. At tg > 1 a
+        row-parallel weight's partition (flat rows) lies only partly in this rank's shards (its columns): the rest is
+        copied aside (``StorageParking(aside=True)``, about a quarter of those weights' partitions at d = tg = 2) and
+        the flat buffer still goes."""
         engine, source = self._engine, self.source_layout()
         partitions = {name: p.ds_tensor for name, p in engine.module.named_parameters()  # type: ignore[attr-defined]
                       if name in shards}
@@ -105,7 +111,7 @@ class WeightHandover:
         def write_back(name: str, shard: torch.Tensor) -> None:
             unpack_partition(shard, partitions[name].view(-1), source.params[name], source.mesh, engine.rank)
 
-        return StorageParking(plan, engine.rank, shards, storages=partitions, write_back=write_back)
+        return StorageParking(plan, engine.rank, shards, storages=partitions, write_back=write_back, aside=True)
 
     def source_layout(self) -> ModelLayout:
         """The engine's ZeRO layout over its data-parallel ranks (built once)."""
@@ -156,7 +162,7 @@ class WeightHandover:
     def reshard(self, target: ModelLayout, *, name: str = "layout", park: bool = False) -> dict[str, torch.Tensor]:
         """This rank's shards of ``target`` (a layout over ``GenerationLayout(..., training=<source mesh>)``);
         a collective over all ranks. Sets the engine's ``last_handover_stats``. ``park`` (ZeRO-3): the partitions'
-        storage is released once the generation shards hold every byte of it (tg = 1: the full model) until the
+        storage is released once the generation shards hold its bytes (the rest, at tg > 1, copied aside) until the
         engine's ``end_generation()`` or next forward; do not write into the shards until then."""
         engine = self._engine
         self.restore()  # a previous handover's parked partitions come home before anything reads them
@@ -175,6 +181,7 @@ class WeightHandover:
             bytes_sent=stats.bytes_sent, lower_bound_bytes=plan.lower_bound_bytes(engine.rank),
             bytes_total=stats.target_bytes, peak_extra_bytes=stats.peak_extra_bytes, buckets=stats.buckets,
             seconds=time.perf_counter() - started, parked_bytes=parked,
+            aside_bytes=0 if parking is None or not parked else parking.aside_bytes,
         )
         return shards
 
@@ -192,8 +199,8 @@ class WeightHandover:
                       park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's tensor-parallel shards of generation layout (pg = 1, tg = ``tensor``), Hugging Face-named;
         moved by the planner (a collective over all ranks, under every ZeRO stage: ZeRO-1/2 ranks hold the
-        parameters whole and receive nothing). ``park``: see :meth:`reshard` (a trained role's flat partition
-        buffer parks only if every partition lies in this rank's shards, which row-parallel weights prevent)."""
+        parameters whole and receive nothing). ``park``: see :meth:`reshard` (the row-parallel weights' partition
+        bytes outside this rank's columns are kept aside, ``HandoverStats.aside_bytes``)."""
         if target not in TARGETS:
             raise ConfigError(f"generation_weights target must be one of {list(TARGETS)}; got {target!r}")
         return iter(self.reshard(self.generation_layout(tensor=tensor), name=target, park=park).items())

@@ -140,7 +140,8 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         above (column/vocab dim 0, row dim 1, norms whole), moved by the reshard planner. A collective under ZeRO-3
         (and at tg > 1): every rank must consume the whole iterator; bytes received are in ``last_handover_stats``
         once it is exhausted. ``park`` (the actor worker's default; ZeRO-3): the partitions' storage is released
-        into the generation shards holding all of it (tg = 1) until :meth:`end_generation` or the next forward."""
+        into the generation shards holding its bytes (at tg > 1 the rest kept aside) until :meth:`end_generation` or
+        the next forward."""
         self._check_role("generation_weights", ("actor", "reference"))
         if tensor_parallel_size < 1 or self.world_size % tensor_parallel_size:
             raise ConfigError(f"generation tensor_parallel_size {tensor_parallel_size} must divide the deepspeed "

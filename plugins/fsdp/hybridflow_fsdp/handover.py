@@ -9,7 +9,8 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   to the plan's lower bound, and generation shards that coincide with the FSDP shard are views of it. The whole
   generation model is produced before the first tensor is yielded. With ``park=True`` (the actor worker's default
   when its rollout engine binds the shards) every other FSDP shard is *parked* in the generation shard that contains
-  it: once the executor has copied it there (bucket by bucket), its FSDP storage is released, so while generating a
+  it: once the executor has copied it there (bucket by bucket), its FSDP storage is released
+  (:class:`hybridflow.resharding.StorageParking`, one storage per FSDP parameter), so while generating a
   rank holds its weights once (M/(tg·pg) plus what its micro-DP group sent). :func:`restore_training_shards` (the
   engine's ``end_generation()``) gives each FSDP shard its storage back from that generation shard, parameter by
   parameter, bit for bit; a forward or a state_dict call on the model does it first too.
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridflow.errors import EngineError
+from hybridflow.resharding.parking import StorageParking
 from hybridflow.resharding.planner import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -183,95 +185,45 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
     engine.last_handover_stats = None
     parameters = generation_parameters(engine)
     plan = handover_plan(engine, tensor=tensor)
-    parked: dict[str, _Parked] = {}
-    release = None
-    if park:
-        _install_restore_hooks(engine)
-        _PARKED[engine] = parked
-        homes = _parking_slices(plan, engine.rank)
-        owners = {name: (p.to_local() if isinstance(p, DTensor) else p) for name, p in parameters.items()}
-
-        def release(name: str, targets: Mapping[str, torch.Tensor]) -> None:
-            home = targets.get(name)
-            if name not in homes or home is None:
-                return
-            storage = owners[name].untyped_storage()
-            if storage.nbytes() == 0:
-                return
-            parked[name] = _Parked(local=owners[name], nbytes=storage.nbytes(), home=home, slices=homes[name])
-            storage.resize_(0)  # the shard lives on in ``home``; every view of the storage (FSDP's too) sees it go
-
+    parking = None
     with torch.no_grad():
         local = {name: (p.to_local() if isinstance(p, DTensor) else p).detach() for name, p in parameters.items()}
-        shards, stats = execute_reshard(plan, local, rank=engine.rank, views=True, on_release=release)
+        if park:  # every FSDP shard that lies in this rank's generation shards gives its own storage up once copied
+            _install_restore_hooks(engine)
+            parking = StorageParking(plan, engine.rank, local)
+        shards, stats = execute_reshard(plan, local, rank=engine.rank, views=True,
+                                        on_release=None if parking is None else parking.on_release)
+        if parking is not None and parking.finish(shards):
+            _PARKED[engine] = parking
     engine.last_handover_stats = HandoverStats(
         rank=engine.rank, world_size=engine.world_size, parameters=len(parameters), bytes_total=stats.target_bytes,
         bytes_local=stats.source_bytes, bytes_received=stats.bytes_received, peak_gathered_bytes=stats.peak_extra_bytes,
         seconds=time.perf_counter() - started, path="reshard", bytes_sent=stats.bytes_sent,
         lower_bound_bytes=plan.lower_bound_bytes(engine.rank), aliased_bytes=stats.aliased_bytes,
-        tensor_parallel_size=tensor, parked_bytes=sum(slot.nbytes for slot in parked.values()),
+        tensor_parallel_size=tensor, parked_bytes=0 if parking is None else parking.parked_bytes,
     )
     for name in parameters:
         yield name, shards.pop(name)
 
 
-@dataclass(slots=True)
-class _Parked:
-    """An FSDP shard whose storage is released while generating: ``home[slices]`` holds its values."""
-
-    local: torch.Tensor  # the FSDP local shard (a view of FSDP's padded per-parameter storage)
-    nbytes: int  # that storage's size before it was released (padding included)
-    home: torch.Tensor  # the generation shard it lies in
-    slices: tuple[slice, ...] | None  # where in ``home``; None for an empty shard (uneven FSDP chunks)
-
-
-#: engine → its parked shards by parameter name (absent or empty: nothing parked)
-_PARKED: weakref.WeakKeyDictionary[Any, dict[str, _Parked]] = weakref.WeakKeyDictionary()
+#: engine → its parked FSDP storages (absent: nothing parked)
+_PARKED: weakref.WeakKeyDictionary[Any, StorageParking] = weakref.WeakKeyDictionary()
 _HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _parking_slices(plan: ReshardPlan, rank: int) -> dict[str, tuple[slice, ...] | None]:
-    """Parameters whose FSDP shard on ``rank`` lies whole inside this rank's (unfused) generation shard of the same
-    name, with the slices of the generation shard that hold it (None: an empty FSDP shard)."""
-    out: dict[str, tuple[slice, ...] | None] = {}
-    for name, spec in plan.source.params.items():
-        target = plan.target.params.get(name)
-        sources = spec.pieces(plan.source.mesh, rank)
-        targets = target.pieces(plan.target.mesh, rank) if target is not None else ()
-        if len(sources) != 1 or len(targets) != 1 or targets[0].canonical != sources[0].canonical:
-            continue
-        (source,), (home,) = sources, targets
-        if any(stop <= start for start, stop in source.box):
-            out[name] = None
-        elif all(h0 <= s0 and s1 <= h1 for (s0, s1), (h0, h1) in zip(source.box, home.box, strict=True)):
-            out[name] = home.local_slices(source.box)
-    return out
 
 
 def parked_bytes(engine: FSDPTrainingEngine) -> int:
     """FSDP storage bytes released now (parked in generation shards); 0 when every shard is home."""
-    return sum(slot.nbytes for slot in _PARKED.get(engine, {}).values())
+    parking = _PARKED.get(engine)
+    return 0 if parking is None else parking.parked_bytes
 
 
 def restore_training_shards(engine: FSDPTrainingEngine) -> int:
     """Give every parked FSDP shard its storage back, copied from the generation shard it lay in (padding zeroed, as
-    FSDP keeps it), one parameter at a time, dropping this module's reference to each generation shard as it goes;
-    returns the bytes restored. A no-op when nothing is parked."""
-    parked = _PARKED.pop(engine, None)
-    restored = 0
-    if not parked:
-        return restored
-    with torch.no_grad():
-        for name in list(parked):
-            slot = parked.pop(name)
-            storage = slot.local.untyped_storage()
-            storage.resize_(slot.nbytes)
-            torch.empty(0, dtype=torch.uint8, device=slot.local.device).set_(storage).zero_()
-            if slot.slices is not None:
-                slot.local.copy_(slot.home[slot.slices])
-            restored += slot.nbytes
-            del slot
-    return restored
+    FSDP keeps it), one parameter at a time, dropping the references to each generation shard as it goes
+    (:meth:`hybridflow.resharding.StorageParking.restore`); returns the bytes restored. A no-op when nothing is
+    parked."""
+    parking = _PARKED.pop(engine, None)
+    return 0 if parking is None else parking.restore()
 
 
 def _install_restore_hooks(engine: FSDPTrainingEngine) -> None:
