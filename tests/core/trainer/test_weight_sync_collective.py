@@ -2,7 +2,7 @@
 of a sender and two rollout engines (threads of this process, each its own group member) — the engines' weights
 after a sync are bit-identical to the sender's, every byte moves once per receiver in buckets of at most
 ``bucket_bytes``, and a version tag other than the expected one raises without loading anything and leaves the
-group in step for the next sync."""
+group in step for the next sync; the same through RolloutWorker.receive_weights."""
 
 from __future__ import annotations
 
@@ -105,3 +105,30 @@ def test_a_version_mismatch_raises_loads_nothing_and_keeps_the_group_in_step(eng
     assert stats["buckets"] > 1 and engine.weights_version == 8
     for name, parameter in actor.model.named_parameters():
         assert torch.equal(dict(engine.model.named_parameters())[name], parameter), name
+
+
+def test_the_rollout_worker_receives_over_the_group_and_refuses_another_version(engines: Any) -> None:
+    """RolloutWorker.receive_weights (the rollout pool's side, called in this process instead of through Ray)."""
+    from hybridflow.engines import SamplingParams, TrainingEngineConfig
+    from hybridflow.workers.roles import RoleSpec
+    from hybridflow.workers.rollout import RolloutWorker
+
+    actor, _ = engines
+    model = ModelSpec(config=preset_model_config("tiny-qwen2"))
+    worker = RolloutWorker(RoleSpec(role="actor", name="rollout", engine="fsdp",
+                                    engine_config=TrainingEngineConfig(model=model), rollout_engine="hf",
+                                    rollout_config=RolloutEngineConfig(model=model), sampling=SamplingParams()))
+    receive = getattr(RolloutWorker.receive_weights, "__wrapped__", RolloutWorker.receive_weights)
+    rendezvous = SyncRendezvous(world_size=2, backend="gloo", timeout_s=30)
+    spec = rendezvous.spec()
+    weights = actor.model.named_parameters
+    _, error = _run(lambda: broadcast_weights(spec, weights(), version=2, bucket_bytes=BUCKET_BYTES),
+                    lambda: receive(worker, spec, 3))
+    assert isinstance(error, VersionMismatchError) and not worker.synced
+    _, stats = _run(lambda: broadcast_weights(spec, weights(), version=3, bucket_bytes=BUCKET_BYTES),
+                    lambda: receive(worker, spec, 3))
+    total = sum(p.numel() * p.element_size() for p in actor.model.parameters())
+    assert stats["bytes"] == total == worker.bytes_received and worker.synced
+    assert worker.rollout.weights_version == 3
+    for (name, sent), (_, got) in zip(actor.model.named_parameters(), worker.rollout.model.named_parameters()):
+        assert torch.equal(got, sent), name
