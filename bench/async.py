@@ -24,7 +24,13 @@ box's load drifts over all of them alike; ``RESULT`` per run, then per setting t
 ratio to ``split-k0`` and to ``colocated``, with the load average. Simplified: one tiny random-init model, CPU
 workers, a few steps; compare settings of one invocation only.
 
-Run: ``OMP_NUM_THREADS=1 python bench/async.py [--steps 8] [--rounds 2] [--seeds 0] [--settings colocated ...]``.
+``--weight-sync object_store collective`` runs every split setting with each ``rollout.weight_sync`` (labelled
+``split-k1/collective`` etc.): ``sync_load_s_per_sync`` is the rollout worker's time from the first byte of a sync
+to the weights loaded (the object store: fetch + load; collective: the broadcast of every bucket + load), and
+``sync_wait_s`` its wait for the actor's weights before that.
+
+Run: ``OMP_NUM_THREADS=1 python bench/async.py [--steps 8] [--rounds 2] [--seeds 0] [--settings colocated ...]
+[--weight-sync object_store collective]``.
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_sc
 SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update")
 DEFAULT_SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k1-after-update")
 #: the calls that are generation (on the rollout pool, or the colocated actor's own); a rollout worker's
-#: load_weights is neither (most of its time is waiting for the actor's export: ``sync_wait_s``)
+#: load_weights / receive_weights is neither (most of its time is waiting for the actor's weights: ``sync_wait_s``)
 GENERATION = ("generate",)
+SYNC_LOADS = ("load_weights", "receive_weights")
 
 
 def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: float) -> list[str]:
@@ -70,7 +77,7 @@ def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: 
 def _busy_intervals(records: list[CallRecord], *, generation: bool) -> list[tuple[float, float]]:
     """Per call: (end − the slowest rank's time inside the method, end), for generation calls or the others."""
     return [(record.finished_at - max(record.compute_seconds_per_rank), record.finished_at) for record in records
-            if record.compute_seconds_per_rank and record.method != "load_weights"
+            if record.compute_seconds_per_rank and record.method not in SYNC_LOADS
             and (record.method in GENERATION) == generation]
 
 
@@ -99,7 +106,8 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
+                weight_sync: str = "object_store") -> dict[str, Any]:
     overrides = [
         f"trainer.run_dir={root / f'{setting}-{seed}-{time.time_ns()}'}", f"trainer.seed={seed}",
         f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1",
@@ -107,6 +115,11 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path) -
         "trainer.log_rollouts=0", f"data.batch_size={args.batch_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
         *setting_overrides(setting, colocated_workers=args.colocated_workers, cpus_per_worker=args.cpus_per_worker),
     ]
+    label = setting
+    if setting.startswith("split"):
+        overrides.append(f"rollout.weight_sync={weight_sync}")
+        if len(args.weight_sync) > 1:
+            label = f"{setting}/{weight_sync}"
     trainer = Trainer(load_config(EXAMPLE, overrides), progress=False)
     records: list[CallRecord] = []
     trainer.call_observers.append(records.append)
@@ -135,7 +148,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path) -
     train = _clip_union(_busy_intervals(records, generation=False), lo, hi)
     generate = _clip_union(_busy_intervals(records, generation=True), lo, hi)
     result: dict[str, Any] = {
-        "setting": setting, "seed": seed, "steps": len(history), "timed_steps": len(timed),
+        "setting": label, "weight_sync": weight_sync, "seed": seed, "steps": len(history), "timed_steps": len(timed),
         "step_s": wall / len(timed), "tokens_per_s": tokens / wall,
         "reward_per_wall_s": sum(row["reward/mean"] for row in timed) / wall,
         "reward_mean": sum(row["reward/mean"] for row in history) / len(history),
@@ -147,10 +160,13 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path) -
         "load_avg_1m": os.getloadavg()[0],
     }
     if setting.startswith("split"):
+        syncs = sum(1 for row in history if row["async/weight_sync_bytes"] > 0)  # steps that checked one sync each
         result.update({
             "trainer_wait_s": sum(row["async/wait_s"] for row in timed) / len(timed),
             "sync_wait_s": sum(row["async/weight_sync_wait_s"] for row in timed) / len(timed),
             "sync_load_s": sum(row["async/weight_sync_load_s"] for row in timed) / len(timed),
+            "sync_load_s_per_sync": sum(row["async/weight_sync_load_s"] for row in history) / max(1, syncs),
+            "sync_bytes_per_sync": sum(row["async/weight_sync_bytes"] for row in history) / max(1, syncs),
             "staleness_mean": sum(row["async/staleness_mean"] for row in history) / len(history),
             "staleness_max": max(row["async/staleness_max"] for row in history),
             "dropped_stale_samples": history[-1]["async/dropped_stale_samples_total"],
@@ -165,7 +181,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     out = []
     for setting, values in medians.items():
         row: dict[str, Any] = {"setting": setting, "summary": True, "runs": len(results[setting]), **values}
-        for reference in ("split-k0", "colocated"):
+        for reference in ("split-k0", "split-k0/object_store", "colocated"):
             if reference in medians and reference != setting:
                 row[f"tokens_per_s_vs_{reference}"] = values["tokens_per_s"] / medians[reference]["tokens_per_s"]
         out.append(row)
@@ -182,6 +198,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated pool (split: 1+1)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--weight-sync", nargs="+", default=["object_store"], choices=("object_store", "collective"),
+                        help="rollout.weight_sync of the split settings (several: each split setting with each)")
     args = parser.parse_args()
     init_ray(num_cpus=4, object_store_memory=300_000_000)
     results: dict[str, list[dict[str, Any]]] = {}
@@ -191,9 +209,10 @@ def main() -> None:
             for round_index in range(args.rounds):
                 shift = round_index % len(args.settings)
                 for setting in args.settings[shift:] + args.settings[:shift]:
-                    result = run_setting(setting, seed, args, Path(directory))
-                    results.setdefault(setting, []).append(result)
-                    print("RESULT " + json.dumps(result), flush=True)
+                    for weight_sync in (args.weight_sync if setting.startswith("split") else ["object_store"]):
+                        result = run_setting(setting, seed, args, Path(directory), weight_sync)
+                        results.setdefault(result["setting"], []).append(result)
+                        print("RESULT " + json.dumps(result), flush=True)
     for row in summarize(results):
         print("RESULT " + json.dumps(row), flush=True)
     print(f"# load average at end: {os.getloadavg()}", flush=True)

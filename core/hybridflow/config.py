@@ -77,6 +77,10 @@ class RolloutConfig(_Section):
     multi_turn: MultiTurnSection = MultiTurnSection()
     # a pool of its own for generation (split rollout, docs/async.md): None = the actor generates on its own ranks
     pool: str | None = None
+    # how the actor's weights reach rollout.pool (docs/async.md): through Ray's object store, or broadcast over a
+    # torch.distributed group (gloo on CPU, NCCL on CUDA); in buckets of at most weight_sync_bucket_bytes either way
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    weight_sync_bucket_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
 
     @model_validator(mode="after")
     def _no_pipeline_generation(self) -> RolloutConfig:

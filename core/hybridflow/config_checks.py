@@ -27,6 +27,10 @@ def check_async(config: Any) -> None:
                          "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "
                          "log-prob (the weight is always 1). Fix: set actor.recompute_log_probs=true")
     if pool is None:
+        if config.rollout.weight_sync != "object_store":
+            raise ValueError(f"rollout.weight_sync = {config.rollout.weight_sync} sends the actor's weights to a "
+                             "rollout pool of its own, but rollout.pool is not set. Fix: set rollout.pool, or "
+                             "remove rollout.weight_sync")
         return
     if pool not in config.resource_pools:
         raise ValueError(f"rollout.pool = {pool!r} is not a pool of resource_pools ({sorted(config.resource_pools)})"

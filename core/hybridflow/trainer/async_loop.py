@@ -5,7 +5,8 @@ are dropped and counted, never trained on.
 
 Schedule: iteration j is generated under the weights the actor had after step j − k (version max(0, j − k)). The
 moment a step's ``actor.update_policy`` is dispatched, the weight export is dispatched behind it on the actor, the
-load behind the rollout pool's queued generation (it fetches the buckets from the actor's output by object ref) and
+load behind the rollout pool's queued generation (it fetches the buckets from the actor's output by object ref, or
+receives them over a torch.distributed broadcast: ``rollout.weight_sync``) and
 iteration step + 1 + k behind that: the hand-over from update to generation needs no driver round trip, and the
 rollout pool (:class:`~hybridflow.workers.rollout.RolloutWorker`) generates while the actor trains. k = 0 is
 synchronous generation on the rollout pool. The algorithm's dataflow is untouched: its ``actor.generate`` call of a
@@ -28,7 +29,7 @@ from hybridflow.controller.decorator import Dispatch
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
-from hybridflow.workers.rollout import BUCKET_BYTES, WeightsRef
+from hybridflow.workers.rollout import WeightsRef
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
 
@@ -165,7 +166,9 @@ class AsyncRollout:
         self.max_staleness = config.trainer.max_staleness
         self.total_steps = config.trainer.total_steps
         self.timeout_s = config.trainer.deadline_s
-        self.bucket_bytes = BUCKET_BYTES
+        self.bucket_bytes = config.rollout.weight_sync_bucket_bytes
+        self.weight_sync = config.rollout.weight_sync
+        self._rendezvous: Any = None  # the collective sync group's store (built at the first collective sync)
         #: dispatch the sync and the next generation right behind the step's update (else once the step returned:
         #: a driver round trip later, the schedule before; bench/async.py's ablation)
         self.sync_behind_update = True
@@ -211,6 +214,7 @@ class AsyncRollout:
         self.reset()
         release_worker_group(self.group, self.pool)
         self.group = self.pool = None
+        self._rendezvous = None  # the sync group's store (its members are gone)
 
     def reset(self) -> None:
         """Forget the generations in flight (a failed or retried step starts over from the actor's weights)."""
@@ -220,6 +224,8 @@ class AsyncRollout:
         self._current = None
         self._step = self._sent_after_update = None
         self.synced_version = None
+        if self._rendezvous is not None:  # a sync may be half done on the old group: the next one builds a new one
+            self._rendezvous.renew()
 
     def wrap_actor(self, actor: Any) -> Any:
         """The actor handle the algorithm's step gets: its ``generate`` of the step's prompts comes from here."""
@@ -316,6 +322,8 @@ class AsyncRollout:
             export.wait(timeout=self.timeout_s)  # its record reaches the ledger
             for key in ("bytes", "buckets", "wait_s", "load_s"):
                 self._stats[f"async/weight_sync_{key}"] += loaded[key]
+            peak = "async/weight_sync_peak_bucket_bytes"
+            self._stats[peak] = max(self._stats[peak], loaded["peak_bucket_bytes"])
         source = entry.source
         batch: Batch = source if isinstance(source, Batch) else source.get(timeout=self.timeout_s)
         if STALENESS_COLUMN not in batch:
@@ -333,11 +341,28 @@ class AsyncRollout:
         if self.synced_version == version:
             return
         started = time.perf_counter()
-        export = actor.export_generation_weights.submit(self.bucket_bytes)
-        load = self.group.rollout.load_weights(WeightsRef(export.output_ref(0)), version)
+        if self.weight_sync == "collective":  # the actor's rank 0 broadcasts, the rollout ranks receive
+            group = self._sync_group()
+            export = actor.broadcast_generation_weights.submit(group, self.bucket_bytes)
+            load = self.group.rollout.receive_weights(group, version)
+        else:  # the rollout worker fetches the export from the actor's output in the object store
+            export = actor.export_generation_weights.submit(self.bucket_bytes)
+            load = self.group.rollout.load_weights(WeightsRef(export.output_ref(0)), version)
         self._syncs.append((version, export, load))
         self._stats["async/weight_sync_driver_s"] += time.perf_counter() - started
         self.synced_version = version
+
+    def _sync_group(self) -> Any:
+        """The collective sync group's spec (its rendezvous store built on first use): the actor's rank 0 and every
+        rollout rank; NCCL when both pools are on CUDA, else gloo; every collective bounded by the step deadline."""
+        if self._rendezvous is None:
+            from hybridflow.workers.weight_sync import SyncRendezvous
+
+            pools = self.config.resource_pools
+            cuda = pools[self.config.actor.pool].device == pools[self.pool_name].device == "cuda"
+            self._rendezvous = SyncRendezvous(world_size=1 + pools[self.pool_name].world_size,
+                                              backend="nccl" if cuda else "gloo", timeout_s=self.timeout_s)
+        return self._rendezvous.spec()
 
     def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
         assert self.synced_version is not None
@@ -350,11 +375,11 @@ class AsyncRollout:
 
 
 #: per-step counters of :class:`AsyncRollout` (zeroed by ``begin_step``): the weight syncs checked this step (bytes,
-#: buckets, the rollout worker's seconds waiting for the export and fetching + loading it, the driver's seconds
-#: dispatching), the time the step waited for its rollout and the rollout pool's compute time observed
-_STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_wait_s",
-               "async/weight_sync_load_s", "async/weight_sync_driver_s", "async/regenerated", "async/wait_s",
-               "async/rollout_busy_s")
+#: buckets, the largest bucket, the rollout worker's seconds waiting for the export and fetching + loading it, the
+#: driver's seconds dispatching), the time the step waited for its rollout and the rollout pool's compute time
+_STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_peak_bucket_bytes",
+               "async/weight_sync_wait_s", "async/weight_sync_load_s", "async/weight_sync_driver_s",
+               "async/regenerated", "async/wait_s", "async/rollout_busy_s")
 
 
 def _uids(batch: Batch) -> list[str]:

@@ -1,17 +1,18 @@
 """The workers of a split rollout (``rollout.pool``, docs/async.md): a rollout worker that only generates, on a pool
 of its own, and the actor worker that exports its generation weights for it in bounded buckets.
 
-Weights travel between the pools through Ray's object store, not through the driver: the actor's rank 0 stores its
-export (buckets of at most ``bucket_bytes``) as its call's output and the rollout worker fetches it from there by
-its object ref (:class:`WeightsRef`); when to sync and how far generation may run ahead is
-:mod:`hybridflow.trainer.async_loop`'s business.
+Weights travel between the pools in buckets of at most ``bucket_bytes``, never through the driver
+(:mod:`hybridflow.workers.weight_sync`, ``rollout.weight_sync``): through Ray's object store (the actor's rank 0
+stores its export as its call's output and the rollout worker fetches it from there by its object ref,
+:class:`WeightsRef`), or broadcast over a torch.distributed group of the actor's rank 0 and the rollout ranks
+(:meth:`WeightExportingActor.broadcast_generation_weights` / :meth:`RolloutWorker.receive_weights`). When to sync
+and how far generation may run ahead is :mod:`hybridflow.trainer.async_loop`'s business.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,67 +23,18 @@ from hybridflow.controller import Worker, register
 from hybridflow.engines import RolloutEngine, SamplingParams
 from hybridflow.errors import EngineError, VersionMismatchError
 from hybridflow.workers.roles import ActorRolloutWorker, RoleSpec
+from hybridflow.workers.weight_sync import (
+    BUCKET_BYTES,
+    SyncGroupSpec,
+    WeightBucket,
+    WeightReceiver,
+    broadcast_weights,
+    pack_weight_buckets,
+    unpack_weight_buckets,
+)
 
-__all__ = ["WeightBucket", "WeightsRef", "pack_weight_buckets", "unpack_weight_buckets", "RolloutWorker",
-           "WeightExportingActor"]
-
-#: default bound of one bucket of a weight sync between pools
-BUCKET_BYTES = 32 * 1024 * 1024
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WeightBucket:
-    """Named tensors flattened into one buffer per dtype run: ``entries`` = (name, dtype, shape, offset, numel)."""
-
-    buffer: torch.Tensor
-    entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.numel() * self.buffer.element_size())
-
-
-def pack_weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> list[WeightBucket]:
-    """Weights packed into buckets of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own);
-    one dtype per bucket, bytes copied once."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    buckets: list[WeightBucket] = []
-    pending: list[tuple[str, torch.Tensor]] = []
-    size = 0
-
-    def flush() -> None:
-        nonlocal pending, size
-        if not pending:
-            return
-        dtype = pending[0][1].dtype
-        buffer = torch.empty(sum(t.numel() for _, t in pending), dtype=dtype)
-        entries, offset = [], 0
-        for name, tensor in pending:
-            buffer[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
-            entries.append((name, dtype, tuple(tensor.shape), offset, tensor.numel()))
-            offset += tensor.numel()
-        buckets.append(WeightBucket(buffer=buffer, entries=tuple(entries)))
-        pending, size = [], 0
-
-    for name, tensor in weights:
-        tensor = tensor.detach().cpu()
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and (size + nbytes > bucket_bytes or tensor.dtype != pending[0][1].dtype):
-            flush()
-        pending.append((name, tensor))
-        size += nbytes
-    flush()
-    return buckets
-
-
-def unpack_weight_buckets(buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The named tensors of :func:`pack_weight_buckets`, as views into the buckets' buffers (streamed)."""
-    for bucket in buckets:
-        for name, dtype, shape, offset, numel in bucket.entries:
-            if bucket.buffer.dtype != dtype:
-                raise EngineError(f"weight bucket holds {bucket.buffer.dtype} but entry {name!r} says {dtype}")
-            yield name, bucket.buffer[offset:offset + numel].view(shape)
+__all__ = ["BUCKET_BYTES", "WeightBucket", "WeightsRef", "pack_weight_buckets", "unpack_weight_buckets",
+           "RolloutWorker", "WeightExportingActor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +47,8 @@ class WeightsRef:
 
 
 class WeightExportingActor(ActorRolloutWorker):
-    """The actor worker of a run with ``rollout.pool``: the hybrid engine plus :meth:`export_generation_weights`."""
+    """The actor worker of a run with ``rollout.pool``: the hybrid engine plus :meth:`export_generation_weights`
+    (``rollout.weight_sync: object_store``) and :meth:`broadcast_generation_weights` (``collective``)."""
 
     @register(protocol="one_to_all", idempotent=True)
     def export_generation_weights(self, bucket_bytes: int = BUCKET_BYTES) -> tuple[int, list[WeightBucket]] | None:
@@ -108,6 +61,20 @@ class WeightExportingActor(ActorRolloutWorker):
                 pass
             return None
         return self.policy_version, pack_weight_buckets(weights, bucket_bytes=bucket_bytes)
+
+    @register(protocol="one_to_all")
+    def broadcast_generation_weights(self, group: SyncGroupSpec, bucket_bytes: int = BUCKET_BYTES
+                                     ) -> dict[str, float] | None:
+        """Rank 0 broadcasts its generation weights, tagged with its policy version, to the rollout ranks of
+        ``group`` (it is the root), one bucket at a time as they are gathered; the other ranks take part in the
+        gather only. Rank 0 returns bytes, buckets, the largest bucket and the seconds taken."""
+        target = getattr(self.rollout, "weights_target", "hf")
+        weights = self.engine.generation_weights(target=target)
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return None
+        return broadcast_weights(group, weights, version=self.policy_version, bucket_bytes=bucket_bytes)
 
 
 class RolloutWorker(Worker):
@@ -163,7 +130,24 @@ class RolloutWorker(Worker):
         self.bytes_received += nbytes
         self.synced = True
         return {"version": float(version), "bytes": float(nbytes), "buckets": float(len(buckets)),
+                "peak_bucket_bytes": float(max((bucket.nbytes for bucket in buckets), default=0)),
                 "wait_s": waited, "load_s": time.perf_counter() - started - waited}
+
+    @register(protocol="one_to_all", blocking=False)
+    def receive_weights(self, group: SyncGroupSpec, expected_version: int) -> dict[str, float]:
+        """Receive the weights the actor's rank 0 broadcasts over ``group`` (this worker at rank 1 + its rank) and
+        stream them into the engine bucket by bucket; every bucket's version tag must be ``expected_version``
+        (:class:`VersionMismatchError` otherwise, nothing loaded). Returns what :meth:`load_weights` does, plus the
+        largest bucket's bytes."""
+        receiver = WeightReceiver(group, 1 + self.rank, expected_version=expected_version)
+        try:
+            self.rollout.update_weights(receiver.named_tensors(), version=int(expected_version))
+        finally:
+            receiver.drain()  # the engine refused a tensor mid-stream: the root still sends, keep the group in step
+        stats = receiver.stats()
+        self.bytes_received += receiver.bytes
+        self.synced = True
+        return stats
 
     @register(protocol="one_to_all", idempotent=True)
     def weights_version(self) -> int:
