@@ -89,14 +89,3 @@ def test_stream_handover_is_labelled_gather_without_a_lower_bound(tmp_path: Path
     edge = next(e for e in row["edges"] if e["target"] == "actor.rollout_engine")
     assert edge["protocol"] == "gather" and "lower_bound_bytes" not in edge, edge
     assert min(edge["bytes_per_rank"]) > 0
-
-
-def test_one_iteration_at_tg2_moves_the_lower_bound_and_holds_no_second_copy(tmp_path: Path, tiny_config,
-                                                                            preset_weight_bytes) -> None:
-    """The quick check of the tg = 2 path (the slow tests above run it longer)."""
-    model_bytes, norm_bytes = preset_weight_bytes(PRESET)
-    trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=1", "trainer.checkpoint_every=0",
-                                  f"model.preset={PRESET}", "rollout.tensor_parallel_size=2"), progress=False)
-    history = fit_and_close(trainer)
-    assert history[-1]["actor/policy_version"] == 1.0 and history[-1]["response/length_mean"] > 0
-    _check_ledger(tmp_path / "run", 2, model_bytes, norm_bytes)

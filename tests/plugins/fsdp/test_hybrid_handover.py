@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
@@ -53,9 +54,23 @@ def _hybrid_rank(rank: int, world_size: int, model_path: str, workdir: str) -> N
     }, f"{workdir}/rank{rank}.pt")
 
 
-def test_hybrid_engine_handover_on_two_ranks(tmp_path: Path) -> None:
-    model_path = prepare_model(tmp_path)
-    run_rank_groups([(_hybrid_rank, 2, (str(model_path), str(tmp_path)))], workdir=tmp_path, timeout_s=240)
+def _both_scenarios_rank(rank: int, world_size: int, model_path: str, workdir: str) -> None:
+    _hybrid_rank(rank, world_size, model_path, workdir)
+    _both_paths_rank(rank, world_size, model_path, workdir)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both tests' scenarios, one after the other on one spawned 2-rank group (torch and transformers imported once
+    per rank); each test reads its own results from the returned directory."""
+    workdir = tmp_path_factory.mktemp("hybrid_handover")
+    model_path = prepare_model(workdir)
+    run_rank_groups([(_both_scenarios_rank, 2, (str(model_path), str(workdir)))], workdir=workdir, timeout_s=480)
+    return workdir
+
+
+def test_hybrid_engine_handover_on_two_ranks(two_ranks: Path) -> None:
+    tmp_path = two_ranks
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     model_bytes = results[0]["awake_bytes"]
     for rank, result in enumerate(results):
@@ -104,13 +119,11 @@ def _both_paths_rank(rank: int, world_size: int, model_path: str, workdir: str) 
     torch.save(results, f"{workdir}/paths{rank}.pt")
 
 
-def test_reshard_path_equals_stream_path_and_moves_the_lower_bound(tmp_path: Path) -> None:
+def test_reshard_path_equals_stream_path_and_moves_the_lower_bound(two_ranks: Path) -> None:
     """extra.handover=reshard runs the 3D-HybridEngine planner/executor: same weights bit for bit as the streamed
     per-parameter gather, bytes measured from the collectives equal to the planner's lower bound, peak ≤ a bucket."""
-    model_path = prepare_model(tmp_path)
-    run_rank_groups([(_both_paths_rank, 2, (str(model_path), str(tmp_path)))], workdir=tmp_path, timeout_s=240)
     for rank in range(2):
-        result = torch.load(tmp_path / f"paths{rank}.pt", weights_only=False)
+        result = torch.load(two_ranks / f"paths{rank}.pt", weights_only=False)
         stream, reshard = result["stream"], result["reshard"]
         assert stream["weights"].keys() == reshard["weights"].keys()
         assert all(torch.equal(stream["weights"][k], reshard["weights"][k]) for k in stream["weights"])

@@ -198,6 +198,12 @@ def scenario_handover(args: dict) -> dict:
     return _each_case(args, _handover_case)
 
 
+def scenario_cases(args: dict) -> dict:
+    """Every case of ``args["cases"]`` through the scenario it names (``"scenario": "train"``, ...) over the same
+    processes: the tests that need several runs of one world size pay megatron's import once."""
+    return _each_case(args, lambda case: SCENARIOS[case["scenario"]](case))
+
+
 def _park_case(args: dict) -> dict:
     """For each tg of ``args["tensors"]``: the handover without and with ``park=True`` (the actor worker's path),
     resident weight bytes counted from storages while the generation shards are held, then ``end_generation()``; a
@@ -252,6 +258,10 @@ def scenario_park(args: dict) -> dict:
     """Every case of ``args["cases"]`` through :func:`_park_case`."""
     return _each_case(args, _park_case)
 
+SCENARIOS: dict[str, Callable[[dict], dict]] = {"train": scenario_train, "logits": scenario_logits,
+                                                "handover": scenario_handover, "park": scenario_park,
+                                                "cases": scenario_cases}
+
 
 def main() -> None:
     scenario, rank, world, port, out_dir = sys.argv[1:6]
@@ -259,8 +269,7 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
                       LOCAL_RANK=rank, OMP_NUM_THREADS="1")
-    result = {"train": scenario_train, "logits": scenario_logits, "handover": scenario_handover,
-              "park": scenario_park}[scenario](args)
+    result = SCENARIOS[scenario](args)
     torch.save(result, os.path.join(out_dir, f"rank_{rank}.pt"))
     import torch.distributed as dist
 

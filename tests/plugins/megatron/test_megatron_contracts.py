@@ -1,11 +1,14 @@
 """The megatron engine against the hybridflow.testing training-engine contract suite, as the fsdp engine runs it.
 
-Megatron keeps its parallel state per process (one torch.distributed group, one model-parallel layout), so each check
-runs in its own spawned 1-rank gloo process; the data-parallel check spawns a 1-rank and a 2-rank group.
+Megatron keeps its parallel state per process (one torch.distributed group, one model-parallel layout), so the checks
+run in a spawned 1-rank gloo process (one for all of them: megatron is imported once; each check's outcome is
+recorded and asserted by its own test); the data-parallel check spawns a 1-rank and a 2-rank group.
 """
 
 from __future__ import annotations
 
+import json
+import traceback
 from pathlib import Path
 
 import pytest
@@ -24,9 +27,15 @@ def make_training_engine(role: str, config: TrainingEngineConfig):  # type: igno
     return build_megatron_training_engine(role=role, config=config, device="cpu")
 
 
-def _run_check(rank: int, world_size: int, name: str, workdir: str) -> None:
-    check = next(check for check in TRAINING_CHECKS if check.__name__ == name)
-    check(make_training_engine, Path(workdir))
+def _run_checks(rank: int, world_size: int, workdir: str, out_file: str) -> None:
+    outcomes: dict[str, str | None] = {}
+    for check in TRAINING_CHECKS:
+        try:
+            check(make_training_engine, Path(workdir))
+            outcomes[check.__name__] = None
+        except Exception:  # noqa: BLE001 - recorded: the check's own test fails with it
+            outcomes[check.__name__] = traceback.format_exc()
+    Path(out_file).write_text(json.dumps(outcomes))
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +43,18 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("megatron_contracts")
 
 
+@pytest.fixture(scope="module")
+def check_outcomes(workdir: Path) -> dict[str, str | None]:
+    out_file = workdir / "outcomes.json"
+    run_ranks(_run_checks, 1, str(workdir), str(out_file), workdir=workdir, timeout_s=720)
+    outcomes: dict[str, str | None] = json.loads(out_file.read_text())
+    return outcomes
+
+
 @pytest.mark.parametrize("check", TRAINING_CHECKS, ids=lambda check: check.__name__)
-def test_training_contract(check, workdir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    run_ranks(_run_check, 1, check.__name__, str(workdir), workdir=tmp_path, timeout_s=240)
+def test_training_contract(check, check_outcomes: dict[str, str | None]) -> None:  # type: ignore[no-untyped-def]
+    assert check.__name__ in check_outcomes and check_outcomes[check.__name__] is None, check_outcomes.get(
+        check.__name__)
 
 
 def test_two_ranks_match_one_rank(workdir: Path) -> None:

@@ -12,7 +12,8 @@ from hybridflow.testing.contracts.training import (
     TRAINING_CHECKS,
     TrainingEngineMaker,
     check_data_parallel_matches_single,
+    data_parallel_failures,
 )
 
 __all__ = ["ROLLOUT_CHECKS", "TRAINING_CHECKS", "RolloutEngineMaker", "TrainingEngineMaker",
-           "check_data_parallel_matches_single"]
+           "check_data_parallel_matches_single", "data_parallel_failures"]

@@ -29,6 +29,7 @@ __all__ = [
     "check_roles_compute_columns",
     "check_checkpoint_resume_is_bit_identical",
     "check_data_parallel_matches_single",
+    "data_parallel_failures",
 ]
 
 TrainingEngineMaker = Callable[[str, TrainingEngineConfig], TrainingEngine]
@@ -164,17 +165,21 @@ def _mini_batch_order(rows: int, world_size: int) -> list[int]:
     return [row for rank_rows in per_rank for row in rank_rows]
 
 
-def _data_parallel_rank(rank: int, world_size: int, factory: Callable[..., TrainingEngine], path: str,
-                        out_file: str, steps: int) -> None:
+def _data_parallel_rank(rank: int, world_size: int, factories: Mapping[str, Callable[..., TrainingEngine]],
+                        path: str, out_file: str, steps: int) -> None:
     config = TrainingEngineConfig(model=ModelSpec(path=path), optim=OPTIM, micro_batch_size=2)
-    engine = factory(role="actor", config=config, device="cpu")
     batch = build_training_batch(rows=ROWS).index(_mini_batch_order(ROWS, world_size))
     batch = batch.chunk(world_size)[rank]
-    for _ in range(steps):
-        engine.train_step(batch, loss_fn=sequence_mean_nll, mini_batch_size=MINI_BATCH_ROWS)
-    weights = {name: tensor.clone() for name, tensor in engine.generation_weights()}
+    results = {}
+    for name, factory in factories.items():  # one engine after the other in the same process group
+        engine = factory(role="actor", config=config, device="cpu")
+        for _ in range(steps):
+            engine.train_step(batch, loss_fn=sequence_mean_nll, mini_batch_size=MINI_BATCH_ROWS)
+        weights = {key: tensor.clone() for key, tensor in engine.generation_weights()}
+        results[name] = {"weights": weights, "version": engine.state_version()}
+        del engine
     if rank == 0:
-        torch.save({"weights": weights, "version": engine.state_version()}, out_file)
+        torch.save(results, out_file)
 
 
 def check_data_parallel_matches_single(factory: Callable[..., TrainingEngine], workdir: Path, *,
@@ -185,13 +190,36 @@ def check_data_parallel_matches_single(factory: Callable[..., TrainingEngine], w
 
     ``mini_batch_size`` counts rows over all ranks; mini-batch ``k`` is the ``k``-th slice of every rank's rows.
     """
+    (failure,) = data_parallel_failures({"engine": factory}, workdir, world_size=world_size, steps=steps, atol=atol,
+                                        timeout_s=timeout_s).values()
+    if failure is not None:
+        raise AssertionError(failure)
+
+
+def data_parallel_failures(factories: Mapping[str, Callable[..., TrainingEngine]], workdir: Path, *,
+                           world_size: int = 2, steps: int = 3, atol: float = 1e-5,
+                           timeout_s: float = 240) -> dict[str, str | None]:
+    """:func:`check_data_parallel_matches_single` for several factories (variants of one engine, say) on one 1-rank
+    and one ``world_size``-rank group, each building its engines one after the other (the processes, and their
+    imports, are paid once): ``{name: None if it holds, else the failure}``."""
     path = str(prepare_model(workdir))
     out_files = {ranks: str(Path(workdir) / f"dp{ranks}.pt") for ranks in (1, world_size)}
-    jobs = [(_data_parallel_rank, ranks, (factory, path, out_files[ranks], steps)) for ranks in (1, world_size)]
+    jobs = [(_data_parallel_rank, ranks, (dict(factories), path, out_files[ranks], steps)) for ranks in (1, world_size)]
     run_rank_groups(jobs, workdir=Path(workdir), timeout_s=timeout_s)
     results = {ranks: torch.load(out_file, weights_only=False) for ranks, out_file in out_files.items()}
     initial = _initial_weights(Path(path))
-    single, multi = results[1], results[world_size]
+    failures: dict[str, str | None] = {}
+    for name in factories:
+        try:
+            _compare_data_parallel(results[1][name], results[world_size][name], initial, world_size, steps, atol)
+            failures[name] = None
+        except AssertionError as error:
+            failures[name] = f"{name}: {error}"
+    return failures
+
+
+def _compare_data_parallel(single: dict[str, Any], multi: dict[str, Any], initial: dict[str, torch.Tensor],
+                           world_size: int, steps: int, atol: float) -> None:
     assert single["version"] == multi["version"] == 2 * steps, f"versions {single['version']}, {multi['version']}"
     moved = max((single["weights"][n] - initial[n]).abs().max().item() for n in single["weights"] if n in initial)
     assert moved > 1e-4, f"weights barely moved ({moved}); the comparison would be vacuous"
