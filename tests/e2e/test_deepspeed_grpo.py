@@ -140,5 +140,6 @@ def test_grpo_with_deepspeed_zero3_actor_generates_at_tg2(tmp_path: Path, tiny_c
         # while generating, counted from storages: the bound tg = 2 shards (M/2 + half the norms, 640 B) and, kept
         # aside while the ZeRO-3 flat buffer is parked, the row-parallel partition bytes outside them: a quarter of the
         # o_proj/down_proj bytes R at d = tg = 2, R/4 = layers·h·(h + i)·4 B / 4 (docs/deepspeed.md)
-        aside = values["num_hidden_layers"] * values["hidden_size"] * (values["hidden_size"] + values["intermediate_size"])
+        hidden = values["hidden_size"]
+        aside = values["num_hidden_layers"] * hidden * (hidden + values["intermediate_size"])
         assert all(held == model_bytes // 2 + 640 + aside for held in row["weight_bytes"]["generation"]), row
