@@ -21,29 +21,34 @@ GRPO_EXAMPLE = ROOT / "examples" / "grpo_arithmetic.yaml"
 ACC = "val-core/hybridflow/arithmetic/acc/mean@1"
 
 
-def _sft(run_dir: Path, *overrides: str) -> tuple[SFTTrainer, Path]:
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, float]], Path, Path]:
+    """``hybridflow sft examples/sft_arithmetic.yaml`` as shipped (60 steps, validation every 20): its validation
+    history, the HF directory it wrote and its run directory. Both tests read this one run (the SFT test, and the
+    main job's first half)."""
+    run_dir = tmp_path_factory.mktemp("sft") / "sft"
     config = load_sft_config(SFT_EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.tensorboard=false",
-                                           "trainer.progress=false", *overrides])
+                                           "trainer.progress=false"])
     trainer = SFTTrainer(config)
     target = fit_and_close(trainer)
-    return trainer, target
+    return trainer.validation_history, target, run_dir
 
 
-def test_sft_lowers_held_out_loss_raises_exact_match_and_writes_an_hf_dir(tmp_path: Path) -> None:
-    trainer, target = _sft(tmp_path / "sft", "trainer.val_every=0")
-    first, last = trainer.validation_history[0], trainer.validation_history[-1]
-    assert (first["step"], last["step"]) == (0, 60)
+def test_sft_lowers_held_out_loss_raises_exact_match_and_writes_an_hf_dir(sft_run) -> None:  # type: ignore[no-untyped-def]
+    validation_history, target, run_dir = sft_run
+    first, last = validation_history[0], validation_history[-1]
+    assert [row["step"] for row in validation_history] == [0, 20, 40, 60]
     # held-out sums (never trained on): the loss of their answers falls and greedy answers become right
     assert last["val/loss"] < 0.5 * first["val/loss"], (first, last)
     assert first[ACC] == 0.0 and last[ACC] >= 0.1, (first, last)
-    rows = read_metrics(tmp_path / "sft")
+    rows = read_metrics(run_dir)
     train = [row for row in rows if "train/loss" in row]
     assert [row["step"] for row in train] == list(range(1, 61))
     assert sum(r["train/loss"] for r in train[-5:]) < 0.5 * sum(r["train/loss"] for r in train[:5])
     # the HF directory: transformers loads model and tokenizer, and it answers a training sum as SFT taught it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert target == tmp_path / "sft" / HF_DIR
+    assert target == run_dir / HF_DIR
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     tokenizer = AutoTokenizer.from_pretrained(target)
     lines = (ROOT / "examples" / "data" / "arithmetic_sft.jsonl").read_text().splitlines()
@@ -65,12 +70,12 @@ def test_sft_lowers_held_out_loss_raises_exact_match_and_writes_an_hf_dir(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # ≈ 3 min on an idle 2-core box; 10 min measured with the box shared by other jobs
-def test_grpo_from_sft_raises_held_out_greedy_accuracy(tmp_path: Path) -> None:
+def test_grpo_from_sft_raises_held_out_greedy_accuracy(tmp_path: Path, sft_run) -> None:  # type: ignore[no-untyped-def]
     """The README's main job, end to end: SFT warm start, then GRPO; held-out greedy exact match rises (measured: 0.40
     → 0.75, 0.65, 0.60 over the last three validations; asserted: their mean ≥ the start + 0.15)."""
     from hybridflow.trainer import Trainer
 
-    _, target = _sft(tmp_path / "sft")
+    _, target, _ = sft_run
     config = load_config(GRPO_EXAMPLE, [f"model.path={target}", f"trainer.run_dir={tmp_path / 'rl'}",
                                         "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
     trainer = Trainer(config, progress=False)

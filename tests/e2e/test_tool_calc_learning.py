@@ -4,7 +4,8 @@ then GRPO with the calculator tool (examples/grpo_tool_calc.yaml) raises the too
 Measured on a 2-core box shared with other jobs (one seed, hf engine): the tool-call rate went 0.78 at step 1 to
 0.95-0.98 over steps 13-16, the reward from 0.42-0.70 over steps 1-4 to 0.44-0.73 over steps 13-16 (the SFT model
 already copies the tool's result about two times in three). Slow: the SFT fixture took 362 s here, the hf GRPO run
-65 s. The reward assertion is weak on purpose (no drop, a floor): one seed does not support a stated rise.
+65 s. The reward assertion is weak on purpose (no drop, a floor): one seed does not support a stated rise. The vllm
+engine runs 2 steps of the same job from the same SFT model (a full learning run of it cost 71 s more in CI).
 """
 
 from __future__ import annotations
@@ -35,22 +36,38 @@ def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fit_and_close(trainer)
 
 
-@pytest.mark.slow  # ~10 min on a loaded 2-core box: 200 SFT steps, 16 GRPO steps of 64 conversations
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_grpo_raises_tool_use_and_reward(sft_model: Path, tmp_path: Path, engine: str) -> None:
-    if engine == "vllm":
-        pytest.importorskip("vllm")
+def _tool_calc_config(model: Path, run_dir: Path, engine: str, steps: int):  # type: ignore[no-untyped-def]
     data = EXAMPLES / "data"
-    config = load_config(EXAMPLES / "grpo_tool_calc.yaml", [
-        f"model.path={sft_model}", f"trainer.run_dir={tmp_path / 'run'}", f"rollout.engine={engine}",
+    return load_config(EXAMPLES / "grpo_tool_calc.yaml", [
+        f"model.path={model}", f"trainer.run_dir={run_dir}", f"rollout.engine={engine}",
         f"data.train_files=[{json.dumps(str(data / 'tool_calc_train.jsonl'))}]",
         f"data.val_files=[{json.dumps(str(data / 'tool_calc_val.jsonl'))}]",
-        "trainer.total_steps=16", "trainer.val_every=0", "trainer.val_n=8", "trainer.checkpoint_every=0",
+        f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.val_n=8", "trainer.checkpoint_every=0",
         "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
-    trainer = Trainer(config, progress=False)
-    history = fit_and_close(trainer)
+
+
+@pytest.mark.slow  # ~5 min on a loaded 2-core box: 200 SFT steps, 16 GRPO steps of 64 conversations
+def test_grpo_raises_tool_use_and_reward(sft_model: Path, tmp_path: Path) -> None:
+    """The learning run (hf engine): the tool-call rate rises and the reward holds a floor."""
+    history = fit_and_close(Trainer(_tool_calc_config(sft_model, tmp_path / "run", "hf", 16), progress=False))
     tool_rate = [metrics["tool_call_counts/mean"] for metrics in history]
     reward = [metrics["reward/mean"] for metrics in history]
     assert mean(tool_rate[-4:]) >= tool_rate[0] + 0.1, tool_rate
     assert mean(tool_rate[-4:]) >= 0.85, tool_rate
     assert mean(reward[-4:]) >= mean(reward[:4]) - 0.05 and mean(reward[-8:]) >= 0.5, reward
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_engine_runs_the_tool_conversations_and_updates(sft_model: Path, tmp_path: Path) -> None:
+    """The same job on the vllm engine, 2 steps: the learning itself is the hf run's (the trainer, the agent loop and
+    the update are shared code) and vllm's weight handover is test_vllm_grpo's; this checks that vllm runs the
+    conversations of the agent path from the SFT model: it calls the tool and some final answers are right, which a
+    model that cannot multiply two-digit numbers only reaches when the calculator's result came back into its
+    context. Measured once (loaded 2-core box): tool-call rate 0.40 over the 2 steps, reward 0.19 and 0.25 (below
+    the hf engine's first steps, 0.73-0.78 and 0.42-0.70); asserted: ≥ 0.2 and ≥ 0.1 over 128 conversations."""
+    pytest.importorskip("vllm")
+    history = fit_and_close(Trainer(_tool_calc_config(sft_model, tmp_path / "run", "vllm", 2), progress=False))
+    assert [m["actor/policy_version"] for m in history] == [1.0, 2.0]
+    assert mean(m["tool_call_counts/mean"] for m in history) >= 0.2, history
+    assert mean(m["reward/mean"] for m in history) >= 0.1, history

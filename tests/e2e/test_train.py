@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import tiny_config as shared_config
 
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
@@ -26,12 +27,21 @@ def run(config, *, export: Path | None = None) -> list[dict[str, float]]:
     return history
 
 
-def test_grpo_reward_rises(tmp_path: Path, tiny_config) -> None:
-    history = run(tiny_config(tmp_path / "run", "trainer.total_steps=40", "trainer.checkpoint_every=0"))
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, float]]]:
+    """One 40-step GRPO run of the from-scratch example (its final weights exported to ``<run>/w``), read by the
+    learning, report and resident-bytes tests: one trainer start-up instead of three."""
+    run_dir = tmp_path_factory.mktemp("grpo") / "run"
+    history = run(shared_config(run_dir, "trainer.total_steps=40", "trainer.checkpoint_every=0"), export=run_dir / "w")
+    return run_dir, history
+
+
+def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> None:
+    run_dir, history = grpo_run
     rewards = [m["reward/mean"] for m in history]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.04, rewards
-    ledger = read_ledger(tmp_path / "run")
+    ledger = read_ledger(run_dir)
     assert [row["iteration"] for row in ledger] == list(range(40))
     assert {"actor.generate", "actor.update_policy"} <= set(ledger[-1]["nodes"])
     assert all(row["nodes"]["actor.generate"]["policy_versions"] == [row["iteration"]] for row in ledger)
@@ -45,27 +55,43 @@ def test_grpo_reward_rises(tmp_path: Path, tiny_config) -> None:
     assert len({h["bytes"] for h in handovers}) == 1
     # the default handover is the reshard planner's: bytes counted from the executor's buffers = the lower bound
     assert all(h["bytes_per_rank"] == h["lower_bound_bytes_per_rank"] for h in handovers), handovers[0]
-    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "generation_mesh"
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 
 
-@pytest.mark.slow  # ~35-40 CPU-seconds (two trainer runs)
-def test_resume_is_bit_identical(tmp_path: Path, tiny_config) -> None:
-    straight = tmp_path / "straight"
-    run(tiny_config(straight, "trainer.total_steps=6", "trainer.checkpoint_every=3"), export=tmp_path / "w_straight")
+#: metrics that are wall-clock readings (differ between otherwise identical runs)
+TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, float]]]:
+    """A 4-step run as configured by default (lookahead on), checkpoint at step 2, final weights exported to
+    ``<run>/w``: the reference the resumed run and the run without lookahead must equal bit for bit."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    history = run(shared_config(run_dir, "trainer.total_steps=4", "trainer.checkpoint_every=2"), export=run_dir / "w")
+    return run_dir, history
+
+
+def strip(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in history]
+
+
+@pytest.mark.slow  # two trainer runs (and the shared straight one)
+def test_resume_is_bit_identical(tmp_path: Path, tiny_config, straight_run) -> None:
+    straight, straight_history = straight_run
     resumed = tmp_path / "resumed"
-    run(tiny_config(resumed, "trainer.total_steps=3", "trainer.checkpoint_every=3"))
-    history = run(tiny_config(resumed, "trainer.total_steps=6", "trainer.checkpoint_every=3", "trainer.resume=must"),
+    run(tiny_config(resumed, "trainer.total_steps=2", "trainer.checkpoint_every=2"))
+    history = run(tiny_config(resumed, "trainer.total_steps=4", "trainer.checkpoint_every=2", "trainer.resume=must"),
                   export=tmp_path / "w_resumed")
-    assert len(history) == 3
-    a = load_file(tmp_path / "w_straight" / "model.safetensors")
+    assert len(history) == 2 and strip(history) == strip(straight_history)[2:]
+    a = load_file(straight / "w" / "model.safetensors")
     b = load_file(tmp_path / "w_resumed" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [m["reward/mean"] for m in read_metrics(straight)] == [m["reward/mean"] for m in read_metrics(resumed)]
     # the decoded samples too: the resumed run dropped nothing and wrote no step twice
-    assert read_rollouts(straight) == read_rollouts(resumed) and len(read_rollouts(straight)) == 6 * 4
+    assert read_rollouts(straight) == read_rollouts(resumed) and len(read_rollouts(straight)) == 4 * 4
 
 
 def mean(values: list[float]) -> float:
@@ -118,47 +144,46 @@ def test_safe_rlhf_multiplier_rises_when_cost_exceeds_limit(tmp_path: Path, tiny
     assert lambdas[0] > 0.5 and lambdas == sorted(lambdas) and lambdas[-1] > lambdas[0]
 
 
-def test_report_renders_plots_and_summary(tmp_path: Path, tiny_config) -> None:
+def test_report_renders_plots_and_summary(grpo_run: tuple[Path, list[dict[str, float]]]) -> None:
     from hybridflow.report import main as report_main
     from hybridflow.report import summarize_run
 
-    run(tiny_config(tmp_path / "r", "trainer.total_steps=2", "trainer.checkpoint_every=0"))
-    summary = summarize_run(tmp_path / "r")
-    assert summary["steps"] == 2 and summary["policy_updates_per_hour"] > 0
+    run_dir, _ = grpo_run
+    summary = summarize_run(run_dir)
+    assert summary["steps"] == 40 and summary["policy_updates_per_hour"] > 0
     assert "actor.generate" in summary["node_seconds"]
-    assert report_main([str(tmp_path / "r")]) == 0
+    assert report_main([str(run_dir)]) == 0
     for name in ("reward.png", "time_by_node.png"):
-        assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_lookahead_overlaps_generation_and_changes_nothing(tmp_path: Path, tiny_config) -> None:
+def test_lookahead_overlaps_generation_and_changes_nothing(tmp_path: Path, tiny_config, straight_run) -> None:
     """With trainer.lookahead the next generation is dispatched while the update runs (its dispatch precedes its
-    iteration in the ledger); the metrics and final weights equal a run without it bit for bit."""
-    histories, weights = {}, {}
-    for lookahead in (True, False):
-        run_dir = tmp_path / f"lookahead_{lookahead}"
-        histories[lookahead] = run(tiny_config(run_dir, "trainer.total_steps=5", "trainer.checkpoint_every=0",
-                                               f"trainer.lookahead={str(lookahead).lower()}"),
-                                   export=tmp_path / f"w_{lookahead}")
-        weights[lookahead] = load_file(tmp_path / f"w_{lookahead}" / "model.safetensors")
+    iteration in the ledger); the metrics and final weights of a run without it equal the straight run's (with it)
+    bit for bit."""
+    straight, straight_history = straight_run
+    history = run(tiny_config(tmp_path / "plain", "trainer.total_steps=4", "trainer.checkpoint_every=0",
+                              "trainer.lookahead=false"), export=tmp_path / "w_plain")
+    # with lookahead, iteration 0 has nothing before it, and iteration 2 neither: the update before it is followed by
+    # the step-2 checkpoint (which must capture the engine before that generation); 1 and 3 were dispatched during the
+    # update of the iteration before (the last step submits nothing ahead of a step that will not run)
+    for run_dir, expected in ((straight, [False, True, False, True]), (tmp_path / "plain", [False] * 4)):
         ledger = read_ledger(run_dir)
         ahead = [row["nodes"]["actor.generate"]["dispatched_at"] < row["start"] for row in ledger]
-        # iteration 0 has nothing before it; with lookahead every later generation was dispatched during the update
-        # of the iteration before (the last step submits nothing ahead of a step that will not run)
-        assert ahead == ([False] + [True] * 4 if lookahead else [False] * 5), ahead
+        assert ahead == expected, ahead
         assert all(row["nodes"]["actor.generate"]["policy_versions"] == [row["iteration"]] for row in ledger)
-    drop = ("time/step_s", "throughput/prompt_response_tokens_per_s")
-    assert ([{k: v for k, v in m.items() if k not in drop} for m in histories[True]]
-            == [{k: v for k, v in m.items() if k not in drop} for m in histories[False]])
-    assert weights[True].keys() == weights[False].keys()
-    assert all(torch.equal(weights[True][name], weights[False][name]) for name in weights[True])
+    assert strip(history) == strip(straight_history)
+    weights, reference = load_file(tmp_path / "w_plain" / "model.safetensors"), load_file(straight / "w" /
+                                                                                           "model.safetensors")
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)
 
 
 WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 
 
 @pytest.mark.slow
-def test_resident_bytes_grow_with_the_model(tmp_path: Path, tiny_config, monkeypatch) -> None:
+def test_resident_bytes_grow_with_the_model(tmp_path: Path, tiny_config, grpo_run, monkeypatch) -> None:
     """The pool's resident bytes (RSS of its worker processes) grow with the model by at least the sharded training
     state (fp32 weights, grads, two Adam moments: 16 bytes per parameter, half on each of the 2 ranks). The wide
     run's workers are treated as off the driver's node, so their RSS comes through process_stats; the handover bytes
@@ -167,19 +192,19 @@ def test_resident_bytes_grow_with_the_model(tmp_path: Path, tiny_config, monkeyp
     from hybridflow.controller import WorkerGroup
     from hybridflow.testing.fixtures import tiny_model_config
 
-    run(tiny_config(tmp_path / "tiny", "trainer.total_steps=1", "trainer.checkpoint_every=0"),
-        export=tmp_path / "w_tiny")
+    tiny = grpo_run[0]  # the shared run's first iteration is the tiny model's
     monkeypatch.setattr(WorkerGroup, "local_process_ids", lambda self: None)
     wide = tiny_config(tmp_path / "wide", "trainer.total_steps=1", "trainer.checkpoint_every=0")
     # built, not overridden: an override's YAML reads rms_norm_eps "1e-06" as a string
     wide = wide.model_copy(update={"model": ModelConfig(config=tiny_model_config(**WIDE))})
     run(wide, export=tmp_path / "w_wide")
-    params = {name: sum(t.numel() for t in load_file(tmp_path / f"w_{name}" / "model.safetensors").values())
-              for name in ("tiny", "wide")}
-    resident = {name: read_ledger(tmp_path / name)[0]["resident_bytes"]["main"] for name in ("tiny", "wide")}
+    runs = {"tiny": tiny, "wide": tmp_path / "wide"}
+    params = {"tiny": sum(t.numel() for t in load_file(tiny / "w" / "model.safetensors").values()),
+              "wide": sum(t.numel() for t in load_file(tmp_path / "w_wide" / "model.safetensors").values())}
+    resident = {name: read_ledger(path)[0]["resident_bytes"]["main"] for name, path in runs.items()}
     assert params["wide"] > 4_000_000 and params["tiny"] < 100_000
     # 2 ranks × 16 bytes × half the parameters each (measured: ~240 MB more for 4.7 M more parameters, i.e. 3×
     # this bound: the rollout engine's full copy and the gathered forward weights come on top)
     assert resident["wide"] - resident["tiny"] >= 16 * (params["wide"] - params["tiny"]), (resident, params)
-    assert all(next(e for e in read_ledger(tmp_path / name)[0]["edges"] if e["protocol"] == "reshard")["bytes"]
-               >= 4 * params[name] // 2 for name in ("tiny", "wide"))
+    assert all(next(e for e in read_ledger(path)[0]["edges"] if e["protocol"] == "reshard")["bytes"]
+               >= 4 * params[name] // 2 for name, path in runs.items())

@@ -1,38 +1,49 @@
 """Validation during a real run: verl-named rows before training, every val_every steps and at the end, and not a
-single training metric changed by it (same RNG streams, same policy versions)."""
+single training metric changed by it (same RNG streams, same policy versions); a resumed run writes the validation
+rows of the straight run.
+
+One straight run with validation is read by both tests (4 trainer runs in all, not 5)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from tiny_runs import tiny_config as shared_config
 
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
 
 TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
+#: validation every 2 steps of 4, checkpoints at 2 and 4 (the resumed run restarts from step 2)
+COMMON = ("trainer.total_steps=4", "trainer.checkpoint_every=2", "data.task.num_val_prompts=6",
+          "data.task.num_prompts=64")
+VALIDATION = ("trainer.val_every=2", "trainer.val_n=8")
 
 
 def _run(config) -> None:  # type: ignore[no-untyped-def]
     fit_and_close(Trainer(config, progress=False))
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("validation") / "straight"
+    _run(shared_config(run_dir, *COMMON, *VALIDATION))
+    return run_dir
+
+
+def _rows(run_dir: Path, *drop: str) -> list[dict[str, float]]:
+    return [{k: v for k, v in row.items() if k not in (*TIMING, *drop)} for row in read_metrics(run_dir)]
+
+
 @pytest.mark.slow
-def test_validation_rows_and_unchanged_training(tmp_path: Path, tiny_config) -> None:
-    common = ["trainer.total_steps=3", "trainer.checkpoint_every=0", "data.task.num_val_prompts=6",
-              "data.task.num_prompts=64"]
-    _run(tiny_config(tmp_path / "off", *common))
-    _run(tiny_config(tmp_path / "on", *common, "trainer.val_every=2", "trainer.val_n=8"))
-    off, on = read_metrics(tmp_path / "off"), read_metrics(tmp_path / "on")
-    training = [row for row in on if "reward/mean" in row]
-    validation = [row for row in on if "reward/mean" not in row]
-
-    def strip(row: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in row.items() if k not in TIMING}
-
-    assert [strip(row) for row in training] == [strip(row) for row in off]
-    assert [row["step"] for row in validation] == [0, 2, 3]
+def test_validation_rows_and_unchanged_training(tmp_path: Path, tiny_config, straight: Path) -> None:
+    _run(tiny_config(tmp_path / "off", *COMMON))  # the same run without validation
+    training = [row for row in _rows(straight) if "reward/mean" in row]
+    validation = [row for row in read_metrics(straight) if "reward/mean" not in row]
+    assert len(training) == 4 and training == _rows(tmp_path / "off")
+    assert [row["step"] for row in validation] == [0, 2, 4]
     source = "hybridflow/arithmetic"
     for row in validation:
         for key in (f"val-core/{source}/acc/mean@1", f"val-core/{source}/acc/mean@8", f"val-core/{source}/acc/pass@8",
@@ -43,17 +54,10 @@ def test_validation_rows_and_unchanged_training(tmp_path: Path, tiny_config) -> 
 
 
 @pytest.mark.slow
-def test_resumed_run_writes_the_validation_rows_of_a_straight_run(tmp_path: Path, tiny_config) -> None:
-    common = ["trainer.checkpoint_every=2", "data.task.num_val_prompts=4", "data.task.num_prompts=64",
-              "trainer.val_every=2"]
-    _run(tiny_config(tmp_path / "straight", "trainer.total_steps=4", *common))
-    _run(tiny_config(tmp_path / "resumed", "trainer.total_steps=2", *common))
-    _run(tiny_config(tmp_path / "resumed", "trainer.total_steps=4", "trainer.resume=must", *common))
-    drop = (*TIMING, "timing_s/testing")
-
-    def rows(run: str) -> list[dict[str, float]]:
-        return [{k: v for k, v in row.items() if k not in drop} for row in read_metrics(tmp_path / run)]
-
-    straight = rows("straight")
-    assert [row["step"] for row in straight if "reward/mean" not in row] == [0, 2, 4]
-    assert rows("resumed") == straight
+def test_resumed_run_writes_the_validation_rows_of_a_straight_run(tmp_path: Path, tiny_config, straight: Path) -> None:
+    resumed = tmp_path / "resumed"
+    _run(tiny_config(resumed, *COMMON, *VALIDATION, "trainer.total_steps=2"))
+    _run(tiny_config(resumed, *COMMON, *VALIDATION, "trainer.resume=must"))
+    rows = _rows(straight, "timing_s/testing")
+    assert [row["step"] for row in rows if "reward/mean" not in row] == [0, 2, 4]
+    assert _rows(resumed, "timing_s/testing") == rows
