@@ -18,7 +18,7 @@ def _tiny_config(run_dir: Path, *overrides: str) -> Config:
                                  "trainer.resume=never", *NO_VALIDATION, *overrides])
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_config():  # type: ignore[no-untyped-def]
     """``tiny_config(run_dir, *overrides)`` → GRPO from random init (grpo_arithmetic_scratch.yaml), shortened."""
     return _tiny_config
@@ -44,10 +44,11 @@ def preset_weight_bytes():  # type: ignore[no-untyped-def]
     return _preset_weight_bytes
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _ray_session() -> None:
-    """One local Ray (4 logical CPUs) for the pytest worker, started by the first test that needs it and again after
-    a module that shut it down (tests/core/controller runs its own)."""
+    """One local Ray (4 logical CPUs) for the pytest worker, started at the first module that needs it (before the
+    module's own fixtures, which may run the trainer) and again after a module that shut it down
+    (tests/core/controller runs its own)."""
     from hybridflow.controller import init_ray
 
     init_ray(num_cpus=4, object_store_memory=300_000_000)  # returns at once while Ray is up

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_runs import tiny_config as shared_config
 
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
@@ -28,11 +28,11 @@ def run(config, *, export: Path | None = None) -> list[dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, float]]]:
+def grpo_run(tmp_path_factory: pytest.TempPathFactory, tiny_config: Any) -> tuple[Path, list[dict[str, float]]]:
     """One 40-step GRPO run of the from-scratch example (its final weights exported to ``<run>/w``), read by the
     learning, report and resident-bytes tests: one trainer start-up instead of three."""
     run_dir = tmp_path_factory.mktemp("grpo") / "run"
-    history = run(shared_config(run_dir, "trainer.total_steps=40", "trainer.checkpoint_every=0"), export=run_dir / "w")
+    history = run(tiny_config(run_dir, "trainer.total_steps=40", "trainer.checkpoint_every=0"), export=run_dir / "w")
     return run_dir, history
 
 
@@ -65,11 +65,11 @@ TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, float]]]:
+def straight_run(tmp_path_factory: pytest.TempPathFactory, tiny_config: Any) -> tuple[Path, list[dict[str, float]]]:
     """A 4-step run as configured by default (lookahead on), checkpoint at step 2, final weights exported to
     ``<run>/w``: the reference the resumed run and the run without lookahead must equal bit for bit."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    history = run(shared_config(run_dir, "trainer.total_steps=4", "trainer.checkpoint_every=2"), export=run_dir / "w")
+    history = run(tiny_config(run_dir, "trainer.total_steps=4", "trainer.checkpoint_every=2"), export=run_dir / "w")
     return run_dir, history
 
 

@@ -7,9 +7,9 @@ One straight run with validation is read by both tests (4 trainer runs in all, n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from tiny_runs import tiny_config as shared_config
 
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
@@ -27,9 +27,9 @@ def _run(config) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def straight(tmp_path_factory: pytest.TempPathFactory, tiny_config: Any) -> Path:
     run_dir = tmp_path_factory.mktemp("validation") / "straight"
-    _run(shared_config(run_dir, *COMMON, *VALIDATION))
+    _run(tiny_config(run_dir, *COMMON, *VALIDATION))
     return run_dir
 
 

@@ -37,10 +37,11 @@ def run_and_export(config: Config, export: Path) -> Any:
     return trainer
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _ray_session() -> None:
-    """One local Ray (4 logical CPUs) for the pytest worker, started by the first test that needs it and again after
-    a module that shut it down (tests/core/controller runs its own)."""
+    """One local Ray (4 logical CPUs) for the pytest worker, started at the first module that needs it (before the
+    module's own fixtures, which may run the trainer) and again after a module that shut it down
+    (tests/core/controller runs its own)."""
     from hybridflow.controller import init_ray
 
     init_ray(num_cpus=4, object_store_memory=300_000_000)  # returns at once while Ray is up
