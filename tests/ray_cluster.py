@@ -3,7 +3,7 @@
 authentication on. Stopping kills exactly those process groups; nothing else on the machine is touched (never a
 global ``ray stop``: other Ray clusters may run on the same box).
 
-Used by ``tests/e2e/test_ray_address.py`` and ``tests/e2e/test_multinode.py``; importable as ``ray_cluster`` because
+Used by ``tests/e2e/test_multinode.py``; importable as ``ray_cluster`` because
 pytest puts ``tests/`` (the rootdir conftest's folder) on ``sys.path``.
 """
 

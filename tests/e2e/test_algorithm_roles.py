@@ -64,9 +64,8 @@ def test_kl_penalty_enters_grpo_scores_and_builds_the_reference(tmp_path: Path, 
     assert last["kl/coef"] == 0.5 and last["kl/actor_ref"] != 0
     # the advantages were computed from score − β·Σ_t KL_t, not from the bare scores
     assert last["reward/penalized_mean"] != pytest.approx(last["reward/mean"], abs=1e-6)
-    plain = run(tiny_config(tmp_path / "plain", "trainer.total_steps=1", "trainer.checkpoint_every=0"))
-    assert built_roles(tmp_path / "plain") == {"actor"}  # nothing consumes a reference: none is built
-    assert "reward/penalized_mean" not in plain[-1] and "kl/coef" not in plain[-1]
+    # without the penalty nothing consumes a reference and none is built: the PPO runs of
+    # test_ppo_whitens_gae_advantages_unless_turned_off show it (the same policy_roles as GRPO's)
 
 
 @pytest.mark.slow
@@ -74,6 +73,8 @@ def test_ppo_whitens_gae_advantages_unless_turned_off(tmp_path: Path, tiny_confi
     base = ["algorithm.name=ppo", "trainer.total_steps=1", "trainer.checkpoint_every=0", "rollout.max_new_tokens=6"]
     whitened = run(tiny_config(tmp_path / "on", *base))[-1]
     assert abs(whitened["advantages/mean"]) < 1e-5 and whitened["advantages/std"] == pytest.approx(1.0, abs=0.01)
+    assert built_roles(tmp_path / "on") == {"actor", "critic"}  # kl_coef 0: nothing consumes a reference, none built
+    assert "reward/penalized_mean" not in whitened and "kl/coef" not in whitened
     raw = run(tiny_config(tmp_path / "off", *base, "algorithm.whiten_advantages=false"))[-1]
     assert abs(raw["advantages/mean"]) > 1e-3 and raw["advantages/std"] != pytest.approx(1.0, abs=0.05)
 

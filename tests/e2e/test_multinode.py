@@ -1,13 +1,16 @@
 """Multi-node on Ray, for real on one box: a two-node Ray cluster on loopback (``ray start --head`` and
-``ray start --address`` for a second raylet, token authentication on) that ``hybridflow train`` joins by
-``ray.address``, with a pool of ``devices_per_node: [2, 2]`` (one short run) and ``[1, 1]`` (a run whose second node
-is killed mid-run, and the same run without the kill with both ranks on one node).
+``ray start --address`` for a second raylet, token authentication on), started once for the module, that
+``hybridflow train`` joins by ``ray.address``; a worker group of ``devices_per_node: [2, 2]`` placed on it (four
+ranks forming one gloo group) and runs with ``[1, 1]`` (a run whose second node is killed mid-run, and the same run
+without the kill with both ranks on one node).
 
-What it shows: the ranks of each ``devices_per_node`` entry sit on one node and the entries on distinct nodes (each
-worker reports its own Ray node id; the manifest's ``placement`` lists them), a torch.distributed rendezvous
-spanning both nodes (FSDP's gloo group trains), and the node death detected (the rank on it dies) and recovered by
-the existing replay on a spare node that joined: the node's placement group is re-reserved on the spare (never
-on the surviving one), the run finishes, and its final weights are bit-identical to the uninjected one-node run's.
+What it shows: a driver without the cluster's token is refused with a config error saying how to join; the run
+joins the named cluster (its manifest records the head's GCS address, its workers report the cluster's node ids);
+the ranks of each ``devices_per_node`` entry sit on one node and the entries on distinct nodes (each worker reports
+its own Ray node id), a torch.distributed rendezvous spanning both nodes (a gloo all-reduce over four ranks, and
+FSDP's gloo group training), and the node death detected (the rank on it dies) and recovered by the existing replay
+on a spare node that joined: the node's placement group is re-reserved on the spare (never on the surviving one),
+the run finishes, and its final weights are bit-identical to the uninjected one-node run's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,25 +43,31 @@ def _ray_session() -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes() -> Iterator[LoopbackCluster]:
-    """Head (2 CPUs, resource ``node_a``) and a second raylet (2 CPUs, ``node_b``); both killed afterwards. Shared
-    by the module's tests; the node-kill test, which replaces ``node_b``, runs last."""
+def head() -> Iterator[LoopbackCluster]:
+    """A Ray head (2 CPUs, resource ``node_a``), killed after the module; the one cluster all its tests use."""
     try:
         cluster = start_head(num_cpus=2, resources={"node_a": 1}, extra_env=FAST_FAILURE_DETECTION)
     except RuntimeError as exc:
         pytest.fail(str(exc))
     try:
-        try:
-            cluster.add_node(num_cpus=2, resources={"node_b": 1})
-        except RuntimeError as first:  # Ray's own join (seen once inside the full suite): one retry, then say so
-            try:
-                cluster.add_node(num_cpus=2, resources={"node_b": 1})
-            except RuntimeError as second:
-                pytest.skip(f"Ray could not form a two-node loopback cluster on this box (a second raylet did not "
-                            f"register with the head, twice); nothing of hybridflow ran yet: {first} / {second}")
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(head: LoopbackCluster) -> LoopbackCluster:
+    """The head plus a second raylet (2 CPUs, ``node_b``). Shared by the module's tests; the node-kill test, which
+    replaces ``node_b``, runs last."""
+    try:
+        head.add_node(num_cpus=2, resources={"node_b": 1})
+    except RuntimeError as first:  # Ray's own join (seen once inside the full suite): one retry, then say so
+        try:
+            head.add_node(num_cpus=2, resources={"node_b": 1})
+        except RuntimeError as second:
+            pytest.skip(f"Ray could not form a two-node loopback cluster on this box (a second raylet did not "
+                        f"register with the head, twice); nothing of hybridflow ran yet: {first} / {second}")
+    return head
 
 
 def _train(cluster: LoopbackCluster, run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
@@ -100,14 +110,53 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # 61 s (+29 s cluster) on a 2-core box: four workers, one step
+@pytest.mark.slow  # Ray retries the connection for ~20 s before giving up
+def test_joining_without_the_token_is_a_config_error_that_says_how(head: LoopbackCluster) -> None:
+    code = ("import sys; from hybridflow.controller import init_ray\n"
+            f"init_ray({head.address!r})\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    result = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "ConfigError" in result.stderr and "RAY_AUTH_MODE=token" in result.stderr, result.stderr[-3000:]
+
+
+#: a driver joining the cluster (argv[1]) that places a ``devices_per_node=[2, 2]`` group (what a pool of that config
+#: becomes in the trainer) and has its four ranks all-reduce over one gloo group; prints the sums and the placement
+#: the workers reported from inside (the manifest's ``placement`` section)
+PLACE_AND_ALL_REDUCE = """
+import json, sys
+from datetime import timedelta
+from hybridflow.controller import ResourcePool, Worker, WorkerGroup, init_ray, register
+
+class Ranks(Worker):
+    @register(protocol="one_to_all", deadline_s=120)
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        tensor = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+init_ray(sys.argv[1])
+pool = ResourcePool("main", devices_per_node=[2, 2], device="cpu", cpus_per_worker=0.5)
+group = WorkerGroup(pool, {"ranks": Ranks}, name="main", deadline_s=120)
+print("RESULT=" + json.dumps({"sums": group.ranks.all_reduce(), "placement": group.placement()}))
+group.shutdown()
+pool.release()
+"""
+
+
 @pytest.mark.timeout(400)
-def test_two_ranks_per_node_sit_on_their_node_and_train_together(tmp_path: Path, two_nodes: LoopbackCluster) -> None:
+def test_two_ranks_per_node_sit_on_their_node_and_reduce_together(two_nodes: LoopbackCluster) -> None:
     nodes = {two_nodes.node_id_with("node_a"), two_nodes.node_id_with("node_b")}
-    run_dir = tmp_path / "run"
-    _finish(_train(two_nodes, run_dir, "resource_pools.main.devices_per_node=[2,2]", "trainer.total_steps=1",
-                   "trainer.checkpoint_every=0"), run_dir, 1)
-    placement = json.loads((run_dir / "manifest.json").read_text())["placement"]["main"]
+    result = subprocess.run([sys.executable, "-c", PLACE_AND_ALL_REDUCE, two_nodes.address], env=two_nodes.driver_env(),
+                            capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT="))[7:])
+    placement = found["placement"]
     ranks = placement["ranks"]
     assert [(p["rank"], p["node_index"], p["local_rank"]) for p in ranks] == [
         (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)], ranks
@@ -116,9 +165,8 @@ def test_two_ranks_per_node_sit_on_their_node_and_train_together(tmp_path: Path,
     assert all(len(ids) == 1 for ids in node_of_entry), ranks
     assert node_of_entry[0] | node_of_entry[1] == nodes, (ranks, nodes)
     assert placement["local_ray"] is False
-    # the four ranks' gloo group trained one step over both nodes
-    (row,) = _metrics(run_dir)
-    assert row["step"] == 0 and 0.0 <= row["reward/mean"] <= 1.0 and row["actor/policy_version"] == 1.0, row
+    # the four ranks' gloo group spans both nodes: every rank got 1 + 2 + 3 + 4
+    assert found["sums"] == [10.0] * 4, found
 
 
 @pytest.mark.slow  # 91 s on a quiet 2-core box: an uninjected 4-step run on one node, then the two-node run
@@ -135,8 +183,12 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_to_the_uninjected_weight
     # both that the replay reproduced the run and that spreading the ranks over two nodes changed nothing.
     clean_dir = tmp_path / "clean"
     _finish(_train(two_nodes, clean_dir, "resource_pools.main.devices_per_node=[2]", *common), clean_dir, STEPS)
-    clean_ranks = json.loads((clean_dir / "manifest.json").read_text())["placement"]["main"]["ranks"]
-    assert len({p["node_id"] for p in clean_ranks}) == 1, clean_ranks
+    clean_manifest = json.loads((clean_dir / "manifest.json").read_text())
+    # `hybridflow train` joined the cluster named by ray.address (its head's GCS, not a local Ray of its own): the
+    # manifest says so and both ranks report one of the cluster's nodes
+    assert clean_manifest["ray"]["address"] == clean_manifest["ray"]["gcs_address"] == two_nodes.address
+    clean_ranks = clean_manifest["placement"]["main"]["ranks"]
+    assert len({p["node_id"] for p in clean_ranks}) == 1 and clean_ranks[0]["node_id"] in nodes.values(), clean_ranks
 
     # both ranks hang inside their update of iteration 3 (a deterministic moment mid-run, after the optimizer step,
     # and the rank left alive stays busy, as a peer blocked in a collective would); the test then kills the second

@@ -33,6 +33,7 @@ def train(site: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedPro
     args = [sys.executable, "-c", "import sys; from hybridflow.cli import main; sys.exit(main())", "train",
             "--no-progress", str(EXAMPLE), f"trainer.run_dir={run_dir}", "trainer.tensorboard=false", "ray.num_cpus=4",
             "algorithm.name=two_reward_grpo", "algorithm.extra.safety_weight=0.5", "reward.model.preset=tiny-qwen2",
+            "resource_pools.main.devices_per_node=[1]",  # one worker hosting the three roles: ranks are not tested
             "roles.safety.model.preset=tiny-llama", "data.batch_size=8", "rollout.max_new_tokens=6",
             "trainer.checkpoint_every=1", "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0",
             *overrides]

@@ -122,9 +122,11 @@ def test_a_recovery_replay_submits_no_generation_ahead(tmp_path: Path) -> None:
     """The updates a recovery replays belong to earlier iterations: none of them may submit the next generation
     ahead. Here the replay of update 3 (restoring the worker killed in update 4) would submit a generation for
     iteration 5 from the wrong weights, and it would consume the fault armed for iteration 5's generation; with the
-    gate that fault fires in iteration 5's own generation and is recovered there."""
-    faults = ["actor.update@4:kill", "actor.generate@5:raise:rank=1"]
-    trainer = run_and_export(short_config(tmp_path / "run", faults=faults, steps=6, every=3), tmp_path / "w")
+    gate that fault fires in iteration 5's own generation and is recovered there. The gate is the driver's: one
+    rank shows it (each recovery restarts one process, not two)."""
+    faults = ["actor.update@4:kill", "actor.generate@5:raise"]
+    trainer = run_and_export(short_config(tmp_path / "run", "resource_pools.main.devices_per_node=[1]", faults=faults,
+                                          steps=6, every=3), tmp_path / "w")
     events = trainer.supervisor.events
     assert [e["what"] for e in events] == ["iteration 4", "iteration 5"], events
     assert events[0]["updates_replayed"] == ["actor.update_policy@3"]
