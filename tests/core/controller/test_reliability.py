@@ -98,7 +98,7 @@ def group(ray_session: None) -> Iterator[WorkerGroup]:
     info = register_plugin(build_plugin_module(), name="test-last-rank-plugin")
     assert info.registered == {"transfer protocol": ["test_last_rank_only"]}
     pool = ResourcePool("reliability", [2], cpus_per_worker=0.25)
-    worker_group = WorkerGroup(pool, Stubborn, name="stubborn", deadline_s=30)
+    worker_group = WorkerGroup(pool, Stubborn, name="stubborn", deadline_s=30, setup_deadline_s=120)
     yield worker_group
     worker_group.shutdown()
     pool.release()
