@@ -49,6 +49,9 @@ class PoolConfig(_Section):
     devices_per_node: list[int] = Field(min_length=1)
     device: Literal["cpu", "cuda"] = "cpu"
     cpus_per_worker: float = Field(default=0.5, gt=0)
+    #: seconds to wait for Ray to reserve the pool's bundles, at start and at each restart after a lost worker or
+    #: node; raise it where an autoscaler (KubeRay) replaces a lost node
+    ready_timeout_s: float = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _positive_counts(self) -> PoolConfig:

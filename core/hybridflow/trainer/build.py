@@ -268,9 +268,10 @@ def build_resource_pool(name: str, pool: PoolConfig) -> ResourcePool:
     from hybridflow.controller import ResourcePool
 
     if pool.device == "cuda":
-        return ResourcePool(name, devices_per_node=list(pool.devices_per_node), device="cuda")
+        return ResourcePool(name, devices_per_node=list(pool.devices_per_node), device="cuda",
+                            ready_timeout_s=pool.ready_timeout_s)
     return ResourcePool(name, devices_per_node=list(pool.devices_per_node), device="cpu",
-                        cpus_per_worker=pool.cpus_per_worker)
+                        cpus_per_worker=pool.cpus_per_worker, ready_timeout_s=pool.ready_timeout_s)
 
 
 def release_worker_group(group: Any, pool: Any) -> None:
