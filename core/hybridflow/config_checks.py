@@ -31,6 +31,12 @@ def check_async(config: Any) -> None:
             raise ValueError(f"rollout.weight_sync = {config.rollout.weight_sync} sends the actor's weights to a "
                              "rollout pool of its own, but rollout.pool is not set. Fix: set rollout.pool, or "
                              "remove rollout.weight_sync")
+        default = type(config.rollout).model_fields["weight_sync_bucket_bytes"].default
+        if config.rollout.weight_sync_bucket_bytes != default:
+            raise ValueError(f"rollout.weight_sync_bucket_bytes = {config.rollout.weight_sync_bucket_bytes} sizes the "
+                             "weight sync to a rollout pool of its own, but rollout.pool is not set (the actor's own "
+                             "rollout engine gets its weights by the in-place handover). Fix: set rollout.pool, or "
+                             "remove rollout.weight_sync_bucket_bytes")
         return
     if pool not in config.resource_pools:
         raise ValueError(f"rollout.pool = {pool!r} is not a pool of resource_pools ({sorted(config.resource_pools)})"

@@ -1,4 +1,5 @@
-"""The rows the export tests probe a model with, and the log-probs an exported HF directory gives them."""
+"""The rows the export tests probe a model with, the log-probs an exported HF directory gives them, and a run's final
+weights as its actor exports them."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def hf_log_probs(model_dir: Path, batch: Batch, **load: Any) -> tuple[torch.Tens
     width = batch["responses"].shape[1]
     log_probs = torch.log_softmax(logits[:, -width - 1:-1], dim=-1)
     return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1), logits
+
+
+def fit_and_export(config: Any, export_dir: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """Train ``config`` to the end; its metrics per step and the actor's final weights (exported to ``export_dir``)."""
+    from safetensors.torch import load_file
+
+    from hybridflow.trainer import Trainer
+
+    trainer = Trainer(config, progress=False)
+    try:
+        history = trainer.fit()
+        actor = trainer.worker_groups().role("actor")
+        assert actor is not None
+        actor.export_hf(str(export_dir))
+    finally:
+        trainer.close()
+    return history, load_file(str(export_dir / "model.safetensors"))

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
-from hybridflow.trainer import Trainer
+from export_probe import fit_and_export
 
 POOLS = {"main": {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": 0.25},
          "gen": {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": 0.25}}
@@ -23,24 +21,12 @@ RUN = ("data.batch_size=4", "rollout.max_new_tokens=6", "trainer.checkpoint_ever
 UNCOMPARED = ("time/", "throughput/", "async/")  # timings, and the sync's own counters (compared below)
 
 
-def _fit(config: Any, export_dir: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    trainer = Trainer(config, progress=False)
-    try:
-        history = trainer.fit()
-        actor = trainer.worker_groups().role("actor")
-        assert actor is not None
-        actor.export_hf(str(export_dir))
-    finally:
-        trainer.close()
-    return history, load_file(str(export_dir / "model.safetensors"))
-
-
 @pytest.mark.slow
 def test_collective_sync_trains_as_the_object_store_sync_does(tmp_path: Path, tiny_config: Any,
                                                               preset_weight_bytes: Any) -> None:
-    stored, stored_weights = _fit(tiny_config(tmp_path / "store", *RUN), tmp_path / "hf-store")
+    stored, stored_weights = fit_and_export(tiny_config(tmp_path / "store", *RUN), tmp_path / "hf-store")
     config = tiny_config(tmp_path / "collective", *RUN, "rollout.weight_sync=collective")
-    collective, collective_weights = _fit(config, tmp_path / "hf-collective")
+    collective, collective_weights = fit_and_export(config, tmp_path / "hf-collective")
     assert len(stored) == len(collective) == 3
     for step, (expected, got) in enumerate(zip(stored, collective)):
         compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from export_probe import fit_and_export
 
-from hybridflow.config import Config
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.async_loop import STALENESS_COLUMN
@@ -24,18 +23,6 @@ SMALL = ("data.batch_size=4", "rollout.max_new_tokens=6", "trainer.checkpoint_ev
          f"resource_pools={yaml.safe_dump(POOLS, default_flow_style=True).strip()}")
 #: metrics that are timings (differ run to run) or exist only on the rollout pool's path
 UNCOMPARED = ("time/", "throughput/", "async/")
-
-
-def fit_and_export(config: Config, export_dir: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    trainer = Trainer(config, progress=False)
-    try:
-        history = trainer.fit()
-        actor = trainer.worker_groups().role("actor")
-        assert actor is not None
-        actor.export_hf(str(export_dir))
-    finally:
-        trainer.close()
-    return history, load_file(str(export_dir / "model.safetensors"))
 
 
 @pytest.mark.slow

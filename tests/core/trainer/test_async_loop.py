@@ -46,6 +46,7 @@ def test_a_rollout_newer_than_the_weights_is_an_error() -> None:
     (["algorithm.rollout_correction=tis", "actor.recompute_log_probs=false"], "recompute_log_probs=true"),
     (["resource_pools.gen.devices_per_node=[3]", "rollout.pool=gen"], "multiple of the rollout"),
     (["rollout.weight_sync=collective"], "weight_sync = collective .* rollout.pool is not set"),
+    (["rollout.weight_sync_bucket_bytes=1048576"], "weight_sync_bucket_bytes = 1048576 .* rollout.pool is not set"),
     (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.weight_sync=nccl"], "weight_sync"),
     (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.weight_sync_bucket_bytes=0"],
      "weight_sync_bucket_bytes"),
