@@ -37,8 +37,10 @@ def _load(path: Path, safe: list[Any] | None = None) -> dict[str, Any]:
         with torch.serialization.safe_globals(safe or []):
             state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure: not a DeepSpeed file, or one this reader does not know
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))  # torch's weights_only refusal names it
-        detail = f"it holds {refused.group(1)}, not allowed in" if refused else str(exc)[:300]
+        # torch's weights_only message starts with general advice; the cause follows "WeightsUnpickler error:"
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        cause = str(exc).partition("WeightsUnpickler error:")[2].strip() or str(exc)
+        detail = f"it holds {refused.group(1)}, not allowed in" if refused else cause[:300]
         raise CheckpointError(f"{path} could not be loaded as a DeepSpeed checkpoint file ({type(exc).__name__}: "
                               f"{detail}); it is damaged, or was written by another DeepSpeed version") from exc
     return state
