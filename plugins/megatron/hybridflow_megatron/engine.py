@@ -21,6 +21,7 @@ from hybridflow.errors import ConfigError, EngineError
 from hybridflow_megatron import cpu_shim, handover, persist
 from hybridflow_megatron.batching import attention_inputs, pad_rows, require_columns
 from hybridflow_megatron.model import VALUE_HEAD_ROLES, build_stage, ensure_parallel_state
+from hybridflow_megatron.options import check_engine_keys
 from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
 
 __all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABLE_ROLES"]
@@ -28,24 +29,6 @@ __all__ = ["MegatronTrainingEngine", "build_megatron_training_engine", "TRAINABL
 TRAINABLE_ROLES = ("actor", "critic")
 _SUPPORTED_ROLES = ("actor", "critic", "reference", "reward_model")
 
-
-def _check_unsupported_keys(role: str, config: TrainingEngineConfig) -> None:
-    """Refuse the generic engine keys this engine does not implement, rather than ignore them."""
-    if config.mixed_precision != "none":
-        raise ConfigError(f"{role}.mixed_precision={config.mixed_precision!r}: the megatron engine computes in the "
-                          f"model's dtype. Fix: set {role}.model.dtype=bfloat16 and {role}.mixed_precision=none")
-    if config.lora is not None:
-        raise ConfigError(f"{role}.lora: the megatron engine does not train LoRA adapters; the fsdp engine does. Fix: "
-                          f"set {role}.engine=fsdp, or remove {role}.lora to train every weight")
-    if config.gradient_checkpointing:
-        raise ConfigError(f"{role}.gradient_checkpointing=true: the megatron engine takes activation recomputation "
-                          f"from Megatron's TransformerConfig. Fix: set {role}.gradient_checkpointing=false and "
-                          f"{role}.extra.transformer_overrides: {{recompute_granularity: full, recompute_method: "
-                          "uniform, recompute_num_layers: 1}")
-    if config.max_tokens_per_micro_batch is not None:
-        raise ConfigError(f"{role}.max_tokens_per_micro_batch={config.max_tokens_per_micro_batch}: the megatron "
-                          f"engine's pipeline schedule runs micro-batches of micro_batch_size rows. Fix: remove "
-                          f"{role}.max_tokens_per_micro_batch and set {role}.micro_batch_size")
 
 class MegatronTrainingEngine:
     """One rank of a megatron-core model for role actor, critic or reference (stability: public).
@@ -59,7 +42,7 @@ class MegatronTrainingEngine:
     def __init__(self, *, role: str, config: TrainingEngineConfig, device: str = "cpu") -> None:
         if role not in _SUPPORTED_ROLES:
             raise ConfigError(f"unknown role {role!r}; the megatron engine serves {list(_SUPPORTED_ROLES)}")
-        _check_unsupported_keys(role, config)
+        check_engine_keys(role, config)
         self.role = role
         self.config = config
         self.device = torch.device(device if device == "cpu" else "cuda")
