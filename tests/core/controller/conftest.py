@@ -1,7 +1,8 @@
-"""One local Ray per test module of the controller (2 logical CPUs: pools prove fractional placement).
+"""The local Ray of the controller's test modules (2 logical CPUs: pools prove fractional placement).
 
-A Ray left running by an earlier module on the same pytest worker (the e2e session's, with 4 CPUs) is shut down
-first; the e2e and reliability fixtures start theirs again when their next test needs it.
+The Ray an earlier module left up on the same pytest worker is reused when it has 2 CPUs, all free; otherwise (the
+e2e session's, with 4 CPUs) it is shut down and a 2-CPU one started (``tests/local_ray.py``). The e2e and reliability
+fixtures do the same with 4 CPUs when their next module needs theirs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    import ray
+    from local_ray import ensure_local_ray
 
-    from hybridflow.controller import init_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    init_ray(num_cpus=2, object_store_memory=200_000_000)
+    ensure_local_ray(num_cpus=2, object_store_memory=200_000_000)
     yield
-    ray.shutdown()
