@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,17 +26,24 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def train(site: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """``hybridflow train`` in a fresh interpreter that sees the plugin (as after ``pip install``)."""
+def train_then_resume(site: Path, straight: Path, resumed: Path) -> subprocess.CompletedProcess[str]:
+    """``hybridflow train`` for 2 steps into ``straight``; then ``straight`` less its step-2 checkpoint copied to
+    ``resumed`` and trained again from step 1 (``trainer.resume=must``). Both in one fresh interpreter that sees the
+    plugin (as after ``pip install``), so they share its Ray."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-c", "import sys; from hybridflow.cli import main; sys.exit(main())", "train",
-            "--no-progress", str(EXAMPLE), f"trainer.run_dir={run_dir}", "trainer.tensorboard=false", "ray.num_cpus=4",
-            "algorithm.name=two_reward_grpo", "algorithm.extra.safety_weight=0.5", "reward.model.preset=tiny-qwen2",
-            "resource_pools.main.devices_per_node=[1]",  # one worker hosting the three roles: ranks are not tested
-            "roles.safety.model.preset=tiny-llama", "data.batch_size=8", "rollout.max_new_tokens=6",
-            "trainer.checkpoint_every=1", "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0",
-            *overrides]
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
+    common = ["train", "--no-progress", str(EXAMPLE), "trainer.tensorboard=false", "ray.num_cpus=4",
+              "algorithm.name=two_reward_grpo", "algorithm.extra.safety_weight=0.5", "reward.model.preset=tiny-qwen2",
+              "resource_pools.main.devices_per_node=[1]",  # one worker hosting the three roles: ranks are not tested
+              "roles.safety.model.preset=tiny-llama", "data.batch_size=8", "rollout.max_new_tokens=6",
+              "trainer.checkpoint_every=1", "trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0",
+              "trainer.total_steps=2"]
+    code = ("import shutil, sys\nfrom hybridflow.cli import main\n"
+            f"code = main({[*common, f'trainer.run_dir={straight}']!r})\n"
+            "if code:\n    sys.exit(code)\n"
+            f"shutil.copytree({str(straight)!r}, {str(resumed)!r}, ignore=shutil.ignore_patterns('step-2'))\n"
+            f"sys.exit(main({[*common, f'trainer.run_dir={resumed}', 'trainer.resume=must']!r}))\n")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                            check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -53,8 +59,8 @@ def checkpoint(run_dir: Path, step: int) -> tuple[dict[str, str], dict[str, obje
 
 @pytest.mark.slow
 def test_third_party_algorithm_with_two_reward_models_trains_and_resumes(plugin_site: Path, tmp_path: Path) -> None:
-    straight = tmp_path / "straight"
-    train(plugin_site, straight, "trainer.total_steps=2")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_then_resume(plugin_site, straight, resumed)
     manifest = json.loads((straight / "manifest.json").read_text())
     assert manifest["algorithm"] == "two_reward_grpo"
     assert set(manifest["mapping"]) == {"actor", "reward_model", "safety_rm", "rollout"}  # what was built
@@ -68,9 +74,6 @@ def test_third_party_algorithm_with_two_reward_models_trains_and_resumes(plugin_
     assert all("safety/mean" in m for m in history)
 
     # resume from step 1 of the same run: the same weights, state and metrics, bit for bit
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step-2"))
-    train(plugin_site, resumed, "trainer.total_steps=2", "trainer.resume=must")
     resumed_files, resumed_state = checkpoint(resumed, 2)
     assert resumed_state == state
     assert resumed_files == files  # every weight and optimizer shard of every role, bit for bit
