@@ -30,15 +30,28 @@ pytestmark = [
 ]
 
 
-def export_main(args: list[str]) -> int:
-    """``hybridflow export ARGS`` as a user runs it: the CLI in a fresh process (its exit code; stderr shown on
-    failure). Not in this pytest worker, whose process has run other modules' engines before (the export once failed
-    to unpickle a ZeRO-3 optimizer file only there, in a two-worker CI run; the CLI names the cause now)."""
-    result = subprocess.run([sys.executable, "-m", "hybridflow.cli", "export", *args], capture_output=True, text=True,
+#: ``hybridflow export`` once per argument list, in order, in one process: the CLI entry point as a user calls it
+_EXPORTS = """import json, sys
+from hybridflow.cli import main
+print("EXIT CODES", json.dumps([main(["export", *args]) for args in json.loads(sys.argv[1])]))
+"""
+
+
+def export_main(*arg_lists: list[str]) -> list[int]:
+    """``hybridflow export ARGS`` for each of ``arg_lists`` as a user runs it: the CLI in a fresh process (one for
+    all of them: its torch/deepspeed imports are paid once); their exit codes (output shown on failure). Not in this
+    pytest worker, whose process has run other modules' engines before (the export once failed to unpickle a ZeRO-3
+    optimizer file only there, in a two-worker CI run; the CLI names the cause now)."""
+    result = subprocess.run([sys.executable, "-c", _EXPORTS, json.dumps(arg_lists)], capture_output=True, text=True,
                             timeout=300, check=False)
-    if result.returncode:
+    line = next((line for line in result.stdout.splitlines() if line.startswith("EXIT CODES ")), None)
+    if result.returncode or line is None:
         print(result.stdout, result.stderr, sep="\n")
-    return result.returncode
+        return [result.returncode or 1] * len(arg_lists)
+    codes: list[int] = json.loads(line.removeprefix("EXIT CODES "))
+    if any(codes):
+        print(result.stdout, result.stderr, sep="\n")
+    return codes
 
 
 def _train(config: Any, trainer_export: Path) -> dict[str, torch.Tensor | Batch]:
@@ -82,8 +95,8 @@ def test_deepspeed_zero3_export_round_trip(tmp_path: Path, tiny_config) -> None:
                         weights_only=True)["module"]
     assert module and all(tensor.numel() == 0 for tensor in module.values())  # nothing whole on disk
 
-    out = tmp_path / "hf"
-    assert export_main([str(run_dir), str(out)]) == 0
+    out, older = tmp_path / "hf", tmp_path / "hf_step1"
+    assert export_main([str(run_dir), str(out)], [str(run_dir), "--step", "1", str(older)]) == [0, 0]
     _same_weights(out, tmp_path / "trainer_export")
     log_probs = hf_log_probs(out, batch, dtype=torch.float32)[0]
     assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
@@ -91,8 +104,6 @@ def test_deepspeed_zero3_export_round_trip(tmp_path: Path, tiny_config) -> None:
     assert (info["step"], info["role"], info["engine"]) == (2, "actor", "deepspeed")
 
     # --step 1: the checkpoint one update earlier holds other weights
-    older = tmp_path / "hf_step1"
-    assert export_main([str(run_dir), "--step", "1", str(older)]) == 0
     assert not torch.allclose(hf_log_probs(older, batch, dtype=torch.float32)[0], engine_log_probs, atol=1e-6, rtol=0)
 
     # a rank's partitions missing: a clear error naming the ranks, not a silently half-filled model
@@ -117,22 +128,21 @@ def test_deepspeed_zero1_and_bf16_zero3_with_frozen_reference_export(  # type: i
     zero1 = tmp_path / "zero1"
     probes = _train(tiny_config(zero1, "actor.engine=deepspeed", "actor.extra.zero_stage=1", "trainer.total_steps=2",
                                 "trainer.checkpoint_every=2"), tmp_path / "zero1_trainer_export")
+    bf16 = tmp_path / "bf16"
+    bf16_probes = _train(tiny_config(bf16, "actor.engine=deepspeed", "actor.mixed_precision=bf16",
+                                     "algorithm.kl_coef=0.01", "reference.engine=deepspeed", "trainer.total_steps=2",
+                                     "trainer.checkpoint_every=2"), tmp_path / "bf16_trainer_export")
+    assert export_main([str(zero1), str(tmp_path / "zero1_hf")], [str(bf16), str(tmp_path / "bf16_hf")],
+                       [str(bf16), "--role", "reference", str(tmp_path / "reference_hf")]) == [0, 0, 0]
     batch, engine_log_probs = probes["batch"], probes["actor"]
     assert isinstance(batch, Batch) and isinstance(engine_log_probs, torch.Tensor)
-    assert export_main([str(zero1), str(tmp_path / "zero1_hf")]) == 0
     _same_weights(tmp_path / "zero1_hf", tmp_path / "zero1_trainer_export")
     log_probs = hf_log_probs(tmp_path / "zero1_hf", batch, dtype=torch.float32)[0]
     assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
 
-    bf16 = tmp_path / "bf16"
-    probes = _train(tiny_config(bf16, "actor.engine=deepspeed", "actor.mixed_precision=bf16", "algorithm.kl_coef=0.01",
-                                "reference.engine=deepspeed", "trainer.total_steps=2", "trainer.checkpoint_every=2"),
-                    tmp_path / "bf16_trainer_export")
-    assert export_main([str(bf16), str(tmp_path / "bf16_hf")]) == 0
     _same_weights(tmp_path / "bf16_hf", tmp_path / "bf16_trainer_export")
     assert not (bf16 / "checkpoints" / "step-2" / "reference" / "deepspeed").exists()
-    assert export_main([str(bf16), "--role", "reference", str(tmp_path / "reference_hf")]) == 0
-    batch, reference_log_probs = probes["batch"], probes["reference"]
+    batch, reference_log_probs = bf16_probes["batch"], bf16_probes["reference"]
     assert isinstance(batch, Batch) and isinstance(reference_log_probs, torch.Tensor)
     log_probs = hf_log_probs(tmp_path / "reference_hf", batch, dtype=torch.float32)[0]
     assert torch.allclose(log_probs, reference_log_probs, atol=1e-6, rtol=0), (log_probs - reference_log_probs)

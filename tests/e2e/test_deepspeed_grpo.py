@@ -62,33 +62,46 @@ def _tiny_qwen2():  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
 
 
-@pytest.mark.slow
-def test_ppo_with_deepspeed_actor_critic_reference_checkpoints_and_resumes(  # type: ignore[no-untyped-def]
-        tmp_path: Path, tiny_config) -> None:
-    """PPO with a ZeRO-3 actor, a ZeRO-2 critic with its optimizer state offloaded to CPU and a ZeRO-1 reference
-    (run at stage 0: it has no optimizer state); checkpoints every step, and a resumed run continues from step 2."""
-    overrides = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "actor.engine=deepspeed", "critic.engine=deepspeed",
-                 "critic.extra.zero_stage=2", "critic.extra.offload_optimizer=true", "reference.engine=deepspeed",
-                 "reference.extra.zero_stage=1", "trainer.checkpoint_every=1")
-    first = run(tiny_config(tmp_path / "ppo", *overrides, "trainer.total_steps=2"))
-    assert [m["actor/policy_version"] for m in first] == [1.0, 2.0]
-    assert all(math.isfinite(m["critic/vf_loss"]) and m["critic/vf_loss"] > 0 for m in first)
-    assert first[0]["kl/actor_ref"] < 1e-6 < first[-1]["kl/actor_ref"]  # equal to the actor until its first update
-    resumed = run(tiny_config(tmp_path / "ppo", *overrides, "trainer.total_steps=3", "trainer.resume=must"))
-    assert [m["actor/policy_version"] for m in resumed] == [3.0]
+#: test_train.py's PPO learning run (seed 0, kl 0.001) with a ZeRO-3 actor, a ZeRO-2 critic with its optimizer
+#: state offloaded to CPU and a ZeRO-1 reference (run at stage 0: it has no optimizer state), checkpointing at the end
+PPO = ("algorithm.name=ppo", "algorithm.kl_coef=0.001", "actor.engine=deepspeed", "critic.engine=deepspeed",
+       "critic.extra.zero_stage=2", "critic.extra.offload_optimizer=true", "reference.engine=deepspeed",
+       "reference.extra.zero_stage=1", "trainer.seed=0")
+PPO_STEPS = 80
+
+
+@pytest.fixture(scope="module")
+def ppo_run(  # type: ignore[no-untyped-def]
+        tmp_path_factory: pytest.TempPathFactory, tiny_config) -> tuple[Path, list[dict[str, float]]]:
+    run_dir = tmp_path_factory.mktemp("ppo")
+    history = run(tiny_config(run_dir, *PPO, f"trainer.total_steps={PPO_STEPS}",
+                              f"trainer.checkpoint_every={PPO_STEPS}"))
+    return run_dir, history
 
 
 @pytest.mark.slow
-def test_ppo_with_deepspeed_actor_and_critic_learns(tmp_path: Path, tiny_config) -> None:  # type: ignore[no-untyped-def]
-    """test_train.py's PPO learning run (seed 0, 80 steps, kl 0.001) with a ZeRO-3 actor and a ZeRO-2 critic: the
-    reward rises and the critic's values follow the returns."""
-    history = run(tiny_config(tmp_path / "ppo_learns", "algorithm.name=ppo", "algorithm.kl_coef=0.001",
-                              "actor.engine=deepspeed", "critic.engine=deepspeed", "critic.extra.zero_stage=2",
-                              "trainer.total_steps=80", "trainer.checkpoint_every=0", "trainer.seed=0"))
+def test_ppo_with_deepspeed_actor_and_critic_learns(ppo_run: tuple[Path, list[dict[str, float]]]) -> None:
+    """The reward rises, the critic's values follow the returns, and the reference scored the KL."""
+    _, history = ppo_run
+    assert [m["actor/policy_version"] for m in history] == [float(step + 1) for step in range(PPO_STEPS)]
     rewards = [m["reward/mean"] for m in history]
     assert mean(rewards[-20:]) > mean(rewards[:10]) + 0.05, rewards
     values = [m["critic/vpred_mean"] for m in history]
     assert mean(values[-20:]) > mean(values[:10]) + 0.04, values
+    # the deepspeed critic was trained (a value loss each step) and the deepspeed reference scored the KL
+    assert all(math.isfinite(m["critic/vf_loss"]) and m["critic/vf_loss"] > 0 for m in history)
+    assert history[0]["kl/actor_ref"] < 1e-6 < history[-1]["kl/actor_ref"]  # equal to the actor until its update
+
+
+@pytest.mark.slow
+def test_ppo_with_deepspeed_actor_critic_reference_checkpoints_and_resumes(  # type: ignore[no-untyped-def]
+        ppo_run: tuple[Path, list[dict[str, float]]], tiny_config) -> None:
+    """A run resumed from the learning run's last checkpoint (actor, critic with its offloaded optimizer state and
+    reference reloaded) continues at the next policy version."""
+    run_dir, _ = ppo_run
+    resumed = run(tiny_config(run_dir, *PPO, f"trainer.total_steps={PPO_STEPS + 1}", "trainer.resume=must"))
+    assert [m["actor/policy_version"] for m in resumed] == [PPO_STEPS + 1.0]
+    assert math.isfinite(resumed[0]["critic/vf_loss"]) and resumed[0]["kl/actor_ref"] > 1e-6
 
 
 @pytest.mark.slow

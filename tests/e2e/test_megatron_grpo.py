@@ -22,25 +22,34 @@ def run(config) -> list[dict[str, float]]:
     return fit_and_close(Trainer(config, progress=False))
 
 
-def test_grpo_with_megatron_actor_learns(tmp_path: Path, tiny_config) -> None:
-    history = run(tiny_config(tmp_path / "m", "actor.engine=megatron", "trainer.total_steps=30",
-                              "trainer.checkpoint_every=0"))
-    rewards = [m["reward/mean"] for m in history]
+#: one tensor-parallel-1 megatron GRPO run, learning over LEARN_STEPS; its first 2 steps are the reference of the
+#: t = 2 run (constant learning rate after warmup: a step does not depend on total_steps)
+LEARN_STEPS = 30
+H16 = "model.preset=tiny-qwen2-h16"  # 4 heads / 2 KV heads: one KV group per tensor rank at t = 2
+
+
+@pytest.fixture(scope="module")
+def tp1_history(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> list[dict[str, float]]:
+    return run(tiny_config(tmp_path_factory.mktemp("tp1"), "actor.engine=megatron", H16,
+                           f"trainer.total_steps={LEARN_STEPS}", "trainer.checkpoint_every=0"))
+
+
+def test_grpo_with_megatron_actor_learns(tp1_history: list[dict[str, float]]) -> None:
+    rewards = [m["reward/mean"] for m in tp1_history]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.02, rewards
-    assert history[-1]["actor/policy_version"] == 30.0
+    assert [m["actor/policy_version"] for m in tp1_history] == [float(step + 1) for step in range(LEARN_STEPS)]
 
 
-def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(tmp_path: Path, tiny_config) -> None:
-    runs = {tp: run(tiny_config(tmp_path / f"tp{tp}", "actor.engine=megatron", "model.preset=tiny-qwen2-h16",
-                                f"actor.parallel.tensor_parallel_size={tp}", "trainer.total_steps=2",
-                                "trainer.checkpoint_every=0"))
-            for tp in (1, 2)}
-    history = runs[2]
+def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(  # type: ignore[no-untyped-def]
+        tmp_path: Path, tiny_config, tp1_history: list[dict[str, float]]) -> None:
+    history = run(tiny_config(tmp_path / "tp2", "actor.engine=megatron", H16, "actor.parallel.tensor_parallel_size=2",
+                              "trainer.total_steps=2", "trainer.checkpoint_every=0"))
+    one_rank = tp1_history[:2]
     assert [m["actor/policy_version"] for m in history] == [1.0, 2.0]
     # the mesh protocol sends each tensor-parallel pair the same rows and collects one copy (16 prompts × 4 samples):
     # the same rollouts, rewards, loss and gradient norm as one rank
-    assert [m["reward/mean"] for m in history] == [m["reward/mean"] for m in runs[1]]
-    for one, two in zip(runs[1], history):
+    assert [m["reward/mean"] for m in history] == [m["reward/mean"] for m in one_rank]
+    for one, two in zip(one_rank, history):
         assert math.isfinite(two["grad_norm"]) and two["response/length_mean"] > 0
         assert math.isclose(two["grad_norm"], one["grad_norm"], rel_tol=1e-4, abs_tol=1e-7), (one, two)
         assert math.isclose(two["loss"], one["loss"], rel_tol=1e-4, abs_tol=1e-7), (one, two)
