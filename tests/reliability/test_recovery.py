@@ -97,22 +97,3 @@ def test_hang_stops_the_run_within_its_deadline_when_policy_says_stop(tmp_path: 
     assert str(tmp_path / "stop" / "stacks") in str(info.value)
     assert list((tmp_path / "stop" / "stacks").glob("main.actor.update_policy.rank*.txt"))
     assert read_ledger(tmp_path / "stop") == [] and trainer.supervisor.events == []
-
-
-@pytest.mark.slow
-def test_a_recovery_replay_submits_no_generation_ahead(tmp_path: Path) -> None:
-    """The updates a recovery replays belong to earlier iterations: none of them may submit the next generation
-    ahead. Here the replay of update 3 (restoring the worker killed in update 4) would submit a generation for
-    iteration 5 from the wrong weights, and it would consume the fault armed for iteration 5's generation; with the
-    gate that fault fires in iteration 5's own generation and is recovered there. The gate is the driver's: one
-    rank shows it (each recovery restarts one process, not two)."""
-    faults = ["actor.update@4:kill", "actor.generate@5:raise"]
-    trainer = run_and_export(short_config(tmp_path / "run", "resource_pools.main.devices_per_node=[1]", faults=faults,
-                                          steps=6, every=3), tmp_path / "w")
-    events = trainer.supervisor.events
-    assert [e["what"] for e in events] == ["iteration 4", "iteration 5"], events
-    assert events[0]["updates_replayed"] == ["actor.update_policy@3"]
-    assert "actor.generate@5" in events[1]["message"]
-    ahead = [row["nodes"]["actor.generate"]["dispatched_at"] < row["start"] for row in read_ledger(tmp_path / "run")]
-    # lookahead ran wherever allowed (never into a checkpoint step); iteration 5's row holds its failed ahead attempt
-    assert ahead == [False, True, True, False, True, True], ahead
