@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError
+from hybridflow.ledger import read_ledger
 from hybridflow.reliability.faults import (
     ENV_VAR,
     FaultPlan,
@@ -30,27 +31,42 @@ def test_points_fire_in_their_nodes_and_the_run_recovers(tmp_path: Path) -> None
     which tests/reliability/test_recovery.py and test_checkpoint_atomic.py cover) fires once, inside the node it is
     named after, and the run recovers each to the weights of a run without faults.
 
+    The same run shows that the updates a recovery replays belong to earlier iterations and submit no generation
+    ahead: the replay of update 3 (restoring the worker killed in update 4) would submit iteration 5's generation
+    from the wrong weights and consume the fault armed for it; with the driver's gate that fault fires in iteration
+    5's own generation (submitted ahead by update 4) and is recovered there.
+
     One rank (actor, reference and critic in one worker): each recovery restarts that one process instead of two.
     Faults on a chosen rank of a multi-rank group, and a peer left inside a collective, are test_recovery.py's."""
     ppo = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "actor.recompute_log_probs=true",
            "resource_pools.main.devices_per_node=[1]")
-    run_and_export(short_config(tmp_path / "clean", *ppo), tmp_path / "w_clean")
+    run_and_export(short_config(tmp_path / "clean", *ppo, steps=6, every=3), tmp_path / "w_clean")
     faults = {  # fault → the node whose failure it must cause
         "actor.handover@0:raise": "actor.generate",
         "reference.log_probs@1:raise": "reference.compute_ref_log_probs",
-        "critic.values@1:raise": "critic.compute_values",
-        "checkpoint.worker_write@2:raise": "save_checkpoint",
         "actor.log_probs@2:raise": "actor.compute_log_probs",
-        "actor.generate@3:raise": "actor.generate",
+        "checkpoint.worker_write@3:raise": "save_checkpoint",
+        "critic.values@3:raise": "critic.compute_values",
         "critic.update@3:raise": "critic.update_critic",
-    }  # in the order the run reaches them
-    trainer = run_and_export(short_config(tmp_path / "faulty", *ppo, faults=list(faults)), tmp_path / "w_faulty")
+        "actor.update@4:kill": "actor.update_policy",
+        "actor.generate@5:raise": "actor.generate",
+    }  # in the order the run reaches them; the log-probs, reference and values calls are dispatched together, so
+    # each of them fails in an iteration of its own (two faults there would fire in one attempt: one recovery)
+    trainer = run_and_export(short_config(tmp_path / "faulty", *ppo, faults=list(faults), steps=6, every=3),
+                             tmp_path / "w_faulty")
     assert sorted(trainer.faults.fired()) == sorted(parse_fault_specs(f)[0].label for f in faults)
     events = trainer.supervisor.events
-    assert [e["what"] for e in events] == ["iteration 0", "iteration 1", "iteration 1", "checkpoint of step 2",
-                                           "iteration 2", "iteration 3", "iteration 3"], events
+    assert [e["what"] for e in events] == ["iteration 0", "iteration 1", "iteration 2", "checkpoint of step 3",
+                                           "iteration 3", "iteration 3", "iteration 4", "iteration 5"], events
     for event, (fault, node) in zip(events, faults.items()):
-        assert fault.split(":")[0] in event["message"] and node in event["message"], (fault, event["message"])
+        named = fault.split(":")[0] if fault.endswith(":raise") else "died"  # a killed worker is found dead
+        assert named in event["message"] and node in event["message"], (fault, event["message"])
+    kill = events[6]
+    assert kill["checkpoint"].endswith("step-3"), kill  # what update 3 is replayed onto, before iteration 4
+    assert sorted(kill["updates_replayed"]) == ["actor.update_policy@3", "critic.update_critic@3"], kill
+    ahead = [row["nodes"]["actor.generate"]["dispatched_at"] < row["start"] for row in read_ledger(tmp_path / "faulty")]
+    # lookahead ran wherever allowed (never into a checkpoint step); iteration 5's row holds its failed ahead attempt
+    assert ahead == [False, True, True, False, True, True], ahead
     clean, faulty = (load_file(tmp_path / w / "model.safetensors") for w in ("w_clean", "w_faulty"))
     assert clean.keys() == faulty.keys() and all(torch.equal(clean[k], faulty[k]) for k in clean)
 
