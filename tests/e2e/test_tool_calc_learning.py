@@ -6,6 +6,9 @@ Measured on a 2-core box shared with other jobs (one seed, hf engine): the tool-
 already copies the tool's result about two times in three). Slow: the SFT fixture took 362 s here, the hf GRPO run
 65 s. The reward assertion is weak on purpose (no drop, a floor): one seed does not support a stated rise. The vllm
 engine runs 2 steps of the same job from the same SFT model (a full learning run of it cost 71 s more in CI).
+The SFT fixture's 200 steps are not cut: after 100 or 150 SFT steps (one seed each, same box) the 16 GRPO steps
+collapsed instead (tool-call rate 0.64 -> 0.06-0.34 and reward 0.0 throughout after 100; 0.58-0.84 over steps 1-4,
+then 0.0-0.02 and reward 0.0 from step 5 after 150), failing every assertion below.
 """
 
 from __future__ import annotations
