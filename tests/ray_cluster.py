@@ -100,6 +100,8 @@ class RayNode:
     temp_dir: Path
     log: IO[bytes]
     resources: dict[str, float] = field(default_factory=dict)
+    node_id: str = ""  #: its Ray node id, once it registered with the GCS
+    address: str = ""  #: its ``NodeManagerAddress`` as registered (``ray start`` may turn 127.0.0.1 into another)
 
     def log_tail(self, full: bool = False) -> str:
         self.log.flush()
@@ -138,56 +140,58 @@ class LoopbackCluster:
     def add_node(self, *, num_cpus: int = 2, resources: dict[str, float] | None = None,
                  object_store_bytes: int = 100_000_000, timeout_s: float = 120.0) -> RayNode:
         """``ray start --address HEAD`` as a second raylet in its own process group; returns once it joined."""
-        known_before = {node["NodeID"] for node in self.nodes()}  # a node just killed may still read as alive
+        known = {node.node_id for node in [self.head, *self.workers]}  # a node just killed may still read as alive
         node = _start_until_up(lambda: _start_node(["--address", self.address], self.env, num_cpus=num_cpus,
                                                    resources=resources or {}, object_store_bytes=object_store_bytes,
                                                    head=False), what="ray start --address", timeout_s=timeout_s)
+        try:
+            _await_registration(self, node, known, timeout_s)
+        except RuntimeError:
+            node.stop()
+            raise
         self.workers.append(node)
-        deadline = time.time() + timeout_s
-        while not [n for n in self.alive_nodes() if n["NodeID"] not in known_before]:  # registered with the GCS
-            if node.process.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"ray start --address did not join: {node.log_tail()}")
-            time.sleep(1.0)
         return node
 
     def nodes(self, timeout_s: float = 180.0) -> list[dict[str, Any]]:
-        """``ray.nodes()`` of the cluster, read by a short-lived driver (this process may have its own Ray).
-
-        Retried while the head's raylet has not registered with its GCS yet (a driver then finds "No node info"
-        to connect to: seen on a loaded box, where registering takes longer than the head's port opening)."""
-        code = (f"import json, ray; ray.init(address={self.address!r}, include_dashboard=False, log_to_driver=False)\n"
-                "keys = ('NodeID', 'Alive', 'Resources', 'NodeManagerAddress')\n"
-                "print('NODES=' + json.dumps([{k: n[k] for k in keys} for n in ray.nodes()]))")
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True,
-                                        text=True, timeout=max(10.0, deadline - time.time()), check=False)
-            except subprocess.TimeoutExpired as exc:
-                raise RuntimeError(f"could not list the cluster's nodes within {timeout_s}s: "
-                                   f"{exc.stderr!r:.3000}") from exc
-            for line in result.stdout.splitlines():
-                if line.startswith("NODES="):
-                    nodes: list[dict[str, Any]] = json.loads(line[len("NODES="):])
-                    return nodes
-            if "No node info found" not in result.stderr or time.time() > deadline:
-                raise RuntimeError(f"could not list the cluster's nodes: {result.stderr[-3000:]}")
-            time.sleep(1.0)
+        """The cluster's nodes as the GCS lists them (``NodeID``, ``Alive``, ``Resources``, ``NodeManagerAddress``,
+        as ``ray.nodes()`` names them), read by a short-lived process with a bare GCS client (this process may have
+        its own Ray; a client is ~2x cheaper than a ``ray.init`` driver, which registers a job)."""
+        code = (f"import json\nfrom ray._raylet import GcsClient\n"
+                f"infos = GcsClient(address={self.address!r}).get_all_node_info(timeout=60).values()\n"
+                "print('NODES=' + json.dumps([{'NodeID': i.node_id.hex(), 'Alive': i.state == 0, "
+                "'Resources': dict(i.resources_total), 'NodeManagerAddress': i.node_manager_address} "
+                "for i in infos]))")
+        try:
+            result = subprocess.run([sys.executable, "-c", code], env=self.driver_env(), capture_output=True,
+                                    text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"could not list the cluster's nodes within {timeout_s}s: {exc.stderr!r:.3000}") from exc
+        for line in result.stdout.splitlines():
+            if line.startswith("NODES="):
+                nodes: list[dict[str, Any]] = json.loads(line[len("NODES="):])
+                return nodes
+        raise RuntimeError(f"could not list the cluster's nodes: {result.stderr[-3000:]}")
 
     def alive_nodes(self) -> list[dict[str, Any]]:
         return [node for node in self.nodes() if node["Alive"]]
-
-    def node_id_with(self, resource: str) -> str:
-        """The id of the live node offering the custom ``resource``."""
-        ids = [node["NodeID"] for node in self.alive_nodes() if resource in node["Resources"]]
-        if len(ids) != 1:
-            raise RuntimeError(f"expected one live node with resource {resource!r}, got {ids}")
-        return str(ids[0])
 
     def stop(self) -> None:
         for node in [*self.workers, self.head]:
             node.stop()
         shutil.rmtree(self.token_dir, ignore_errors=True)
+
+
+def _await_registration(cluster: LoopbackCluster, node: RayNode, known: set[str], timeout_s: float) -> None:
+    """Until the GCS lists a live node not in ``known`` (``node``, started last): records its id and address."""
+    deadline = time.time() + timeout_s
+    while True:
+        new = [n for n in cluster.alive_nodes() if n["NodeID"] not in known]
+        if new:
+            node.node_id, node.address = str(new[0]["NodeID"]), str(new[0]["NodeManagerAddress"])
+            return
+        if node.process.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"ray start did not register its node with the GCS: {node.log_tail()}")
+        time.sleep(1.0)
 
 
 def _start_node(join: list[str], token_env: dict[str, str], *, num_cpus: int, resources: dict[str, float],
@@ -258,7 +262,11 @@ def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
         shutil.rmtree(token_dir, ignore_errors=True)
         raise
     cluster = LoopbackCluster(port=port, env=token_env, head=node, token_dir=token_dir)
-    if not accepts(port):
+    try:
+        if not accepts(port):
+            raise RuntimeError(f"ray start --head came up without its GCS port {port} accepting: {node.log_tail()}")
+        _await_registration(cluster, node, set(), timeout_s)
+    except RuntimeError:
         cluster.stop()
-        raise RuntimeError(f"ray start --head came up without its GCS port {port} accepting: {node.log_tail()}")
+        raise
     return cluster

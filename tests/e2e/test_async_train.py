@@ -1,10 +1,12 @@
 """Asynchronous RL on a split rollout pool through the real trainer (docs/async.md): at trainer.max_staleness = 0 the
 rollout pool reproduces the colocated synchronous loop bit for bit (metrics and final weights); at k = 1 the rollout
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
-counted and never reach the update."""
+counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
+weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 import yaml
 from export_probe import fit_and_export
+from safetensors.torch import load_file
 
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
@@ -63,33 +66,64 @@ def _tamper(trainer: Trainer, iteration: int, versions: list[int]) -> list[str]:
     return [str(uid) for uid, version in zip(batch["uid"], versions) if iteration - version > 1]
 
 
-@pytest.mark.slow
-def test_max_staleness_1_overlaps_and_drops_what_is_beyond_the_bound(tmp_path: Path, tiny_config: Any) -> None:
-    config = tiny_config(tmp_path / "k1", *SMALL, "trainer.total_steps=4", "rollout.pool=gen",
-                         "trainer.max_staleness=1", "actor.recompute_log_probs=true",
-                         "algorithm.rollout_correction=tis")
+#: the k = 1 runs: several sync buckets for the scratch model (the collective transport's bound is checked)
+BUCKET_BYTES = 64 << 10
+K1 = (*SMALL, "trainer.total_steps=4", "rollout.pool=gen", "trainer.max_staleness=1", "actor.recompute_log_probs=true",
+      "algorithm.rollout_correction=tis", f"rollout.weight_sync_bucket_bytes={BUCKET_BYTES}")
+
+
+@dataclass
+class K1Run:
+    """A k = 1 run of 4 steps whose rollouts for iterations 2 (one prompt group) and 3 (all rows) were re-tagged as
+    generated beyond the bound: its metrics, final weights, the uids made stale at iteration 2 and its run dir."""
+
+    rows: list[dict[str, Any]]
+    weights: dict[str, torch.Tensor]
+    stale: list[str]
+    run_dir: Path
+    n: int
+    preset: str
+
+
+def _k1_run(tiny_config: Any, run_dir: Path, *overrides: str) -> K1Run:
+    config = tiny_config(run_dir, *K1, *overrides)
+    n, rows_per_step = config.rollout.n, 4 * config.rollout.n
     trainer = Trainer(config, progress=False)
     try:
         trainer.start()
-        first = trainer.train_step()
-        assert first["async/staleness_max"] == 0 and first["async/in_flight"] == 2  # iterations 1 and 2 queued
-        second = trainer.train_step()
-        assert second["async/staleness_max"] == 1  # generated under version 0 while step 0 trained
-        assert "training/rollout_probs_diff_mean" in second and "actor/rollout_is_weight_mean" in second
-        rows = 4 * config.rollout.n
-        # one prompt group of iteration 2 tagged two versions behind: it alone is dropped
-        stale = _tamper(trainer, 2, [0] * config.rollout.n + [1] * (rows - config.rollout.n))
-        third = trainer.train_step()
-        assert third["async/dropped_stale_samples"] == config.rollout.n
-        # every row of iteration 3 beyond the bound: dropped, and the step regenerated under the current weights
-        _tamper(trainer, 3, [1] * rows)
-        fourth = trainer.train_step()
-        assert fourth["async/dropped_stale_samples"] == rows and fourth["async/regenerated"] == 1
-        assert fourth["async/staleness_max"] == 0
-        assert fourth["async/dropped_stale_samples_total"] == config.rollout.n + rows
+        metrics = [trainer.train_step(), trainer.train_step()]
+        stale = _tamper(trainer, 2, [0] * n + [1] * (rows_per_step - n))  # one prompt group two versions behind
+        metrics.append(trainer.train_step())
+        _tamper(trainer, 3, [1] * rows_per_step)  # every row beyond the bound
+        metrics.append(trainer.train_step())
+        actor = trainer.worker_groups().role("actor")
+        assert actor is not None
+        actor.export_hf(str(run_dir / "hf"))
     finally:
         trainer.close()
-    ledger = read_ledger(tmp_path / "k1")
+    return K1Run(metrics, load_file(str(run_dir / "hf" / "model.safetensors")), stale, run_dir, n,
+                 config.model.preset)
+
+
+@pytest.fixture(scope="module")
+def k1_store(tmp_path_factory: pytest.TempPathFactory, tiny_config: Any) -> K1Run:
+    """The k = 1 run on the default object-store weight sync (what the collective run is compared with)."""
+    return _k1_run(tiny_config, tmp_path_factory.mktemp("k1") / "store")
+
+
+@pytest.mark.slow
+def test_max_staleness_1_overlaps_and_drops_what_is_beyond_the_bound(k1_store: K1Run) -> None:
+    first, second, third, fourth = k1_store.rows
+    n, rows = k1_store.n, 4 * k1_store.n
+    assert first["async/staleness_max"] == 0 and first["async/in_flight"] == 2  # iterations 1 and 2 queued
+    assert second["async/staleness_max"] == 1  # generated under version 0 while step 0 trained
+    assert "training/rollout_probs_diff_mean" in second and "actor/rollout_is_weight_mean" in second
+    assert third["async/dropped_stale_samples"] == n  # the tampered prompt group of iteration 2 alone is dropped
+    # every row of iteration 3 beyond the bound: dropped, and the step regenerated under the current weights
+    assert fourth["async/dropped_stale_samples"] == rows and fourth["async/regenerated"] == 1
+    assert fourth["async/staleness_max"] == 0
+    assert fourth["async/dropped_stale_samples_total"] == n + rows
+    ledger = read_ledger(k1_store.run_dir)
     # iteration 1 went to the rollout pool before step 0's update had finished: generation overlapped training
     update = ledger[0]["nodes"]["actor.update_policy"]
     assert ledger[1]["nodes"]["rollout.generate"]["dispatched_at"] < update["dispatched_at"] + update["seconds"]
@@ -98,5 +132,33 @@ def test_max_staleness_1_overlaps_and_drops_what_is_beyond_the_bound(tmp_path: P
     for node in ("actor.export_generation_weights", "rollout.load_weights"):
         assert ledger[2]["nodes"][node]["dispatched_at"] < update["dispatched_at"] + update["seconds"], node
     consumed = _consumed(ledger[2])
-    assert len(consumed) == rows - config.rollout.n and not set(stale) & set(consumed)
+    assert len(consumed) == rows - n and not set(k1_store.stale) & set(consumed)
     assert len(_consumed(ledger[3])) == rows
+
+
+@pytest.mark.slow
+def test_collective_sync_trains_as_the_object_store_sync_does(k1_store: K1Run, tmp_path: Path, tiny_config: Any,
+                                                              preset_weight_bytes: Any) -> None:
+    """``rollout.weight_sync: collective`` (the weights broadcast over the gloo group between the actor's rank 0 and
+    the rollout pool) gives the same k = 1 run, drops and regeneration included, metric for metric and weight for
+    weight, as the object-store sync, with every sync's bytes counted in bounded buckets."""
+    collective = _k1_run(tiny_config, tmp_path / "collective", "rollout.weight_sync=collective")
+    assert len(collective.rows) == len(k1_store.rows) == 4
+    for step, (expected, got) in enumerate(zip(k1_store.rows, collective.rows)):
+        compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
+        assert {key: got[key] for key in compared} == compared, f"step {step}"
+        # the same syncs, byte for byte: all the weights (M) once per sync, in buckets of at most the bound
+        for key in ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_peak_bucket_bytes",
+                    "async/dropped_stale_samples", "async/regenerated"):
+            assert got[key] == expected[key], (step, key)
+        assert got["async/weight_sync_peak_bucket_bytes"] <= BUCKET_BYTES
+    # syncs checked at steps 0 (version 0) and 2 (version 1, behind iteration 2's rollout); at k = 1 step 1's
+    # rollout was generated under version 0, behind no new sync
+    assert [row["async/weight_sync_bytes"] > 0 for row in collective.rows[:3]] == [True, False, True]
+    total, _ = preset_weight_bytes(collective.preset)  # every weight crossed (a tied one may cross twice)
+    first = collective.rows[0]
+    assert first["async/weight_sync_bytes"] >= total and first["async/weight_sync_buckets"] > 1
+    assert collective.rows[1]["async/staleness_max"] == 1  # generated under version 0 while step 0 trained
+    assert collective.weights.keys() == k1_store.weights.keys()
+    for name, tensor in k1_store.weights.items():
+        assert torch.equal(collective.weights[name], tensor), name

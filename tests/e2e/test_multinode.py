@@ -110,12 +110,12 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # Ray retries the connection for ~20 s before giving up
 def test_joining_without_the_token_is_a_config_error_that_says_how(head: LoopbackCluster) -> None:
     code = ("import sys; from hybridflow.controller import init_ray\n"
             f"init_ray({head.address!r})\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
     env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_NUM_REDIS_GET_RETRIES"] = "2"  # Ray's GCS connect retries (~1 s each, 20 by default) before it gives up
     result = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0
@@ -151,7 +151,7 @@ pool.release()
 
 @pytest.mark.timeout(400)
 def test_two_ranks_per_node_sit_on_their_node_and_reduce_together(two_nodes: LoopbackCluster) -> None:
-    nodes = {two_nodes.node_id_with("node_a"), two_nodes.node_id_with("node_b")}
+    nodes = {two_nodes.head.node_id, two_nodes.workers[0].node_id}
     result = subprocess.run([sys.executable, "-c", PLACE_AND_ALL_REDUCE, two_nodes.address], env=two_nodes.driver_env(),
                             capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -174,8 +174,9 @@ def test_two_ranks_per_node_sit_on_their_node_and_reduce_together(two_nodes: Loo
 @pytest.mark.timeout(900)
 def test_one_rank_per_node_and_a_dead_node_is_recovered_to_the_uninjected_weights(
         tmp_path: Path, two_nodes: LoopbackCluster) -> None:
-    nodes = {name: two_nodes.node_id_with(name) for name in ("node_a", "node_b")}
-    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in two_nodes.alive_nodes()}
+    node_a, node_b = two_nodes.head, two_nodes.workers[0]
+    nodes = {"node_a": node_a.node_id, "node_b": node_b.node_id}
+    addresses = {node.node_id: node.address for node in (node_a, node_b)}
     assert nodes["node_a"] != nodes["node_b"]
     common = (f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2")
     # the reference: the same config and seed without the fault, its two ranks on ONE node of the same cluster
@@ -202,8 +203,8 @@ def test_one_rank_per_node_and_a_dead_node_is_recovered_to_the_uninjected_weight
     # a spare machine joins first (started after the kill, on a loaded box its raylet came up later than the 60 s
     # the restart waits for a node), then the second machine dies: raylet, store, workers
     replacement = two_nodes.add_node(num_cpus=2, resources={"node_c": 1})
-    new_b = two_nodes.node_id_with("node_c")
-    kill_process_group(two_nodes.workers[0].process)
+    new_b = replacement.node_id
+    kill_process_group(node_b.process)
     _finish(process, run_dir, STEPS)
     assert replacement.process.poll() is None
 
