@@ -16,6 +16,8 @@ to write are :mod:`hybridflow.export`'s; the tokenizer is written there too.
 
 from __future__ import annotations
 
+import enum
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -31,10 +33,20 @@ _MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 
 
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """What ``getattr`` does in a file pickled by Python 3.11.0-3.11.4, which pickle an Enum member by name
+    (``getattr(ZeroStageEnum, "weights")``; other Pythons by value): here only a member of an Enum class that is
+    itself allowed in, never any other attribute of anything."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not a member of an Enum class")
+    return cls[name]
+
+
 def _load(path: Path, safe: list[Any] | None = None) -> dict[str, Any]:
-    """``torch.load`` with ``weights_only`` (data, never code); ``safe`` are the DeepSpeed classes allowed in."""
+    """``torch.load`` with ``weights_only`` (data, never code); ``safe`` are the DeepSpeed classes allowed in (and
+    their Enum members pickled by name)."""
     try:
-        with torch.serialization.safe_globals(safe or []):
+        with torch.serialization.safe_globals([*(safe or []), (_enum_member, "builtins.getattr")]):
             state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure: not a DeepSpeed file, or one this reader does not know
         # torch's weights_only message starts with general advice; the cause follows "WeightsUnpickler error:"
