@@ -39,9 +39,7 @@ print("EXIT CODES", json.dumps([main(["export", *args]) for args in json.loads(s
 
 def export_main(*arg_lists: list[str]) -> list[int]:
     """``hybridflow export ARGS`` for each of ``arg_lists`` as a user runs it: the CLI in a fresh process (one for
-    all of them: its torch/deepspeed imports are paid once); their exit codes (output shown on failure). Not in this
-    pytest worker, whose process has run other modules' engines before (the export once failed to unpickle a ZeRO-3
-    optimizer file only there, in a two-worker CI run; the CLI names the cause now)."""
+    all of them: its torch/deepspeed imports are paid once); their exit codes (output shown on failure)."""
     result = subprocess.run([sys.executable, "-c", _EXPORTS, json.dumps(arg_lists)], capture_output=True, text=True,
                             timeout=300, check=False)
     line = next((line for line in result.stdout.splitlines() if line.startswith("EXIT CODES ")), None)
