@@ -1,15 +1,15 @@
 """GRPO learning on a two-node Ray cluster: the loopback cluster of ``tests/e2e/test_multinode.py`` (``ray start
 --head`` and ``ray start --address``, token authentication on; :mod:`hybridflow.testing.ray_cluster`), joined by
-``hybridflow train`` with ``ray.address`` and ``resource_pools.main.devices_per_node=[1,1]`` (one rank per node), long
-enough for the reward to rise; by default then the same run with both ranks on one node of that cluster
-(``devices_per_node=[2]``) as reference.
+``hybridflow train`` with ``ray.address`` and ``resource_pools.main.devices_per_node=[1,1]`` (one rank per node;
+``--per-node 2``: ``[2,2]``), long enough for the reward to rise; by default then the same run with all ranks on one
+node of that cluster (``devices_per_node=[2]``, or ``[4]``) as reference.
 
 Prints ``RESULT {json}`` per run and a final ``RESULT`` with the checks, and exits 1 if one fails:
 - ``learns``: the mean reward of the last ``--window`` steps exceeds that of the first by ``--min-rise`` (0.04, the
   margin ``tests/e2e/test_train.py::test_grpo_reward_rises`` asks of the one-node run of the same 40 steps);
-- ``ranks_on_distinct_nodes``: the manifest's placement (each worker's own Ray node id) puts rank 0 and rank 1 on
-  the cluster's two nodes, one each, the run joined the cluster (``local_ray`` false, the head's GCS address) and
-  the rendezvous is rank 0's node address as registered with Ray;
+- ``ranks_on_distinct_nodes``: the manifest's placement (each worker's own Ray node id) puts the ranks of each
+  ``devices_per_node`` entry on one node and the two entries on the cluster's two nodes, the run joined the cluster
+  (``local_ray`` false, the head's GCS address) and the rendezvous is rank 0's node address as registered with Ray;
 - ``reshard_at_lower_bound``: every iteration's weight handover (the ledger's ``reshard`` edge) moved bytes, counted
   from the buffers sent and received, equal to the lower bound on every rank;
 - ``same_as_one_node`` (with the reference): the reward of every step equals the one-node run's.
@@ -76,6 +76,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--window", type=int, default=10, help="steps averaged at the start and at the end")
     parser.add_argument("--min-rise", type=float, default=0.04)
+    parser.add_argument("--per-node", type=int, default=1, help="ranks per node (2 CPUs each, 0.5 per rank)")
     parser.add_argument("--no-reference", action="store_true", help="skip the one-node reference run")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per training run")
     parser.add_argument("--workdir", default=None)
@@ -91,7 +92,9 @@ def main() -> int:
         print(f"# two-node cluster at {cluster.address} up in {time.time() - started:.0f}s: {sorted(nodes)}",
               flush=True)
         runs: dict[str, dict[str, Any]] = {}
-        layouts = {"two_nodes": "[1,1]"} if args.no_reference else {"two_nodes": "[1,1]", "one_node": "[2]"}
+        layouts = {"two_nodes": f"[{args.per_node},{args.per_node}]", "one_node": f"[{2 * args.per_node}]"}
+        if args.no_reference:
+            del layouts["one_node"]
         for name, layout in layouts.items():
             seconds = train(cluster, base / name, layout, args.steps, args.timeout_s)
             runs[name] = {"run": name, "devices_per_node": layout, "seconds": round(seconds, 1),
@@ -101,17 +104,19 @@ def main() -> int:
         cluster.stop()
     two = runs["two_nodes"]
     rank_nodes = [p["node_id"] for p in sorted(two["ranks"], key=lambda p: p["rank"])]
+    entry_nodes = [{p["node_id"] for p in two["ranks"] if p["node_index"] == index} for index in (0, 1)]
     checks: dict[str, bool] = {
         "learns": two["reward_last"] > two["reward_first"] + args.min_rise,
-        "ranks_on_distinct_nodes": (sorted(rank_nodes) == sorted(nodes) and two["local_ray"] is False
-                                    and two["gcs_address"] == cluster.address
+        "ranks_on_distinct_nodes": (all(len(ids) == 1 for ids in entry_nodes) and entry_nodes[0] | entry_nodes[1]
+                                    == set(nodes) and len(rank_nodes) == 2 * args.per_node
+                                    and two["local_ray"] is False and two["gcs_address"] == cluster.address
                                     and two["rendezvous"].rsplit(":", 1)[0] == nodes[rank_nodes[0]]),
         "reshard_at_lower_bound": two["handovers"] == args.steps and two["handovers_at_lower_bound"] == args.steps,
     }
     if "one_node" in runs:
         checks["same_as_one_node"] = two["rewards"] == runs["one_node"]["rewards"]
     print("RESULT " + json.dumps({
-        "bench": "multinode", "steps": args.steps, "window": args.window,
+        "bench": "multinode", "devices_per_node": layouts["two_nodes"], "steps": args.steps, "window": args.window,
         "reward_first": round(two["reward_first"], 4), "reward_last": round(two["reward_last"], 4),
         "rise": round(two["reward_last"] - two["reward_first"], 4), "min_rise": args.min_rise,
         "checks": checks, "ok": all(checks.values()), "seconds": round(time.time() - started, 1)}), flush=True)
