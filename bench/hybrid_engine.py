@@ -1,8 +1,9 @@
 """Benchmark of the hybrid engine's train → generate transition as the trainer runs it, against the two baselines
 the HybridFlow paper compares with, all three run for real on the same FSDP shards.
 
-For each FSDP d → generation (pg = 1, tg) case on d local CPU processes (gloo): the ``fsdp`` training engine (row
-weights sharded on dim 1 at tg > 1, as the trainer sets it up) and the ``hf`` rollout engine at tg, then
+For each FSDP d → generation (pg = 1, tg) case on d local CPU processes (gloo), d = 2 and 4 and every tg dividing d
+(the layouts the trainer allows for an FSDP actor): the ``fsdp`` training engine (row weights sharded on dim 1 at
+tg > 1, as the trainer sets it up) and the ``hf`` rollout engine at tg, then
 
 - ``hybridflow``: the engine's default handover as the actor worker runs it (reshard planner, views of the FSDP
   shards where they coincide, every other FSDP shard parked in the generation shard containing it: ``park=True``)
@@ -20,6 +21,9 @@ ratio to M/tg + one bucket (the plan's largest: ``BUCKET_BYTES``, or one paramet
 more), training-phase resident bytes, and for ``hybridflow`` the generation seconds (worst rank, same global prompt
 batch: split over d/tg generation replicas). Simplified: CPU and gloo, fp32, a tiny Qwen2-shaped
 model (hidden 256, 4 layers, 8/4 heads); wall times say nothing about GPUs.
+
+Exits 1 when hybridflow's bytes differ from the lower bound, its peak exceeds M/tg + one bucket, or greedy output at
+tg > 1 differs from tg = 1.
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp python bench/hybrid_engine.py`` (``--quick``: d = 2 only).
 """
@@ -178,22 +182,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="d = 2 only")
     args = parser.parse_args(argv)
     responses: dict[tuple[int, int], Any] = {}
+    failed: list[str] = []
     for world in (2,) if args.quick else (2, 4):
         with GlooCluster(world, timeout=600) as cluster:
-            for tensor in (1, 2):
+            for tensor in [tg for tg in (1, 2, 4) if world % tg == 0]:  # every tg the trainer allows at FSDP d
                 results = cluster.run(_case, tensor)
                 for row in _report(world, tensor, results):
                     print("RESULT " + json.dumps(row), flush=True)
+                    if row["scheme"] == "hybridflow" and (row["bytes_received"] != row["lower_bound_bytes"]
+                                                          or row["peak_over_budget"] > 1.0):
+                        failed.append(f"{row['case']}: bytes {row['bytes_received']} (lower bound "
+                                      f"{row['lower_bound_bytes']}), peak / budget {row['peak_over_budget']}")
                 # tensor rank 0 of every replica, in replica order: the global greedy output
                 responses[(world, tensor)] = [r["hybridflow"]["responses"] for r in results]
-    for world in sorted({w for w, _ in responses}):
+    for world, tensor in sorted(key for key in responses if key[1] > 1):
         one = [row for rows in responses[(world, 1)] for row in rows]
-        two = responses[(world, 2)]
-        # tg = 2: every rank of a tensor group returns its replica's rows; stride groups: replica = rank % (d/2)
-        merged = [row for replica in range(world // 2) for row in two[replica]]
-        print("RESULT " + json.dumps({"case": f"fsdp d={world}", "greedy_tg2_equals_tg1": merged == one}),
+        # every rank of a tensor group returns its replica's rows; stride groups: replica = rank % (d/tg)
+        merged = [row for replica in range(world // tensor) for row in responses[(world, tensor)][replica]]
+        print("RESULT " + json.dumps({"case": f"fsdp d={world}", f"greedy_tg{tensor}_equals_tg1": merged == one}),
               flush=True)
-    return 0
+        if merged != one:
+            failed.append(f"fsdp d={world}: greedy tokens at tg={tensor} differ from tg=1")
+    for failure in failed:  # the targets: bytes = lower bound, peak <= M/tg + one bucket, tg > 1 generates as tg = 1
+        print(f"FAILED {failure}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

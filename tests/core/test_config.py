@@ -33,6 +33,7 @@ def test_example_loads_and_overrides_apply() -> None:
     ("actor.pool=gpu", "actor.pool", "not one of resource_pools"),
     ("actor.parallel.tensor_parallel_size=3", "actor.parallel", "does not divide"),
     ("data.batch_size=3", "data.batch_size", "multiple of the actor's data-parallel size"),
+    ("resource_pools.main.ready_timeout_s=0", "resource_pools.main.ready_timeout_s", "greater than 0"),
 ])
 def test_errors_name_the_key_and_the_problem(override: str, key: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybridflow.export import export_run
-from ray_cluster import BIN, FAST_FAILURE_DETECTION, LoopbackCluster, kill_process_group, start_head
+from hybridflow.testing.ray_cluster import BIN, FAST_FAILURE_DETECTION, LoopbackCluster, kill_process_group, start_head
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "grpo_arithmetic_scratch.yaml"

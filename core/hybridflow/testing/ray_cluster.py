@@ -3,8 +3,8 @@
 authentication on. Stopping kills exactly those process groups; nothing else on the machine is touched (never a
 global ``ray stop``: other Ray clusters may run on the same box).
 
-Used by ``tests/e2e/test_multinode.py``; importable as ``ray_cluster`` because
-pytest puts ``tests/`` (the rootdir conftest's folder) on ``sys.path``.
+Used by ``tests/e2e/test_multinode.py`` and ``bench/multinode.py`` (the same cluster, the same steps as
+docs/operations.md §9 lists for real machines).
 """
 
 from __future__ import annotations
