@@ -122,6 +122,15 @@ class CostConfig(RewardConfig):
     initial_lambda: float = Field(default=1.0, ge=0)
 
 
+class FilterGroupsConfig(_Section):
+    """Dynamic sampling (DAPO; verl's ``algorithm.filter_groups``): train only on prompt groups whose ``metric``
+    differs across the n samples, drawing more prompts until the batch is full (algorithms/dynamic_sampling.py)."""
+
+    enable: bool = False
+    metric: str = "score"  # "score" (the reward's per-sequence score) or a per-row column of the scored batch
+    max_num_gen_batches: int = 0  # generation batches per step at most (≤ 0: unbounded); then topped up, see module
+
+
 class AlgorithmConfig(_Section):
     name: str = "grpo"
     gamma: float = Field(default=1.0, ge=0, le=1)
@@ -135,6 +144,7 @@ class AlgorithmConfig(_Section):
     # at the threshold) or mis (tokens outside [1/threshold, threshold] masked)
     rollout_correction: Literal["none", "tis", "mis"] = "none"
     rollout_correction_threshold: float = Field(default=2.0, gt=1)
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
     extra: dict[str, Any] = Field(default_factory=dict)  # options of a third-party algorithm, passed through unchanged
 
 

@@ -16,8 +16,17 @@ __all__ = ["check_pool_batches", "check_registered_names", "check_generation_lay
 
 
 def check_async(config: Any) -> None:
-    """``rollout.pool``, ``trainer.max_staleness`` and ``algorithm.rollout_correction`` (docs/async.md)."""
+    """``rollout.pool``, ``trainer.max_staleness``, ``algorithm.rollout_correction`` (docs/async.md) and
+    ``algorithm.filter_groups`` against them."""
     pool = config.rollout.pool
+    if config.algorithm.filter_groups.enable:
+        if pool is not None:
+            raise ValueError("algorithm.filter_groups draws more prompts inside a step when its groups are all "
+                             f"equal, but rollout.pool = {pool!r} generates each step's rollout ahead of the step. "
+                             "Fix: remove rollout.pool, or set algorithm.filter_groups.enable=false")
+        if config.rollout.n < 2:
+            raise ValueError(f"algorithm.filter_groups keeps prompt groups whose n samples disagree, but rollout.n = "
+                             f"{config.rollout.n} (a group of one never disagrees). Fix: set rollout.n >= 2")
     if config.trainer.max_staleness and pool is None:
         raise ValueError(f"trainer.max_staleness = {config.trainer.max_staleness} generates on a rollout pool of "
                          "its own while the actor trains, but rollout.pool is not set. Fix: add a pool to "

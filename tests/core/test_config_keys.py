@@ -47,6 +47,10 @@ STEP_READS = {
     "algorithm.lam": "algorithm.lam)",
     "algorithm.norm_adv_by_std": "algorithm.norm_adv_by_std",
     "algorithm.whiten_advantages": "if algorithm.whiten_advantages",
+    # dynamic sampling happens inside Runtime.rollout, which a driver's step calls
+    "algorithm.filter_groups.enable": "not spec.enable",
+    "algorithm.filter_groups.metric": "metric=spec.metric",
+    "algorithm.filter_groups.max_num_gen_batches": "max_num_gen_batches=spec.max_num_gen_batches",
 }
 #: a role section's model keys: one of path / config / preset replaces the others
 MODEL_PARENTS = ("model", "actor.model", "critic.model", "reference.model", "reward.model", "cost.model",

@@ -60,6 +60,28 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 
 
+def test_dynamic_sampling_trains_on_the_groups_that_disagree(tmp_path: Path, tiny_config: Any) -> None:
+    """``algorithm.filter_groups`` through the trainer: each step draws further prompt batches from the loader (up to
+    ``max_num_gen_batches``) and trains on the groups whose rewards differ, topped up with all-equal groups only when
+    too few were found — so the trained batch's zero-advantage group share is exactly what the filter left in."""
+    trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=2", "trainer.checkpoint_every=0",
+                                  "algorithm.filter_groups.enable=true",
+                                  "algorithm.filter_groups.max_num_gen_batches=2"), progress=False)
+    try:
+        history = trainer.fit()
+        position = trainer.loader.state_dict()
+    finally:
+        trainer.close()
+    assert position == {"epoch": 0, "position": 16 * int(sum(m["train/num_gen_batches"] for m in history))}
+    for metrics in history:
+        seen = 16 * metrics["train/num_gen_batches"]
+        found = round(metrics["train/informative_group_ratio"] * seen)
+        assert metrics["train/num_gen_batches"] == (1 if found >= 16 else 2), metrics
+        assert metrics["train/filter_groups_exhausted"] == float(found < 16)
+        assert metrics["critic/zero_adv_group_ratio"] == pytest.approx(max(16 - found, 0) / 16), metrics
+        assert metrics["tokens/prompt_and_response"] > 0
+
+
 #: metrics that are wall-clock readings (differ between otherwise identical runs)
 TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 

@@ -6,6 +6,7 @@ shared math; building groups, checkpoints and logging are the trainer's business
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from hybridflow.agent.batch import summarize_agent_metrics
 from hybridflow.algorithms.advantages import build_token_level_rewards, masked_mean, masked_sum
+from hybridflow.algorithms.dynamic_sampling import fill_informative_groups
 from hybridflow.algorithms.helpers import decode_batch, fill_old_log_probs
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
@@ -36,6 +38,10 @@ class Runtime:
     #: rows of each step's batch that :meth:`summarize` keeps readable in :attr:`samples` (``trainer.log_rollouts``)
     log_rollouts: int = 0
     samples: list[dict[str, Any]] = field(default_factory=list)
+    #: the next prompts of the data loader, tagged for this iteration (``algorithm.filter_groups`` draws them)
+    more_prompts: Callable[[], Batch] | None = None
+    #: metrics of the step's rollout that :meth:`summarize` adds (dynamic sampling's ``train/num_gen_batches``)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -134,7 +140,25 @@ class Runtime:
     def rollout(self, prompts: Batch, *, values: tuple[str, ...] = (), cost: bool = False) -> Batch:
         """Generate, then score the rollout: π_old (actor), π_ref (reference, when built), the values of the critic
         roles named in ``values`` and the reward (and with ``cost``, the cost) — all dispatched together, each group
-        reading the rollout's shards directly, so roles on disjoint pools compute concurrently — then gathered."""
+        reading the rollout's shards directly, so roles on disjoint pools compute concurrently — then gathered.
+        With ``algorithm.filter_groups.enable``, groups whose rewards are all equal are replaced by groups of more
+        prompts (:mod:`hybridflow.algorithms.dynamic_sampling`)."""
+        batch = self._rollout_once(prompts, values=values, cost=cost)
+        spec = getattr(getattr(self.config, "algorithm", None), "filter_groups", None)
+        if spec is None or not spec.enable:
+            return batch
+        if self.more_prompts is None:
+            raise ConfigError("algorithm.filter_groups needs the trainer's data loader to draw more prompts; this "
+                              "runtime has none (more_prompts). Fix: run it through hybridflow.trainer.Trainer")
+        more = self.more_prompts
+        batch, metrics = fill_informative_groups(
+            batch, n=self.config.rollout.n, groups_wanted=len(prompts), metric=spec.metric,
+            max_num_gen_batches=spec.max_num_gen_batches,
+            generate_more=lambda: self._rollout_once(more(), values=values, cost=cost))
+        self.rollout_metrics.update(metrics)
+        return batch
+
+    def _rollout_once(self, prompts: Batch, *, values: tuple[str, ...], cost: bool) -> Batch:
         generated = self.actor.generate(prompts)
         old = self.old_log_probs(generated)
         reference = self.roles.get("reference")
@@ -167,6 +191,7 @@ class Runtime:
         max_new_tokens = getattr(getattr(self.config, "rollout", None), "max_new_tokens", None)
         metrics.update(compute_response_length_metrics(batch["response_mask"], max_new_tokens))
         metrics.update(batch.meta.get("reward_metrics", {}))  # a per-sample reward's extra keys
+        metrics.update(self.rollout_metrics)  # dynamic sampling's (algorithm.filter_groups)
         metrics.update(summarize_agent_metrics(batch))  # num_turns/*, tool_call_counts/* of multi-turn rollouts
         if "rollout_log_probs" in batch and "old_log_probs" in batch:
             metrics.update(compute_rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask))

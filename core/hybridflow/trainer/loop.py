@@ -173,7 +173,13 @@ class Trainer:
             roles["actor"] = self.async_rollout.wrap_actor(roles["actor"])
         return Runtime(config=self.config, tokenizer=self.tokenizer, roles=roles,
                        state=self.algorithm_state, reward_fn=self.reward_fn, cost_fn=self.cost_fn,
-                       timeout_s=self.config.trainer.deadline_s, log_rollouts=self.config.trainer.log_rollouts)
+                       timeout_s=self.config.trainer.deadline_s, log_rollouts=self.config.trainer.log_rollouts,
+                       more_prompts=self._more_prompts)
+
+    def _more_prompts(self) -> Batch:
+        """The loader's next batch for this iteration (dynamic sampling draws it inside a step; a retried step
+        restores the loader position first, so it draws the same prompts again)."""
+        return self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
 
     def close(self) -> None:
         if self.async_rollout is not None:
