@@ -6,6 +6,7 @@ weight for weight (the collective run is compared with the k = 1 test's object-s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from export_probe import fit_and_export
 from safetensors.torch import load_file
 
 from hybridflow.ledger import read_ledger
+from hybridflow.reliability import audit_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.async_loop import STALENESS_COLUMN
 
@@ -162,3 +164,42 @@ def test_collective_sync_trains_as_the_object_store_sync_does(k1_store: K1Run, t
     assert collective.weights.keys() == k1_store.weights.keys()
     for name, tensor in k1_store.weights.items():
         assert torch.equal(collective.weights[name], tensor), name
+
+
+#: the faulty k = 1 run: the rollout worker killed while generating iteration 1 (queued at step 0, under version 0),
+#: the actor's worker killed inside update 3 (after its optimizer step), a checkpoint at step 2
+FAULTS = ["rollout.generate@1:kill", "actor.update@3:kill"]
+
+
+@pytest.mark.slow
+def test_killed_rollout_and_actor_workers_recover_within_the_staleness_bound(k1_store: K1Run, tmp_path: Path,
+                                                                             tiny_config: Any) -> None:
+    """The k = 1 run with a rollout worker and an actor worker killed: the rollout pool is restarted (it alone: the
+    actor keeps its weights) and synced with the actor's weights, version-checked; the actor's pool restarts,
+    restores the checkpoint of step 2, replays update 2, and the rollout pool is synced with the restored weights.
+    The run finishes; every sample is within the bound and no iteration mixes versions. Not bit-identical to the
+    clean run: the lost generations are redone under the actor's current weights (versions 1 and 3, the clean run
+    has them at 0 and 2), whose older weights no worker holds any more; the steps before the first fault match."""
+    config = tiny_config(tmp_path / "faulty", *K1, "trainer.checkpoint_every=2",
+                         f"reliability.faults={json.dumps(FAULTS)}")
+    rows, _ = fit_and_export(config, tmp_path / "hf-faulty")
+    assert len(rows) == 4
+    rollout_kill, actor_kill = [json.loads(line) for line in (tmp_path / "faulty" / "recovery.jsonl").open()]
+    assert rollout_kill["what"] == "iteration 1" and rollout_kill["pools_restarted"] == ["gen"], rollout_kill
+    assert rollout_kill["updates_replayed"] == [] and rollout_kill["error"] == "WorkerError"
+    assert actor_kill["what"] == "iteration 3" and actor_kill["pools_restarted"] == ["main"], actor_kill
+    assert actor_kill["checkpoint"].endswith("step-2") and actor_kill["updates_replayed"] == ["actor.update_policy@2"]
+    for step, row in enumerate(rows):  # nothing beyond the bound was trained on, nothing dropped
+        assert row["async/staleness_max"] <= 1 and row["async/dropped_stale_samples"] == 0, step
+        assert row["async/staleness_frac_0"] + row["async/staleness_frac_1"] == 1.0, step
+        assert row["actor/policy_version"] == step + 1, step
+    # each retried step generated under the actor's weights of that step (version 1 on the restarted rollout pool,
+    # version 3 from the restored actor: the syncs checked it), the other steps one version behind as in a clean run
+    assert [row["async/staleness_max"] for row in rows] == [0, 0, 1, 0]
+    assert [row["async/staleness_max"] for row in k1_store.rows[:2]] == [0, 1]
+    compared = {key: value for key, value in k1_store.rows[0].items() if not key.startswith(UNCOMPARED)}
+    assert {key: rows[0][key] for key in compared} == compared  # before the first fault: the clean run
+    ledger = read_ledger(tmp_path / "faulty")
+    audit = audit_ledger(ledger, samples_per_prompt=k1_store.n)
+    assert audit.iterations == [0, 1, 2, 3] and audit.recoveries == 2
+    assert audit.mixed_versions == [] and audit.samples_lost == 0 and audit.samples_duplicated == 0

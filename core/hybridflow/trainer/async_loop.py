@@ -10,8 +10,10 @@ receives them over a torch.distributed broadcast: ``rollout.weight_sync``) and
 iteration step + 1 + k behind that: the hand-over from update to generation needs no driver round trip, and the
 rollout pool (:class:`~hybridflow.workers.rollout.RolloutWorker`) generates while the actor trains. k = 0 is
 synchronous generation on the rollout pool. The algorithm's dataflow is untouched: its ``actor.generate`` call of a
-step is answered with that step's rollout. Partial rollout, streaming mini-batches and recovery of the rollout pool
-(the fault matrix) are not here.
+step is answered with that step's rollout. Recovery: the trainer attaches the rollout pool to its supervisor, which
+restarts it when one of its calls failed (a rollout worker died); a failed step forgets what is in flight
+(:meth:`AsyncRollout.reset`) and its retry syncs the actor's current weights again, version-checked. Partial
+rollout and streaming mini-batches are not here.
 """
 
 from __future__ import annotations
@@ -202,6 +204,12 @@ class AsyncRollout:
         self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": {"spec": self.spec}},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
                                  observers=[*observers, self._observe])
+
+    def linked_pools(self) -> set[str]:
+        """The pools whose restart must restart the rollout pool too: the actor's with ``weight_sync: collective``
+        (the rollout ranks may be blocked in a broadcast from its dead rank 0), else none (a sync from a dead actor
+        fails on its own, and the retried step syncs again)."""
+        return {self.config.actor.pool} if self.weight_sync == "collective" else set()
 
     def _observe(self, record: Any) -> None:
         """Time the rollout pool spent generating, summed per step (a load's time is mostly waiting for the
