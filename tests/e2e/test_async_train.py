@@ -2,7 +2,8 @@
 rollout pool reproduces the colocated synchronous loop bit for bit (metrics and final weights); at k = 1 the rollout
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
 counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
-weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests)."""
+weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests), and
+so does the same run with a rollout worker and an actor worker killed (recovery)."""
 
 from __future__ import annotations
 
@@ -87,17 +88,26 @@ class K1Run:
     preset: str
 
 
-def _k1_run(tiny_config: Any, run_dir: Path, *overrides: str) -> K1Run:
+def _k1_run(tiny_config: Any, run_dir: Path, *overrides: str, checkpoints: tuple[int, ...] = ()) -> K1Run:
+    """The k = 1 run of :class:`K1Run`, its steps under the recovery policy as in ``fit`` (a checkpoint after the
+    steps in ``checkpoints``)."""
     config = tiny_config(run_dir, *K1, *overrides)
     n, rows_per_step = config.rollout.n, 4 * config.rollout.n
     trainer = Trainer(config, progress=False)
+
+    def step() -> dict[str, float]:
+        metrics = trainer.supervisor.run_iteration()
+        if trainer.step in checkpoints:
+            trainer.supervisor.save_checkpoint()
+        return metrics
+
     try:
         trainer.start()
-        metrics = [trainer.train_step(), trainer.train_step()]
+        metrics = [step(), step()]
         stale = _tamper(trainer, 2, [0] * n + [1] * (rows_per_step - n))  # one prompt group two versions behind
-        metrics.append(trainer.train_step())
+        metrics.append(step())
         _tamper(trainer, 3, [1] * rows_per_step)  # every row beyond the bound
-        metrics.append(trainer.train_step())
+        metrics.append(step())
         actor = trainer.worker_groups().role("actor")
         assert actor is not None
         actor.export_hf(str(run_dir / "hf"))
@@ -166,40 +176,41 @@ def test_collective_sync_trains_as_the_object_store_sync_does(k1_store: K1Run, t
         assert torch.equal(collective.weights[name], tensor), name
 
 
-#: the faulty k = 1 run: the rollout worker killed while generating iteration 1 (queued at step 0, under version 0),
-#: the actor's worker killed inside update 3 (after its optimizer step), a checkpoint at step 2
-FAULTS = ["rollout.generate@1:kill", "actor.update@3:kill"]
+#: the faulty k = 1 run: the rollout worker killed while generating iteration 0 (its result lost), the actor's worker
+#: killed inside update 2 (after its optimizer step; a checkpoint after step 1)
+FAULTS = ["rollout.generate@0:kill", "actor.update@2:kill"]
 
 
 @pytest.mark.slow
-def test_killed_rollout_and_actor_workers_recover_within_the_staleness_bound(k1_store: K1Run, tmp_path: Path,
-                                                                             tiny_config: Any) -> None:
-    """The k = 1 run with a rollout worker and an actor worker killed: the rollout pool is restarted (it alone: the
-    actor keeps its weights) and synced with the actor's weights, version-checked; the actor's pool restarts,
-    restores the checkpoint of step 2, replays update 2, and the rollout pool is synced with the restored weights.
-    The run finishes; every sample is within the bound and no iteration mixes versions. Not bit-identical to the
-    clean run: the lost generations are redone under the actor's current weights (versions 1 and 3, the clean run
-    has them at 0 and 2), whose older weights no worker holds any more; the steps before the first fault match."""
-    config = tiny_config(tmp_path / "faulty", *K1, "trainer.checkpoint_every=2",
-                         f"reliability.faults={json.dumps(FAULTS)}")
-    rows, _ = fit_and_export(config, tmp_path / "hf-faulty")
-    assert len(rows) == 4
-    rollout_kill, actor_kill = [json.loads(line) for line in (tmp_path / "faulty" / "recovery.jsonl").open()]
-    assert rollout_kill["what"] == "iteration 1" and rollout_kill["pools_restarted"] == ["gen"], rollout_kill
+def test_killed_rollout_and_actor_workers_recover_to_the_clean_run(k1_store: K1Run, tmp_path: Path,
+                                                                   tiny_config: Any) -> None:
+    """The k = 1 run (drops and regeneration included) with a rollout worker and an actor worker killed: the rollout
+    pool alone is restarted and synced with the actor's weights (version-checked) and the step's rollout generated
+    again; the actor's pool restarts, restores the checkpoint of step 1 and replays update 1, the step retries on
+    the rollout it had claimed (generated under version 1, still valid: a fresh one would be at version 2) and the
+    rollout pool gets the restored actor's weights (step 3's regeneration, version-checked). Every step,
+    the staleness of what was trained on and the final weights equal the clean run's; the ledger audit finds no
+    mixed versions and no sample lost or consumed twice."""
+    faulty = _k1_run(tiny_config, tmp_path / "faulty", f"reliability.faults={json.dumps(FAULTS)}", checkpoints=(1,))
+    rollout_kill, actor_kill = [json.loads(line) for line in (faulty.run_dir / "recovery.jsonl").open()]
+    assert rollout_kill["what"] == "iteration 0" and rollout_kill["pools_restarted"] == ["gen"], rollout_kill
     assert rollout_kill["updates_replayed"] == [] and rollout_kill["error"] == "WorkerError"
-    assert actor_kill["what"] == "iteration 3" and actor_kill["pools_restarted"] == ["main"], actor_kill
-    assert actor_kill["checkpoint"].endswith("step-2") and actor_kill["updates_replayed"] == ["actor.update_policy@2"]
-    for step, row in enumerate(rows):  # nothing beyond the bound was trained on, nothing dropped
-        assert row["async/staleness_max"] <= 1 and row["async/dropped_stale_samples"] == 0, step
-        assert row["async/staleness_frac_0"] + row["async/staleness_frac_1"] == 1.0, step
-        assert row["actor/policy_version"] == step + 1, step
-    # each retried step generated under the actor's weights of that step (version 1 on the restarted rollout pool,
-    # version 3 from the restored actor: the syncs checked it), the other steps one version behind as in a clean run
-    assert [row["async/staleness_max"] for row in rows] == [0, 0, 1, 0]
-    assert [row["async/staleness_max"] for row in k1_store.rows[:2]] == [0, 1]
-    compared = {key: value for key, value in k1_store.rows[0].items() if not key.startswith(UNCOMPARED)}
-    assert {key: rows[0][key] for key in compared} == compared  # before the first fault: the clean run
-    ledger = read_ledger(tmp_path / "faulty")
-    audit = audit_ledger(ledger, samples_per_prompt=k1_store.n)
-    assert audit.iterations == [0, 1, 2, 3] and audit.recoveries == 2
-    assert audit.mixed_versions == [] and audit.samples_lost == 0 and audit.samples_duplicated == 0
+    assert actor_kill["what"] == "iteration 2" and actor_kill["pools_restarted"] == ["main"], actor_kill
+    assert actor_kill["checkpoint"].endswith("step-1") and actor_kill["updates_replayed"] == ["actor.update_policy@1"]
+    assert len(faulty.rows) == len(k1_store.rows) == 4
+    for step, (expected, got) in enumerate(zip(k1_store.rows, faulty.rows)):
+        compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
+        assert {key: got[key] for key in compared} == compared, f"step {step}"
+        for key in ("async/staleness_max", "async/staleness_mean", "async/dropped_stale_samples", "async/regenerated"):
+            assert got[key] == expected[key], (step, key)
+        assert got["actor/policy_version"] == step + 1
+    assert faulty.weights.keys() == k1_store.weights.keys()
+    for name, tensor in k1_store.weights.items():
+        assert torch.equal(faulty.weights[name], tensor), name
+    rows = read_ledger(faulty.run_dir)
+    audit = audit_ledger(rows, samples_per_prompt=faulty.n)
+    assert audit.iterations == [0, 1, 2, 3] and audit.recoveries == 2 and audit.mixed_versions == []
+    assert audit.samples_duplicated == 0 and audit.samples_lost == faulty.n  # the prompt group dropped as stale
+    assert _consumed(rows[2]) == _consumed(read_ledger(k1_store.run_dir)[2])
+    # the retried step 2 asked again for its rollout (the actor's pool restarted) and got the one it had claimed
+    assert "actor.generate" in next(n for n in rows[2]["notes"] if "redone_nodes" in n)["redone_nodes"]

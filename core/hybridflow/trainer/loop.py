@@ -321,8 +321,8 @@ class Trainer:
                 metrics.update(self.async_rollout.end_step(self.step, self.worker_groups().role("actor")))
         except BaseException:
             self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
-            if self.async_rollout is not None:
-                self.async_rollout.reset()
+            if self.async_rollout is not None:  # keeps what stays valid for the retry
+                self.async_rollout.abort_step()
             raise
         finally:
             self._in_step = False
