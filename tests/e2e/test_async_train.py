@@ -2,10 +2,12 @@
 rollout pool reproduces the colocated synchronous loop bit for bit (metrics and final weights); at k = 1 the rollout
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
 counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
-weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests)."""
+weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests), and
+so does the same run with a rollout worker and an actor worker killed (recovery)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from export_probe import fit_and_export
 from safetensors.torch import load_file
 
 from hybridflow.ledger import read_ledger
+from hybridflow.reliability import audit_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.async_loop import STALENESS_COLUMN
 
@@ -85,17 +88,26 @@ class K1Run:
     preset: str
 
 
-def _k1_run(tiny_config: Any, run_dir: Path, *overrides: str) -> K1Run:
+def _k1_run(tiny_config: Any, run_dir: Path, *overrides: str, checkpoints: tuple[int, ...] = ()) -> K1Run:
+    """The k = 1 run of :class:`K1Run`, its steps under the recovery policy as in ``fit`` (a checkpoint after the
+    steps in ``checkpoints``)."""
     config = tiny_config(run_dir, *K1, *overrides)
     n, rows_per_step = config.rollout.n, 4 * config.rollout.n
     trainer = Trainer(config, progress=False)
+
+    def step() -> dict[str, float]:
+        metrics = trainer.supervisor.run_iteration()
+        if trainer.step in checkpoints:
+            trainer.supervisor.save_checkpoint()
+        return metrics
+
     try:
         trainer.start()
-        metrics = [trainer.train_step(), trainer.train_step()]
+        metrics = [step(), step()]
         stale = _tamper(trainer, 2, [0] * n + [1] * (rows_per_step - n))  # one prompt group two versions behind
-        metrics.append(trainer.train_step())
+        metrics.append(step())
         _tamper(trainer, 3, [1] * rows_per_step)  # every row beyond the bound
-        metrics.append(trainer.train_step())
+        metrics.append(step())
         actor = trainer.worker_groups().role("actor")
         assert actor is not None
         actor.export_hf(str(run_dir / "hf"))
@@ -162,3 +174,43 @@ def test_collective_sync_trains_as_the_object_store_sync_does(k1_store: K1Run, t
     assert collective.weights.keys() == k1_store.weights.keys()
     for name, tensor in k1_store.weights.items():
         assert torch.equal(collective.weights[name], tensor), name
+
+
+#: the faulty k = 1 run: the rollout worker killed while generating iteration 0 (its result lost), the actor's worker
+#: killed inside update 2 (after its optimizer step; a checkpoint after step 1)
+FAULTS = ["rollout.generate@0:kill", "actor.update@2:kill"]
+
+
+@pytest.mark.slow
+def test_killed_rollout_and_actor_workers_recover_to_the_clean_run(k1_store: K1Run, tmp_path: Path,
+                                                                   tiny_config: Any) -> None:
+    """The k = 1 run (drops and regeneration included) with a rollout worker and an actor worker killed: the rollout
+    pool alone is restarted and synced with the actor's weights (version-checked) and the step's rollout generated
+    again; the actor's pool restarts, restores the checkpoint of step 1 and replays update 1, the step retries on
+    the rollout it had claimed (generated under version 1, still valid: a fresh one would be at version 2) and the
+    rollout pool gets the restored actor's weights (step 3's regeneration, version-checked). Every step,
+    the staleness of what was trained on and the final weights equal the clean run's; the ledger audit finds no
+    mixed versions and no sample lost or consumed twice."""
+    faulty = _k1_run(tiny_config, tmp_path / "faulty", f"reliability.faults={json.dumps(FAULTS)}", checkpoints=(1,))
+    rollout_kill, actor_kill = [json.loads(line) for line in (faulty.run_dir / "recovery.jsonl").open()]
+    assert rollout_kill["what"] == "iteration 0" and rollout_kill["pools_restarted"] == ["gen"], rollout_kill
+    assert rollout_kill["updates_replayed"] == [] and rollout_kill["error"] == "WorkerError"
+    assert actor_kill["what"] == "iteration 2" and actor_kill["pools_restarted"] == ["main"], actor_kill
+    assert actor_kill["checkpoint"].endswith("step-1") and actor_kill["updates_replayed"] == ["actor.update_policy@1"]
+    assert len(faulty.rows) == len(k1_store.rows) == 4
+    for step, (expected, got) in enumerate(zip(k1_store.rows, faulty.rows)):
+        compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
+        assert {key: got[key] for key in compared} == compared, f"step {step}"
+        for key in ("async/staleness_max", "async/staleness_mean", "async/dropped_stale_samples", "async/regenerated"):
+            assert got[key] == expected[key], (step, key)
+        assert got["actor/policy_version"] == step + 1
+    assert faulty.weights.keys() == k1_store.weights.keys()
+    for name, tensor in k1_store.weights.items():
+        assert torch.equal(faulty.weights[name], tensor), name
+    rows = read_ledger(faulty.run_dir)
+    audit = audit_ledger(rows, samples_per_prompt=faulty.n)
+    assert audit.iterations == [0, 1, 2, 3] and audit.recoveries == 2 and audit.mixed_versions == []
+    assert audit.samples_duplicated == 0 and audit.samples_lost == faulty.n  # the prompt group dropped as stale
+    assert _consumed(rows[2]) == _consumed(read_ledger(k1_store.run_dir)[2])
+    # the retried step 2 asked again for its rollout (the actor's pool restarted) and got the one it had claimed
+    assert "actor.generate" in next(n for n in rows[2]["notes"] if "redone_nodes" in n)["redone_nodes"]

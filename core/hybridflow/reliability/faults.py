@@ -31,6 +31,8 @@ FAULT_POINTS: dict[str, tuple[Side, str]] = {
     "actor.handover": ("worker", "inside the weight handover (rollout engine woken, weights not yet loaded)"),
     "actor.log_probs": ("worker", "inside ActorRolloutWorker.compute_log_probs"),
     "actor.update": ("worker", "inside ActorRolloutWorker.update_policy, after the first optimizer step"),
+    "rollout.generate": ("worker", "inside RolloutWorker.generate (a split rollout pool, rollout.pool), after the "
+                                   "rollout, before returning"),
     "reference.log_probs": ("worker", "inside ReferenceWorker.compute_ref_log_probs"),
     "critic.values": ("worker", "inside CriticWorker.compute_values"),
     "critic.update": ("worker", "inside CriticWorker.update_critic, after the first optimizer step"),

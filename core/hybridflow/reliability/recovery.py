@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from hybridflow.ledger import IterationRecord
 from hybridflow.reliability.audit import uids_of, versions_of
 from hybridflow.reliability.faults import FaultPlan, InjectedFault, maybe_fail
 from hybridflow.reliability.journal import CallEntry, Journal
-from hybridflow.reliability.supervised import Supervised, SupervisedGroups
+from hybridflow.reliability.supervised import RestartableGroup, Supervised, SupervisedGroups
 
 __all__ = ["RecoveryPolicy", "RunStoppedError", "Supervisor", "attach_fault_plan", "RECOVERY_LOG"]
 
@@ -80,6 +81,9 @@ class Supervisor:
         self.journal = Journal(pool_of_role=lambda role: self._groups().role_pool.get(role))
         self.journal.after_call = self._after_call
         self.events: list[dict[str, Any]] = []
+        #: groups outside the trainer's (an async run's rollout pool): pool → (group, the pools whose restart also
+        #: restarts it, what to call after it restarted)
+        self.stateless: dict[str, tuple[RestartableGroup, frozenset[str], Callable[[], None]]] = {}
         self._failed_groups: set[str] = set()
         self._iteration_events: list[dict[str, Any]] = []
         self.log_path = Path(run_dir) / RECOVERY_LOG
@@ -88,6 +92,16 @@ class Supervisor:
         return self.trainer.worker_groups()
 
     # --- hooks the trainer calls --------------------------------------------------------------------------
+    def attach_group(self, pool: str, group: RestartableGroup, *, restart_with: Iterable[str] = (),
+                     on_restart: Callable[[], None] = lambda: None) -> None:
+        """Recover ``group`` too: a worker group outside the trainer's groups whose workers hold no trained state
+        (an async run's rollout pool: weights it is sent, generations in flight). Recovery restarts it when one of
+        its calls failed in the attempt, when the failure cannot be placed, or when a pool of ``restart_with``
+        restarts (its ranks may be blocked in a collective with that pool's dead ones); no checkpoint is restored
+        into it and nothing replayed: ``on_restart`` tells its owner, who brings it back to the current weights.
+        Give the group :meth:`observe` as a call observer."""
+        self.stateless[pool] = (group, frozenset(restart_with), on_restart)
+
     def observe(self, record: Any) -> None:
         """Call observer: remember which groups had a failed call in this attempt."""
         if not record.ok:
@@ -184,10 +198,19 @@ class Supervisor:
         detected = time.time()
         groups = self._groups()
         names = {group.name: pool for pool, group in groups.by_pool.items()}
-        pools = {names[g] for g in self._failed_groups if g in names} or set(groups.by_pool)
+        pools = {names[g] for g in self._failed_groups if g in names}
+        stateless = {pool for pool, (group, _, _) in self.stateless.items() if group.name in self._failed_groups}
+        if not pools and not stateless:  # the failure cannot be placed: every group
+            pools, stateless = set(groups.by_pool), set(self.stateless)
+        stateless |= {pool for pool, (_, linked, _) in self.stateless.items() if linked & pools}
         for pool in sorted(pools):
             groups.by_pool[pool].restart()
             self.journal.restarted(pool)
+        for pool in sorted(stateless):
+            group, _, on_restart = self.stateless[pool]
+            group.restart()
+            self.journal.restarted(pool)
+            on_restart()
         restarted = time.time()
         latest = self.trainer.latest_checkpoint(verify=True)  # a corrupted checkpoint is refused, naming the file
         if latest is not None:
@@ -199,13 +222,14 @@ class Supervisor:
             getattr(groups.role(update.role), update.method)(*update.args, **update.kwargs)
         event = {
             "what": what, "error": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-            "pools_restarted": sorted(pools), "checkpoint": str(latest) if latest else None,
+            "pools_restarted": sorted(pools | stateless), "checkpoint": str(latest) if latest else None,
             "updates_replayed": [f"{u.role}.{u.method}@{u.iteration}" for u in replayed],
             "iterations_replayed": len({u.iteration for u in replayed}),
             "seconds_failed_attempt": detected - failed_at, "seconds_restart": restarted - detected,
             "seconds_restore": time.time() - restarted, "seconds_lost": time.time() - failed_at,
             "faults_fired": self.faults.fired(),
-            "placement": {pool: groups.by_pool[pool].placement() for pool in sorted(pools)},  # ranks' nodes now
+            "placement": {pool: (groups.by_pool[pool] if pool in pools else self.stateless[pool][0]).placement()
+                          for pool in sorted(pools | stateless)},  # ranks' nodes now
         }
         self.events.append(event)
         with self.log_path.open("a", encoding="utf-8") as handle:

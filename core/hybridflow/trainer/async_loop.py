@@ -10,8 +10,10 @@ receives them over a torch.distributed broadcast: ``rollout.weight_sync``) and
 iteration step + 1 + k behind that: the hand-over from update to generation needs no driver round trip, and the
 rollout pool (:class:`~hybridflow.workers.rollout.RolloutWorker`) generates while the actor trains. k = 0 is
 synchronous generation on the rollout pool. The algorithm's dataflow is untouched: its ``actor.generate`` call of a
-step is answered with that step's rollout. Partial rollout, streaming mini-batches and recovery of the rollout pool
-(the fault matrix) are not here.
+step is answered with that step's rollout. Recovery: the trainer attaches the rollout pool to its supervisor, which
+restarts it when one of its calls failed (a rollout worker died), and the retried step syncs the actor's current
+weights again, version-checked; a failed step that leaves the rollout pool alive keeps the generations that stay
+valid (:meth:`AsyncRollout.abort_step`). Partial rollout and streaming mini-batches are not here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config import Config
-from hybridflow.controller.decorator import Dispatch
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
@@ -92,66 +93,6 @@ class PendingRollout:
     source: Any
 
 
-class _StepGeneration:
-    """``actor.generate`` as the algorithm sees it in a run with a rollout pool: the step's own prompts are answered
-    with the step's rollout (version-checked); any other call (validation) goes to the actor."""
-
-    dispatch = Dispatch(protocol="dp_compute", blocking=False, idempotent=True)
-
-    def __init__(self, rollout: AsyncRollout, actor_generate: Any) -> None:
-        self._rollout, self._actor_generate = rollout, actor_generate
-
-    def __call__(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs.get("greedy") and self._rollout.owns(prompts):
-            return self._rollout.claim(prompts)
-        return self._actor_generate(prompts, *args, **kwargs)
-
-    def submit(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        return self(prompts, *args, **kwargs)
-
-    def with_deadline(self, seconds: float) -> _StepGeneration:
-        return self
-
-
-class _StepUpdate:
-    """``actor.update_policy`` as the algorithm sees it: dispatched as usual, then (a step's first update) the weight
-    sync and the next generation are dispatched right behind it (:meth:`AsyncRollout.after_update_dispatched`)."""
-
-    def __init__(self, rollout: AsyncRollout, actor: Any, bound: Any) -> None:
-        self._rollout, self._actor, self._bound = rollout, actor, bound
-
-    @property
-    def dispatch(self) -> Dispatch:
-        return self._bound.dispatch  # type: ignore[no-any-return]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.submit(*args, **kwargs).get()
-
-    def submit(self, *args: Any, **kwargs: Any) -> Any:
-        future = self._bound.submit(*args, **kwargs)
-        if self._rollout.sync_behind_update:
-            self._rollout.after_update_dispatched(self._actor)
-        return future
-
-    def with_deadline(self, seconds: float) -> _StepUpdate:
-        return _StepUpdate(self._rollout, self._actor, self._bound.with_deadline(seconds))
-
-
-class _ActorWithRolloutPool:
-    """The actor's handle with ``generate`` answered by :class:`_StepGeneration` and ``update_policy`` followed by
-    the weight sync (:class:`_StepUpdate`); every other method unchanged."""
-
-    def __init__(self, rollout: AsyncRollout, actor: Any) -> None:
-        self._actor = actor
-        self.generate = _StepGeneration(rollout, actor.generate)
-        self.update_policy = _StepUpdate(rollout, actor, actor.update_policy)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._actor, name)
-
-
 class AsyncRollout:
     """The rollout pool of a run, the generations in flight on it and the staleness bound. Stability: experimental.
 
@@ -184,13 +125,17 @@ class AsyncRollout:
         self._syncs: list[tuple[int, Any, Any]] = []  # (version, export future, load future) not yet checked
         self._step: int | None = None  # the step between begin_step and end_step
         self._sent_after_update: int | None = None  # the step whose update the sync was dispatched behind
+        self._last_dispatched: int | None = None  # the last iteration queued on the rollout pool
+        self._before_update: tuple[Any, int | None, int | None] | None = None  # (shadow loader, synced, last)
+        self._force_sync = False  # a sync was forgotten: the rollout pool may hold other weights than synced_version
+        self._claimed_batch: tuple[int, list[str], Batch] | None = None  # the current step's rollout, once claimed
         self._shadow: PromptLoader | None = None
         self._current: Batch | None = None
         self._stats: dict[str, float] = {}
         self._retry_actor: Any = None  # the actor handle of the last sync (a regeneration syncs from it again)
         # iteration → (staleness of each row handed to the step, rows dropped): a retried step whose journal reuses
         # the rollout it was handed (claim not called again) reports the same numbers
-        self._claimed: dict[int, tuple[list[int], int]] = {}
+        self._claimed: dict[int, tuple[list[int], int, bool]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self, *, observers: list[Any], deadline_s: float, stack_dump_dir: str | None) -> None:
@@ -202,6 +147,12 @@ class AsyncRollout:
         self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": {"spec": self.spec}},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
                                  observers=[*observers, self._observe])
+
+    def linked_pools(self) -> set[str]:
+        """The pools whose restart must restart the rollout pool too: the actor's with ``weight_sync: collective``
+        (the rollout ranks may be blocked in a broadcast from its dead rank 0), else none (a sync from a dead actor
+        fails on its own, and the retried step syncs again)."""
+        return {self.config.actor.pool} if self.weight_sync == "collective" else set()
 
     def _observe(self, record: Any) -> None:
         """Time the rollout pool spent generating, summed per step (a load's time is mostly waiting for the
@@ -217,19 +168,39 @@ class AsyncRollout:
         self._rendezvous = None  # the sync group's store (its members are gone)
 
     def reset(self) -> None:
-        """Forget the generations in flight (a failed or retried step starts over from the actor's weights)."""
+        """Forget the generations in flight (the next step starts over from the actor's weights)."""
         self.pending.clear()
         self._syncs.clear()
-        self._shadow = None
-        self._current = None
-        self._step = self._sent_after_update = None
+        self._shadow = self._current = self._claimed_batch = self._before_update = None
+        self._step = self._sent_after_update = self._last_dispatched = None
         self.synced_version = None
         if self._rendezvous is not None:  # a sync may be half done on the old group: the next one builds a new one
             self._rendezvous.renew()
 
+    def abort_step(self) -> None:
+        """A failed step, to be retried: keep the generations queued before it and the rollout it claimed (their
+        weights were exported before the step's own calls, and recovery brings the actor back to the step's version,
+        so they stay valid and the retry trains on what the clean run would); forget the sync and generation
+        dispatched behind its update (the retry dispatches them again). A restarted rollout pool forgets everything
+        (:meth:`reset`, called by recovery), as does the collective sync (a broadcast may be half done)."""
+        step = self._step
+        if step is None or self.weight_sync == "collective" or (not self.pending and self._claimed_batch is None):
+            self.reset()
+            return
+        if self._sent_after_update == step and self._before_update is not None:
+            self._syncs = [sync for sync in self._syncs if sync[0] <= step]
+            self.pending = deque(entry for entry in self.pending if entry.version <= step)
+            shadow, self.synced_version, self._last_dispatched = self._before_update
+            if self._shadow is not None:
+                self._shadow.load_state_dict(shadow)
+            self._force_sync = True  # its load may still run on the rollout pool: sync before the next dispatch
+        self._current = self._step = self._sent_after_update = self._before_update = None
+
     def wrap_actor(self, actor: Any) -> Any:
         """The actor handle the algorithm's step gets: its ``generate`` of the step's prompts comes from here."""
-        return _ActorWithRolloutPool(self, actor)
+        from hybridflow.trainer.async_actor import ActorWithRolloutPool
+
+        return ActorWithRolloutPool(self, actor)
 
     # --- per step -----------------------------------------------------------------------------------------
     def begin_step(self, step: int, prompts: Batch, actor: Any) -> None:
@@ -237,8 +208,7 @@ class AsyncRollout:
         ``step + k`` (under the latest weights sent)."""
         self._current, self._step = prompts, step
         self._stats = {key: 0.0 for key in _STEP_STATS}
-        head = self.pending[0] if self.pending else None
-        if head is None or head.iteration != step or _uids(head.prompts) != _uids(prompts):
+        if not self._queued_for(step, prompts):
             self.reset()
             self._current, self._step = prompts, step
             self._shadow = PromptLoader(self.loader.dataset, batch_size=self.loader.batch_size,
@@ -247,9 +217,18 @@ class AsyncRollout:
             self._sync(actor, step)
             self._dispatch(step, prompts)
         last = min(step + self.max_staleness, self.total_steps - 1)
-        while self.pending[-1].iteration < last:
+        while self._last_dispatched is not None and self._last_dispatched < last:
             assert self._shadow is not None
-            self._dispatch(self.pending[-1].iteration + 1, self._shadow.next_batch())
+            self._dispatch(self._last_dispatched + 1, self._shadow.next_batch())
+
+    def _queued_for(self, step: int, prompts: Batch) -> bool:
+        """Whether the rollout pool's queue starts at ``step``'s prompts (or holds the next ones, the step's own
+        rollout claimed by a failed attempt of it)."""
+        head = self.pending[0] if self.pending else None
+        if self._claimed_batch is not None:
+            claimed, uids, _ = self._claimed_batch
+            return claimed == step and uids == _uids(prompts) and (head is None or head.iteration == step + 1)
+        return head is not None and head.iteration == step and _uids(head.prompts) == _uids(prompts)
 
     def after_update_dispatched(self, actor: Any) -> None:
         """Right after the current step's update is dispatched (actor at ``step + 1`` once it ends): the weight
@@ -260,6 +239,7 @@ class AsyncRollout:
         following = step + 1 + self.max_staleness
         if following < self.total_steps:
             assert self._shadow is not None
+            self._before_update = (self._shadow.state_dict(), self.synced_version, self._last_dispatched)
             self._sync(actor, step + 1)
             self._dispatch(following, self._shadow.next_batch())
 
@@ -267,12 +247,13 @@ class AsyncRollout:
         """After step ``step``'s update (actor at ``step + 1``): the sync and iteration step + 1 + k if the update
         did not dispatch them (a retried step reusing its update); returns the step's ``async/*`` metrics."""
         self.after_update_dispatched(actor)
-        self._current = self._step = None
-        staleness, dropped = self._claimed.get(step, ([0], 0))
+        self._current = self._step = self._claimed_batch = self._before_update = None
+        staleness, dropped, regenerated = self._claimed.get(step, ([0], 0, False))
         self._claimed = {iteration: value for iteration, value in self._claimed.items() if iteration > step}
         metrics = dict(self._stats)
         metrics.update({
             "async/dropped_stale_samples": float(dropped),
+            "async/regenerated": float(regenerated),
             "async/max_staleness": float(self.max_staleness),
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),
@@ -291,6 +272,9 @@ class AsyncRollout:
         """The current step's rollout, fetched, version-checked and tagged with the actor's version: groups beyond
         the staleness bound are dropped and counted; none left, it is generated again under the current weights."""
         step = int(prompts.meta["iteration"])
+        if self._claimed_batch is not None and self._claimed_batch[0] == step:  # a retry: the rollout it had
+            claimed = self._claimed_batch[2]
+            return Batch(claimed.tensors.copy(), dict(claimed.non_tensors), dict(claimed.meta))
         entry = self.pending.popleft()
         if entry.iteration != step:
             raise VersionMismatchError(f"the rollout pool's next generation is iteration {entry.iteration}, the step "
@@ -299,8 +283,8 @@ class AsyncRollout:
         batch = self._fetch(entry)
         kept, dropped = enforce_staleness(batch, version=step, max_staleness=self.max_staleness)
         self.dropped_total += dropped
+        all_stale = kept is None
         if kept is None:  # everything stale: generate this step again under the actor's current weights
-            self._stats["async/regenerated"] = 1.0
             if self._retry_actor is None:
                 raise VersionMismatchError(f"every sample of iteration {step} was beyond the staleness bound")
             self._sync(self._retry_actor, step)
@@ -308,8 +292,10 @@ class AsyncRollout:
             kept, _ = enforce_staleness(self._fetch(regenerated), version=step, max_staleness=self.max_staleness)
             assert kept is not None  # generated at the current version: staleness 0
         self._stats["async/wait_s"] = time.perf_counter() - started
-        self._claimed[step] = ([step - int(v) for v in kept[STALENESS_COLUMN].tolist()], dropped)
-        return kept.with_meta(iteration=step, policy_version=step)
+        self._claimed[step] = ([step - int(v) for v in kept[STALENESS_COLUMN].tolist()], dropped, all_stale)
+        kept = kept.with_meta(iteration=step, policy_version=step)
+        self._claimed_batch = (step, _uids(entry.prompts), kept)
+        return Batch(kept.tensors.copy(), dict(kept.non_tensors), dict(kept.meta))
 
     # --- internals ----------------------------------------------------------------------------------------
     def _fetch(self, entry: PendingRollout) -> Batch:
@@ -338,8 +324,9 @@ class AsyncRollout:
         """Send the actor's weights (which must be ``version`` once its queued calls end) to the rollout pool,
         behind what each has queued: the export is the actor's call output, fetched by the rollout worker itself."""
         self._retry_actor = actor
-        if self.synced_version == version:
+        if self.synced_version == version and not self._force_sync:
             return
+        self._force_sync = False
         started = time.perf_counter()
         if self.weight_sync == "collective":  # the actor's rank 0 broadcasts, the rollout ranks receive
             group = self._sync_group()
@@ -371,6 +358,7 @@ class AsyncRollout:
                                source=self.group.rollout.generate(tagged))
         if queue:
             self.pending.append(entry)
+            self._last_dispatched = iteration
         return entry
 
 
@@ -379,7 +367,7 @@ class AsyncRollout:
 #: driver's seconds dispatching), the time the step waited for its rollout and the rollout pool's compute time
 _STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_peak_bucket_bytes",
                "async/weight_sync_wait_s", "async/weight_sync_load_s", "async/weight_sync_driver_s",
-               "async/regenerated", "async/wait_s", "async/rollout_busy_s")
+               "async/wait_s", "async/rollout_busy_s")
 
 
 def _uids(batch: Batch) -> list[str]:

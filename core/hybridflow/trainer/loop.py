@@ -126,9 +126,13 @@ class Trainer:
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
         self.groups.group_of("actor").before_block = self._submit_generation_ahead
-        if self.async_rollout is not None:
-            self.async_rollout.start(observers=[self.recorder.observe], deadline_s=self.config.trainer.deadline_s,
+        if self.async_rollout is not None:  # recovery restarts the rollout pool too (its failed calls name it)
+            self.async_rollout.start(observers=[self.recorder.observe, self.supervisor.observe],
+                                     deadline_s=self.config.trainer.deadline_s,
                                      stack_dump_dir=str(self.run_dir / "stacks"))
+            self.supervisor.attach_group(self.async_rollout.pool_name, self.async_rollout.group,
+                                         restart_with=self.async_rollout.linked_pools(),
+                                         on_restart=self.async_rollout.reset)
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
                             "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
@@ -323,8 +327,8 @@ class Trainer:
                 metrics.update(self.async_rollout.end_step(self.step, self.worker_groups().role("actor")))
         except BaseException:
             self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
-            if self.async_rollout is not None:
-                self.async_rollout.reset()
+            if self.async_rollout is not None:  # keeps what stays valid for the retry
+                self.async_rollout.abort_step()
             raise
         finally:
             self._in_step = False

@@ -22,6 +22,7 @@ from hybridflow.batch import Batch
 from hybridflow.controller import Worker, register
 from hybridflow.engines import RolloutEngine, SamplingParams
 from hybridflow.errors import EngineError, VersionMismatchError
+from hybridflow.reliability.faults import FaultPlan, maybe_fail
 from hybridflow.workers.roles import ActorRolloutWorker, RoleSpec
 from hybridflow.workers.weight_sync import (
     BUCKET_BYTES,
@@ -93,6 +94,8 @@ class RolloutWorker(Worker):
         torch.set_num_threads(spec.threads)
         load_plugins()
         self.spec = spec
+        # fault injection (tests, bench/faults.py), off unless configured: the plan the actor's spec carries
+        self.faults = FaultPlan.from_json(spec.extra["faults"]) if spec.extra.get("faults") else FaultPlan()
         factory = registries.rollout_engines.get(spec.rollout_engine)
         self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
         self.synced = False
@@ -170,6 +173,8 @@ class RolloutWorker(Worker):
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + self.rank)
         out = self.rollout.generate(prompts, sampling)
+        tag = prompts.meta.get("iteration")
+        maybe_fail("rollout.generate", iteration=None if tag is None else int(tag), rank=self.rank, plan=self.faults)
         if out.meta.get("policy_version") != self.rollout.weights_version:
             raise VersionMismatchError(f"rollout engine tagged its output policy_version "
                                        f"{out.meta.get('policy_version')} but holds weights version "
