@@ -1,9 +1,11 @@
 """Streaming mini-batches (``trainer.stream_mini_batches``, docs/async.md): the config checks, the chunks a step is
-cut into and how the chunks' update metrics combine (the trainer's path: tests/e2e/test_async_train.py)."""
+cut into, how the chunks' update metrics combine and the actor worker's version between chunks (the trainer's path:
+tests/e2e/test_async_train.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from hybridflow.algorithms.helpers import combine_chunk_metrics, split_prompt_chunks, stream_chunk_count
 from hybridflow.batch import Batch
 from hybridflow.config import load_config
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, VersionMismatchError
 
 #: 4 prompts × n 4 = 16 rows a step, a rollout pool of 1 worker, chunks of 8 rows (2 prompt groups)
 BASE = ["resource_pools.main.devices_per_node=[1]", "resource_pools.gen.devices_per_node=[1]", "data.batch_size=4",
@@ -66,3 +68,39 @@ def test_chunk_metrics_combine_as_the_engine_averages_its_mini_batches() -> None
     combined = combine_chunk_metrics(chunks)
     assert {key: combined[key] for key in engine} == engine  # bit for bit
     assert combined["optimizer_steps"] == 3.0 and combined["lr"] == 0.002 and combined["actor/policy_version"] == 4.0
+
+
+def _method(cls: type, name: str) -> Any:
+    """``cls.name`` undecorated (called in this process instead of through a worker group)."""
+    bound = getattr(cls, name)
+    return getattr(bound, "__wrapped__", bound)
+
+
+def test_the_actor_moves_its_version_at_the_final_chunk_and_refuses_exports_between() -> None:
+    """A streamed step on the actor worker (in this process): chunks before the final train but leave the version;
+    until the final one, weight exports, log-probs and generation are refused (the weights are no version)."""
+    from hybridflow.engines import ModelSpec, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
+    from hybridflow.presets import preset_model_config
+    from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
+    from hybridflow.workers.roles import RoleSpec
+    from hybridflow.workers.rollout import WeightExportingActor
+
+    model = ModelSpec(config=preset_model_config("tiny-qwen2"))
+    actor = WeightExportingActor(RoleSpec(role="actor", engine="fsdp", engine_config=TrainingEngineConfig(model=model),
+                                          loss=sequence_mean_nll, rollout_engine="hf",
+                                          rollout_config=RolloutEngineConfig(model=model), sampling=SamplingParams()))
+    chunks = [build_training_batch(rows=4, seed=seed) for seed in (0, 1)]
+    update, export = _method(WeightExportingActor, "update_policy_chunk"), _method(WeightExportingActor,
+                                                                                    "export_generation_weights")
+    before = {name: tensor.clone() for name, tensor in actor.engine.generation_weights(target="hf")}
+    metrics = update(actor, chunks[0], final=False)
+    assert actor.policy_version == 0 and "actor/policy_version" not in metrics and metrics["optimizer_steps"] == 1
+    for method, args in (("export_generation_weights", ()), ("compute_log_probs", (chunks[1],)),
+                         ("generate", (chunks[1],))):
+        with pytest.raises(VersionMismatchError, match="inside a streamed step"):
+            _method(WeightExportingActor, method)(actor, *args)
+    assert update(actor, chunks[1], final=True)["actor/policy_version"] == 1 and actor.policy_version == 1
+    version, buckets = export(actor)
+    assert version == 1 and buckets
+    after = dict(actor.engine.generation_weights(target="hf"))
+    assert any(not torch.equal(after[name], tensor) for name, tensor in before.items())  # two steps were taken
