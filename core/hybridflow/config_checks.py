@@ -191,7 +191,8 @@ def check_streaming(config: Any) -> None:
         raise ValueError(f"{what}, one chunk per actor mini-batch: actor.mini_batch_size must be a multiple of "
                          f"rollout.n = {n} (whole prompt groups) dividing the {rows} rows of a step into 2 or more, "
                          f"got {size}. Fix: set actor.mini_batch_size, e.g. {rows // 2 if rows // 2 % n == 0 else n}")
-    world = config.resource_pools[config.rollout.pool].world_size
+    pool = config.resource_pools.get(config.rollout.pool)  # an unknown pool is check_async's error
+    world = 1 if pool is None else pool.world_size
     if (size // n) % world:
         raise ValueError(f"{what}: each chunk's {size // n} prompts must split over the rollout pool's {world} "
                          "workers. Fix: make actor.mini_batch_size / rollout.n a multiple of them")

@@ -30,6 +30,7 @@ STREAM = [*BASE, "rollout.pool=gen", "trainer.stream_mini_batches=true", "actor.
     (["resource_pools.gen.devices_per_node=[2]", "actor.mini_batch_size=4"], "split over the rollout pool's 2"),
     (["actor.recompute_log_probs=true"], "weights already stepped"),
     (["actor.ppo_epochs=2"], "ppo_epochs = 2"),
+    (["rollout.pool=nowhere"], "not a pool of resource_pools"),
 ])
 def test_streaming_is_refused_where_it_cannot_apply(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
