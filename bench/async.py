@@ -6,7 +6,10 @@ wall-second of GRPO (examples/grpo_arithmetic_scratch.yaml, shortened) for
   (``rollout.pool``), ``trainer.max_staleness`` = 0, 1, 2;
 - ``split-k0/k1-after-update``: the same with the weight sync and the next generation dispatched once the step's
   update has returned to the driver (``AsyncRollout.sync_behind_update = False``, the schedule before they were
-  dispatched right behind the update): the ablation of that change.
+  dispatched right behind the update): the ablation of that change;
+- ``split-k0/k1-stream``: ``trainer.stream_mini_batches`` with ``--stream-chunks`` chunks a step (each chunk trained
+  the moment it is generated), and ``split-k0/k1-barrier`` the same chunks consumed at once (one update of the
+  chunks concatenated, ``AsyncRollout.stream = False``): the ablation of streaming.
 
 Timing covers the training steps after the first (warm-up: it also pays the first weight sync), wall clock from the
 end of step 0 to the end of the last step; worker start-up is not counted. ``reward_per_wall_s`` = Σ over the timed
@@ -54,7 +57,8 @@ from hybridflow.controller import CallRecord, init_ray
 from hybridflow.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
-SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update")
+SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update",
+            "split-k0-stream", "split-k0-barrier", "split-k1-stream", "split-k1-barrier")
 DEFAULT_SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k1-after-update")
 #: the calls that are generation (on the rollout pool, or the colocated actor's own); a rollout worker's
 #: load_weights / receive_weights is neither (most of its time is waiting for the actor's weights: ``sync_wait_s``)
@@ -62,16 +66,20 @@ GENERATION = ("generate",)
 SYNC_LOADS = ("load_weights", "receive_weights")
 
 
-def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: float) -> list[str]:
+def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: float, rows: int = 128,
+                      chunks: int = 4) -> list[str]:
+    """The config of ``setting``; ``rows`` a step's (prompts × n), cut into ``chunks`` for the streamed ones."""
     if setting == "colocated":
         pools = {"main": {"devices_per_node": [colocated_workers], "device": "cpu",
                           "cpus_per_worker": cpus_per_worker}}
         return [f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}"]
-    staleness = int(setting.removeprefix("split-k").removesuffix("-after-update"))
+    staleness = int(setting.removeprefix("split-k").split("-")[0])
+    streamed = ["trainer.stream_mini_batches=true", f"actor.mini_batch_size={rows // chunks}"]
     pools = {name: {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": cpus_per_worker}
              for name in ("main", "gen")}
     return [f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}", "rollout.pool=gen",
-            f"trainer.max_staleness={staleness}"]
+            f"trainer.max_staleness={staleness}",
+            *(streamed if setting.endswith(("-stream", "-barrier")) else [])]
 
 
 def _busy_intervals(records: list[CallRecord], *, generation: bool) -> list[tuple[float, float]]:
@@ -113,7 +121,8 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
         f"trainer.total_steps={args.steps}", "trainer.checkpoint_every=0", "trainer.val_every=0", "trainer.val_n=1",
         "data.task.num_val_prompts=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
         "trainer.log_rollouts=0", f"data.batch_size={args.batch_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        *setting_overrides(setting, colocated_workers=args.colocated_workers, cpus_per_worker=args.cpus_per_worker),
+        *setting_overrides(setting, colocated_workers=args.colocated_workers, cpus_per_worker=args.cpus_per_worker,
+                           rows=args.batch_size * 4, chunks=args.stream_chunks),  # rows: the example's n = 4
     ]
     label = setting
     if setting.startswith("split"):
@@ -129,6 +138,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
         groups = [*trainer.worker_groups().by_pool.values()]
         if trainer.async_rollout is not None:
             trainer.async_rollout.sync_behind_update = not setting.endswith("-after-update")
+            trainer.async_rollout.stream = trainer.async_rollout.stream and not setting.endswith("-barrier")
             trainer.async_rollout.group.observers.append(records.append)
             groups.append(trainer.async_rollout.group)
         pids = [os.getpid(), *(pid for group in groups for pid in (group.local_process_ids() or {}).values())]
@@ -195,6 +205,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), choices=SETTINGS)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--stream-chunks", type=int, default=4, help="chunks a step of the -stream/-barrier settings")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated pool (split: 1+1)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)

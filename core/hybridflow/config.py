@@ -209,6 +209,9 @@ class TrainerConfig(_Section):
     # asynchronous RL (docs/async.md): with rollout.pool, generation runs up to max_staleness policy versions behind
     # the actor; samples further behind are dropped and counted. 0 = synchronous
     max_staleness: int = Field(default=0, ge=0)
+    # streaming (docs/async.md): with rollout.pool, a step's rollout arrives in chunks of actor.mini_batch_size rows
+    # and the actor takes each chunk's optimizer step as it arrives (one policy version per step still)
+    stream_mini_batches: bool = False
 
 
 class ReliabilitySection(_Section):

@@ -12,7 +12,8 @@ from typing import Any
 
 from hybridflow.errors import ConfigError
 
-__all__ = ["check_pool_batches", "check_registered_names", "check_generation_layout", "check_async"]
+__all__ = ["check_pool_batches", "check_registered_names", "check_generation_layout", "check_async",
+           "check_streaming"]
 
 
 def check_async(config: Any) -> None:
@@ -31,6 +32,8 @@ def check_async(config: Any) -> None:
         raise ValueError(f"trainer.max_staleness = {config.trainer.max_staleness} generates on a rollout pool of "
                          "its own while the actor trains, but rollout.pool is not set. Fix: add a pool to "
                          "resource_pools and set rollout.pool to it, or set trainer.max_staleness=0")
+    if config.trainer.stream_mini_batches:
+        check_streaming(config)
     if config.algorithm.rollout_correction != "none" and not config.actor.recompute_log_probs:
         raise ValueError(f"algorithm.rollout_correction = {config.algorithm.rollout_correction} weighs tokens by "
                          "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "
@@ -172,3 +175,31 @@ def check_pool_batches(config: Any, sections: dict[str, Any], *, error: type[Exc
                         f"batch of data.batch_size × rollout.n = {prompts} × {samples} = {rows} rows does not split "
                         f"evenly over its {data_parallel} data-parallel ranks; fix: make data.batch_size × rollout.n "
                         f"a multiple of {data_parallel}, or resize resource_pools.{pool_name}")
+
+
+def check_streaming(config: Any) -> None:
+    """``trainer.stream_mini_batches`` (docs/async.md): the step's rollout arrives in chunks of
+    ``actor.mini_batch_size`` rows of whole prompt groups, and the actor steps on each as it arrives."""
+    actor, n, rows = config.actor, config.rollout.n, config.data.batch_size * config.rollout.n
+    what = "trainer.stream_mini_batches trains each chunk of a step's rollout as it arrives"
+    if config.rollout.pool is None:
+        raise ValueError(f"{what} from a rollout pool of its own, but rollout.pool is not set (the actor's own "
+                         "generation has nothing to overlap). Fix: set rollout.pool, or "
+                         "trainer.stream_mini_batches=false")
+    size = actor.mini_batch_size
+    if size is None or size >= rows or rows % size or size % n:
+        raise ValueError(f"{what}, one chunk per actor mini-batch: actor.mini_batch_size must be a multiple of "
+                         f"rollout.n = {n} (whole prompt groups) dividing the {rows} rows of a step into 2 or more, "
+                         f"got {size}. Fix: set actor.mini_batch_size, e.g. {rows // 2 if rows // 2 % n == 0 else n}")
+    pool = config.resource_pools.get(config.rollout.pool)  # an unknown pool is check_async's error
+    world = 1 if pool is None else pool.world_size
+    if (size // n) % world:
+        raise ValueError(f"{what}: each chunk's {size // n} prompts must split over the rollout pool's {world} "
+                         "workers. Fix: make actor.mini_batch_size / rollout.n a multiple of them")
+    if actor.recompute_log_probs:
+        raise ValueError(f"{what}: with actor.recompute_log_probs=true, π_old of a later chunk would be computed "
+                         "by weights already stepped on the earlier chunks. Fix: set actor.recompute_log_probs=false "
+                         "(π_old is the rollout's log-prob), or trainer.stream_mini_batches=false")
+    if actor.ppo_epochs != 1:
+        raise ValueError(f"{what}: actor.ppo_epochs = {actor.ppo_epochs} revisits every chunk after the last one "
+                         "arrived. Fix: set actor.ppo_epochs=1, or trainer.stream_mini_batches=false")

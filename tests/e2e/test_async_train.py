@@ -214,3 +214,82 @@ def test_killed_rollout_and_actor_workers_recover_to_the_clean_run(k1_store: K1R
     assert _consumed(rows[2]) == _consumed(read_ledger(k1_store.run_dir)[2])
     # the retried step 2 asked again for its rollout (the actor's pool restarted) and got the one it had claimed
     assert "actor.generate" in next(n for n in rows[2]["notes"] if "redone_nodes" in n)["redone_nodes"]
+
+
+#: streaming at k = 0: a step of 4 prompts × n = 4 in two chunks of 2 prompt groups (actor.mini_batch_size = 8 rows)
+STREAM = (*SMALL, "trainer.total_steps=3", "rollout.pool=gen", "trainer.stream_mini_batches=true",
+          "actor.mini_batch_size=8")
+
+
+def _streamed_run(tiny_config: Any, run_dir: Path, *, stream: bool) -> tuple[K1Run, dict[str, list[Any]]]:
+    """The STREAM run, its chunks claimed one by one (``stream``) or all at once (the barrier: one update of the
+    concatenated chunks, one optimizer step per mini-batch = chunk): metrics, final weights and the records of the
+    rollout pool's generations and the actor's updates, in the order the workers finished them."""
+    config = tiny_config(run_dir, *STREAM)
+    trainer = Trainer(config, progress=False)
+    assert trainer.async_rollout is not None
+    trainer.async_rollout.stream = stream
+    calls: dict[str, list[Any]] = {"generate": [], "update_policy": [], "update_policy_chunk": []}
+
+    def observe(record: Any) -> None:
+        if record.method in calls and record.role in ("rollout", "actor"):
+            calls[record.method].append(record)
+
+    trainer.call_observers.append(observe)  # the actor's calls
+    recorder = trainer.recorder.observe
+    trainer.recorder.observe = lambda record: (observe(record), recorder(record))  # type: ignore[method-assign]
+    try:
+        rows = trainer.fit()
+        actor = trainer.worker_groups().role("actor")
+        assert actor is not None
+        actor.export_hf(str(run_dir / "hf"))
+    finally:
+        trainer.close()
+    for records in calls.values():
+        records.sort(key=lambda record: record.finished_at)
+    run = K1Run(rows, load_file(str(run_dir / "hf" / "model.safetensors")), [], run_dir, config.rollout.n,
+                config.model.preset)
+    return run, calls
+
+
+def _started(record: Any) -> float:
+    """When the worker began the call (its clock: the pools share this host)."""
+    return float(record.finished_at - max(record.compute_seconds_per_rank))
+
+
+@pytest.mark.slow
+def test_streamed_mini_batches_train_as_the_barrier_does(tmp_path: Path, tiny_config: Any) -> None:
+    """trainer.stream_mini_batches: each chunk of a step's rollout is trained the moment it is generated, while the
+    rollout pool generates the next, and the run is bit for bit the one that waits for every chunk and takes the
+    same optimizer steps in one update (metrics and final weights); one policy version per step, every sample
+    trained exactly once."""
+    streamed, stream_calls = _streamed_run(tiny_config, tmp_path / "stream", stream=True)
+    barrier, barrier_calls = _streamed_run(tiny_config, tmp_path / "barrier", stream=False)
+    assert len(streamed.rows) == len(barrier.rows) == 3
+    for step, (expected, got) in enumerate(zip(barrier.rows, streamed.rows)):
+        compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
+        assert {key: got[key] for key in compared} == compared, f"step {step}"
+        assert got["optimizer_steps"] == 2 and got["actor/policy_version"] == step + 1
+        assert got["async/staleness_max"] == 0
+    assert streamed.weights.keys() == barrier.weights.keys()
+    for name, tensor in barrier.weights.items():
+        assert torch.equal(streamed.weights[name], tensor), name
+    # two chunk updates per step (the barrier: one update), six generations of a chunk each in both runs
+    assert len(stream_calls["update_policy_chunk"]) == 6 and not stream_calls["update_policy"]
+    assert len(barrier_calls["update_policy"]) == 3 and not barrier_calls["update_policy_chunk"]
+    assert len(stream_calls["generate"]) == len(barrier_calls["generate"]) == 6
+    # streamed: the actor began training a step's first chunk before the rollout pool had finished its second (on
+    # some step: the box's load decides how much of the generation is left); the barrier never does
+    generated = [record.finished_at for record in stream_calls["generate"][1::2]]
+    first_chunk = [_started(record) for record in stream_calls["update_policy_chunk"][0::2]]
+    assert any(start < done for start, done in zip(first_chunk, generated)), (first_chunk, generated)
+    generated = [record.finished_at for record in barrier_calls["generate"][1::2]]
+    assert all(_started(record) > done for record, done in zip(barrier_calls["update_policy"], generated))
+    # every sample of every step trained exactly once, in chunks of whole prompt groups
+    ledger = read_ledger(streamed.run_dir)
+    for row in ledger:
+        consumed = next(note for note in row["notes"] if "consumed_uids" in note)["consumed_uids"]
+        uids = consumed["actor.update_policy_chunk"]
+        assert sorted(uids.count(uid) for uid in set(uids)) == [streamed.n] * 4  # 4 prompts, n samples each
+    audit = audit_ledger(ledger, samples_per_prompt=streamed.n)
+    assert audit.mixed_versions == [] and audit.samples_duplicated == 0 and audit.samples_lost == 0

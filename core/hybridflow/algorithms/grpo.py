@@ -8,7 +8,6 @@ from typing import Any
 
 from hybridflow.algorithms.advantages import compute_grpo_advantages
 from hybridflow.algorithms.coefficients import build_kl_state
-from hybridflow.algorithms.helpers import mean_over_ranks
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful, policy_roles
 from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
@@ -19,6 +18,8 @@ __all__ = ["GRPO"]
 class GRPO:
     name = "grpo"
     extra_keys: tuple[str, ...] = ()
+    #: its advantages need only a prompt group: a step may stream in chunks of groups (trainer.stream_mini_batches)
+    streams_mini_batches = True
 
     def roles(self, config: Any) -> list[RoleDeclaration]:
         return policy_roles(config, kl_in_reward=config.algorithm.kl_coef > 0)
@@ -27,11 +28,14 @@ class GRPO:
         return build_kl_state(config)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        batch = rt.rollout(prompts)                    # n samples per prompt, π_old, π_ref, reward
-        batch["advantages"] = compute_grpo_advantages(
-            rt.outcome_scores(batch), rt.config.rollout.n, batch["response_mask"],
-            normalize_std=rt.config.algorithm.norm_adv_by_std)
-        metrics = mean_over_ranks(rt.actor.update_policy(batch))
+        # n samples per prompt, π_old, π_ref, reward; with trainer.stream_mini_batches chunk by chunk as they arrive
+        batch, metrics = rt.stream_update(prompts, lambda chunk: self.advantages(rt, chunk))
         summary = rt.summarize(batch)
         rt.update_kl_controller(summary, len(batch))
         return {**summary, **metrics}
+
+    def advantages(self, rt: Runtime, batch: Batch) -> None:
+        """Scores normalised within each prompt's group (a chunk of whole groups gets the whole batch's)."""
+        batch["advantages"] = compute_grpo_advantages(
+            rt.outcome_scores(batch), rt.config.rollout.n, batch["response_mask"],
+            normalize_std=rt.config.algorithm.norm_adv_by_std)

@@ -9,7 +9,8 @@ from typing import Any
 
 from hybridflow.batch import Batch
 
-__all__ = ["decode_batch", "fill_old_log_probs", "mean_over_ranks"]
+__all__ = ["combine_chunk_metrics", "decode_batch", "fill_old_log_probs", "mean_over_ranks", "split_prompt_chunks",
+           "stream_chunk_count"]
 
 
 def decode_batch(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
@@ -37,3 +38,41 @@ def mean_over_ranks(metrics: Any) -> dict[str, float]:
     rows = [m for m in metrics if m]
     keys = sorted({k for m in rows for k in m})
     return {k: sum(float(m[k]) for m in rows if k in m) / sum(1 for m in rows if k in m) for k in keys}
+
+
+def stream_chunk_count(config: Any) -> int:
+    """Chunks of a streamed step (``trainer.stream_mini_batches``): one per actor mini-batch; 1 when not streaming."""
+    if not config.trainer.stream_mini_batches:
+        return 1
+    return int(config.data.batch_size * config.rollout.n // config.actor.mini_batch_size)
+
+
+def split_prompt_chunks(prompts: Batch, chunks: int) -> list[Batch]:
+    """``prompts`` in ``chunks`` equal runs of consecutive prompts (whole prompt groups once generated), each tagged
+    ``chunk`` (its index) and ``chunks`` in its meta: the rollout pool generates them, the step claims them so."""
+    if chunks < 1 or len(prompts) % chunks:
+        raise ValueError(f"cannot split {len(prompts)} prompts into {chunks} equal chunks; expected a divisor")
+    size = len(prompts) // chunks
+    return [prompts.slice(index * size, (index + 1) * size).with_meta(chunk=index, chunks=chunks)
+            for index in range(chunks)]
+
+
+def combine_chunk_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One update's metrics from its chunks' (in order): a training engine reports the mean over its mini-batches,
+    so each chunk's (one mini-batch) value is summed in order and divided by the chunks (the sum the engine takes
+    over its mini-batches); ``optimizer_steps`` are summed; the learning rate, memory and version are the last
+    chunk's (the state after the update)."""
+    last = {"lr", "actor/policy_version"}
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(key for part in parts for key in part):
+        values = [part[key] for part in parts if key in part]
+        if key == "optimizer_steps":
+            out[key] = float(sum(values))
+        elif key in last or key.startswith("memory/"):
+            out[key] = values[-1]
+        else:
+            total = 0.0
+            for value in values:
+                total += value
+            out[key] = total / len(values)
+    return out

@@ -15,7 +15,13 @@ import torch
 from hybridflow.agent.batch import summarize_agent_metrics
 from hybridflow.algorithms.advantages import build_token_level_rewards, masked_mean, masked_sum
 from hybridflow.algorithms.dynamic_sampling import fill_informative_groups
-from hybridflow.algorithms.helpers import decode_batch, fill_old_log_probs
+from hybridflow.algorithms.helpers import (
+    combine_chunk_metrics,
+    decode_batch,
+    fill_old_log_probs,
+    mean_over_ranks,
+    split_prompt_chunks,
+)
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
@@ -42,6 +48,8 @@ class Runtime:
     more_prompts: Callable[[], Batch] | None = None
     #: metrics of the step's rollout that :meth:`summarize` adds (dynamic sampling's ``train/num_gen_batches``)
     rollout_metrics: dict[str, float] = field(default_factory=dict)
+    #: chunks a step's rollout streams in (``trainer.stream_mini_batches``: :meth:`stream_update`); 1 = not streamed
+    stream_chunks: int = 1
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -157,6 +165,35 @@ class Runtime:
             generate_more=lambda: self._rollout_once(more(), values=values, cost=cost))
         self.rollout_metrics.update(metrics)
         return batch
+
+    def stream_update(self, prompts: Batch, advantages: Callable[[Batch], None]) -> tuple[Batch, dict[str, float]]:
+        """A streamed step (``trainer.stream_mini_batches``, docs/async.md): for each chunk of ``prompts`` (whole
+        prompt groups), the moment its rollout arrives: score it, set its advantages (``advantages(chunk)``: they
+        must need nothing beyond the chunk's prompt groups) and dispatch the actor's update of it, while the rollout
+        pool generates the next chunks (the final chunk's update moves the policy version). Returns the chunks'
+        rollouts concatenated and the update's metrics (:func:`~hybridflow.algorithms.helpers.combine_chunk_metrics`).
+        Without streaming (one chunk) it is :meth:`rollout`, ``advantages`` and ``actor.update_policy``."""
+        if self.stream_chunks == 1:
+            batch = self.rollout(prompts)
+            advantages(batch)
+            return batch, mean_over_ranks(self.actor.update_policy(batch))
+        chunks = split_prompt_chunks(prompts, self.stream_chunks)
+        scored: list[Batch] = []
+        updates: list[Any] = []
+        for index, chunk in enumerate(chunks):
+            batch = self._rollout_once(chunk, values=(), cost=False)
+            advantages(batch)
+            updates.append(self.actor.update_policy_chunk.submit(batch, final=index == len(chunks) - 1))
+            scored.append(batch)
+        metrics = combine_chunk_metrics([mean_over_ranks(update.get(timeout=self.timeout_s)) for update in updates])
+        batch = Batch.concat(scored)
+        for key in ("chunk", "chunks"):
+            batch.meta.pop(key, None)
+        reward_metrics = [part.meta.get("reward_metrics", {}) for part in scored]
+        if reward_metrics[0]:  # a per-batch reward metric, of each chunk: their mean (chunks are equal in rows)
+            batch.meta["reward_metrics"] = {key: sum(part[key] for part in reward_metrics) / len(reward_metrics)
+                                            for key in reward_metrics[0]}
+        return batch, metrics
 
     def _rollout_once(self, prompts: Batch, *, values: tuple[str, ...], cost: bool) -> Batch:
         generated = self.actor.generate(prompts)

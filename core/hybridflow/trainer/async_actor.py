@@ -38,10 +38,11 @@ class StepGeneration:
 
 class StepUpdate:
     """``actor.update_policy`` as the algorithm sees it: dispatched as usual, then (a step's first update) the weight
-    sync and the next generation are dispatched right behind it (:meth:`AsyncRollout.after_update_dispatched`)."""
+    sync and the next generation are dispatched right behind it (:meth:`AsyncRollout.after_update_dispatched`).
+    ``chunked``: ``actor.update_policy_chunk`` of a streamed step, followed by them at its ``final`` chunk only."""
 
-    def __init__(self, rollout: AsyncRollout, actor: Any, bound: Any) -> None:
-        self._rollout, self._actor, self._bound = rollout, actor, bound
+    def __init__(self, rollout: AsyncRollout, actor: Any, bound: Any, *, chunked: bool = False) -> None:
+        self._rollout, self._actor, self._bound, self._chunked = rollout, actor, bound, chunked
 
     @property
     def dispatch(self) -> Dispatch:
@@ -52,12 +53,13 @@ class StepUpdate:
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
         future = self._bound.submit(*args, **kwargs)
-        if self._rollout.sync_behind_update:
+        # a streamed step's chunk: the weights are the next version after the final chunk only
+        if self._rollout.sync_behind_update and (not self._chunked or kwargs.get("final")):
             self._rollout.after_update_dispatched(self._actor)
         return future
 
     def with_deadline(self, seconds: float) -> StepUpdate:
-        return StepUpdate(self._rollout, self._actor, self._bound.with_deadline(seconds))
+        return StepUpdate(self._rollout, self._actor, self._bound.with_deadline(seconds), chunked=self._chunked)
 
 
 class ActorWithRolloutPool:
@@ -68,6 +70,7 @@ class ActorWithRolloutPool:
         self._actor = actor
         self.generate = StepGeneration(rollout, actor.generate)
         self.update_policy = StepUpdate(rollout, actor, actor.update_policy)
+        self.update_policy_chunk = StepUpdate(rollout, actor, actor.update_policy_chunk, chunked=True)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

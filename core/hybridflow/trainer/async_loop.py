@@ -13,7 +13,9 @@ synchronous generation on the rollout pool. The algorithm's dataflow is untouche
 step is answered with that step's rollout. Recovery: the trainer attaches the rollout pool to its supervisor, which
 restarts it when one of its calls failed (a rollout worker died), and the retried step syncs the actor's current
 weights again, version-checked; a failed step that leaves the rollout pool alive keeps the generations that stay
-valid (:meth:`AsyncRollout.abort_step`). Partial rollout and streaming mini-batches are not here.
+valid (:meth:`AsyncRollout.abort_step`). Streaming (``trainer.stream_mini_batches``): an iteration is generated
+as one call per chunk of ``actor.mini_batch_size`` rows, and the step claims each chunk as it finishes
+(:meth:`AsyncRollout.claim` of a chunk's prompts). Partial rollout is not here.
 """
 
 from __future__ import annotations
@@ -25,67 +27,21 @@ from typing import Any
 
 import torch
 
+from hybridflow.algorithms.helpers import split_prompt_chunks, stream_chunk_count
 from hybridflow.batch import Batch
 from hybridflow.config import Config
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
+from hybridflow.trainer.staleness import STALENESS_COLUMN, enforce_staleness, use_weight_exporting_actor
 from hybridflow.workers.rollout import WeightsRef
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
 
-#: per-row column of a rollout that reached the trainer: the policy version it was generated at
-STALENESS_COLUMN = "rollout_policy_version"
-
-
-def enforce_staleness(batch: Batch, *, version: int, max_staleness: int) -> tuple[Batch | None, int]:
-    """The rows of ``batch`` (tagged per row with :data:`STALENESS_COLUMN`) that may update weights of ``version``:
-    a row more than ``max_staleness`` versions behind is dropped with every row of its prompt group (same ``uid``,
-    so group advantages stay whole). Returns (the kept rows or None when none is left, rows dropped).
-
-    Raises:
-        VersionMismatchError: a row claims a version newer than ``version`` (weights that do not exist yet).
-    """
-    versions = [int(v) for v in batch[STALENESS_COLUMN].tolist()]
-    ahead = [v for v in versions if v > version]
-    if ahead:
-        raise VersionMismatchError(f"a rollout tagged policy_version {max(ahead)} reached weights of version "
-                                   f"{version}: a sample cannot come from a policy newer than the one it updates")
-    stale = [version - v > max_staleness for v in versions]
-    if "uid" in batch:
-        uids = [str(u) for u in batch["uid"]]
-        stale_groups = {uid for uid, is_stale in zip(uids, stale) if is_stale}
-        keep = [row for row, uid in enumerate(uids) if uid not in stale_groups]
-    else:
-        keep = [row for row, is_stale in enumerate(stale) if not is_stale]
-    dropped = len(versions) - len(keep)
-    if not keep:
-        return None, dropped
-    return (batch, 0) if not dropped else (batch.index(keep), dropped)
-
-
-def use_weight_exporting_actor(plans: list[RolePlan]) -> list[RolePlan]:
-    """The plans with the actor served by :class:`~hybridflow.workers.rollout.WeightExportingActor` (a subclass of
-    the default actor worker that also exports its generation weights to the rollout pool)."""
-    from hybridflow.workers import ActorRolloutWorker
-    from hybridflow.workers.rollout import WeightExportingActor
-
-    out = []
-    for plan in plans:
-        if plan.role == "actor":
-            if plan.worker is not ActorRolloutWorker and not issubclass(plan.worker, WeightExportingActor):
-                raise ConfigError(f"rollout.pool needs the actor served by the default actor worker (it exports the "
-                                  f"weights to the rollout pool); algorithm declares {plan.worker.__qualname__}. "
-                                  "Fix: remove rollout.pool, or derive the worker from WeightExportingActor")
-            plan = replace(plan, worker=WeightExportingActor)
-        out.append(plan)
-    return out
-
-
 @dataclass(slots=True)
 class PendingRollout:
     """A generation dispatched to the rollout pool: its iteration, prompts, weights version and result (a future,
-    or a Batch once fetched)."""
+    or a Batch once fetched; a list of them, one per chunk, in a streamed run)."""
 
     iteration: int
     prompts: Batch
@@ -113,6 +69,10 @@ class AsyncRollout:
         #: dispatch the sync and the next generation right behind the step's update (else once the step returned:
         #: a driver round trip later, the schedule before; bench/async.py's ablation)
         self.sync_behind_update = True
+        #: chunks per iteration (trainer.stream_mini_batches; else 1) and whether the step claims them one by one
+        #: (False: the chunks' rollouts concatenated, claimed at once: the barrier the streaming test compares with)
+        self.chunks = stream_chunk_count(config)
+        self.stream = self.chunks > 1
         self.loader = loader
         actor = next(plan for plan in plans if plan.role == "actor")
         device = config.resource_pools[self.pool_name].device
@@ -129,6 +89,8 @@ class AsyncRollout:
         self._before_update: tuple[Any, int | None, int | None] | None = None  # (shadow loader, synced, last)
         self._force_sync = False  # a sync was forgotten: the rollout pool may hold other weights than synced_version
         self._claimed_batch: tuple[int, list[str], Batch] | None = None  # the current step's rollout, once claimed
+        self._streamed: PendingRollout | None = None  # a streamed step's generation, once its first chunk is claimed
+        self._claimed_chunks: dict[int, Batch] = {}  # its chunks claimed so far (a retry gets the same rows)
         self._shadow: PromptLoader | None = None
         self._current: Batch | None = None
         self._stats: dict[str, float] = {}
@@ -171,8 +133,9 @@ class AsyncRollout:
         """Forget the generations in flight (the next step starts over from the actor's weights)."""
         self.pending.clear()
         self._syncs.clear()
-        self._shadow = self._current = self._claimed_batch = self._before_update = None
+        self._shadow = self._current = self._claimed_batch = self._before_update = self._streamed = None
         self._step = self._sent_after_update = self._last_dispatched = None
+        self._claimed_chunks = {}
         self.synced_version = None
         if self._rendezvous is not None:  # a sync may be half done on the old group: the next one builds a new one
             self._rendezvous.renew()
@@ -184,7 +147,8 @@ class AsyncRollout:
         dispatched behind its update (the retry dispatches them again). A restarted rollout pool forgets everything
         (:meth:`reset`, called by recovery), as does the collective sync (a broadcast may be half done)."""
         step = self._step
-        if step is None or self.weight_sync == "collective" or (not self.pending and self._claimed_batch is None):
+        if step is None or self.weight_sync == "collective" or (not self.pending and self._claimed_batch is None
+                                                                 and self._streamed is None):
             self.reset()
             return
         if self._sent_after_update == step and self._before_update is not None:
@@ -225,6 +189,9 @@ class AsyncRollout:
         """Whether the rollout pool's queue starts at ``step``'s prompts (or holds the next ones, the step's own
         rollout claimed by a failed attempt of it)."""
         head = self.pending[0] if self.pending else None
+        if self._streamed is not None:
+            return self._streamed.iteration == step and _uids(self._streamed.prompts) == _uids(prompts) and (
+                head is None or head.iteration == step + 1)
         if self._claimed_batch is not None:
             claimed, uids, _ = self._claimed_batch
             return claimed == step and uids == _uids(prompts) and (head is None or head.iteration == step + 1)
@@ -247,7 +214,8 @@ class AsyncRollout:
         """After step ``step``'s update (actor at ``step + 1``): the sync and iteration step + 1 + k if the update
         did not dispatch them (a retried step reusing its update); returns the step's ``async/*`` metrics."""
         self.after_update_dispatched(actor)
-        self._current = self._step = self._claimed_batch = self._before_update = None
+        self._current = self._step = self._claimed_batch = self._before_update = self._streamed = None
+        self._claimed_chunks = {}
         staleness, dropped, regenerated = self._claimed.get(step, ([0], 0, False))
         self._claimed = {iteration: value for iteration, value in self._claimed.items() if iteration > step}
         metrics = dict(self._stats)
@@ -265,13 +233,20 @@ class AsyncRollout:
         return metrics
 
     def owns(self, prompts: Any) -> bool:
-        """Whether ``prompts`` is the current step's batch (answered from the rollout pool)."""
-        return self._current is not None and prompts is self._current
+        """Whether ``prompts`` is the current step's batch, or a chunk of it (answered from the rollout pool)."""
+        if self._current is None or not isinstance(prompts, Batch):
+            return False
+        if prompts is self._current:
+            return True
+        return (self.stream and prompts.meta.get("chunks") == self.chunks
+                and prompts.meta.get("iteration") == self._current.meta.get("iteration"))
 
     def claim(self, prompts: Batch) -> Batch:
         """The current step's rollout, fetched, version-checked and tagged with the actor's version: groups beyond
         the staleness bound are dropped and counted; none left, it is generated again under the current weights."""
         step = int(prompts.meta["iteration"])
+        if "chunk" in prompts.meta:
+            return self._claim_chunk(step, int(prompts.meta["chunk"]))
         if self._claimed_batch is not None and self._claimed_batch[0] == step:  # a retry: the rollout it had
             claimed = self._claimed_batch[2]
             return Batch(claimed.tensors.copy(), dict(claimed.non_tensors), dict(claimed.meta))
@@ -297,10 +272,50 @@ class AsyncRollout:
         self._claimed_batch = (step, _uids(entry.prompts), kept)
         return Batch(kept.tensors.copy(), dict(kept.non_tensors), dict(kept.meta))
 
+    def _claim_chunk(self, step: int, chunk: int) -> Batch:
+        """Chunk ``chunk`` of the current step's rollout (a streamed step), fetched the moment it is generated,
+        checked row by row against the bound and tagged with the actor's version. The whole iteration's version is
+        checked at its first chunk, before anything of it trains: a generation beyond the bound is dropped and
+        generated again (every chunk) under the actor's current weights; rows beyond it inside a chunk (rows of one
+        generation share its version, so only re-tagged rows) are dropped with their groups."""
+        if chunk in self._claimed_chunks:  # a retry: the rows it had
+            claimed = self._claimed_chunks[chunk]
+            return Batch(claimed.tensors.copy(), dict(claimed.non_tensors), dict(claimed.meta))
+        started = time.perf_counter()
+        if self._streamed is None:
+            entry = self.pending.popleft()
+            if entry.iteration != step:
+                raise VersionMismatchError(f"the rollout pool's next generation is iteration {entry.iteration}, the "
+                                           f"step asks for iteration {step}; the trainer must call begin_step first")
+            stale_rows = 0
+            if step - entry.version > self.max_staleness:
+                if self._retry_actor is None:
+                    raise VersionMismatchError(f"iteration {step} was generated beyond the staleness bound")
+                stale_rows = len(entry.prompts) * self.config.rollout.n
+                self.dropped_total += stale_rows
+                self._sync(self._retry_actor, step)
+                entry = self._dispatch(step, entry.prompts, queue=False)
+            self._streamed = entry
+            self._claimed[step] = ([], stale_rows, stale_rows > 0)
+        batch = self._fetch(self._streamed, chunk)
+        kept, dropped = enforce_staleness(batch, version=step, max_staleness=self.max_staleness)
+        if kept is None:
+            raise VersionMismatchError(f"every row of chunk {chunk} of iteration {step} is beyond the staleness "
+                                       "bound while its generation was within it: its rows were re-tagged")
+        self.dropped_total += dropped
+        staleness, before, regenerated = self._claimed[step]
+        staleness = staleness + [step - int(v) for v in kept[STALENESS_COLUMN].tolist()]
+        self._claimed[step] = (staleness, before + dropped, regenerated)
+        self._stats["async/wait_s"] += time.perf_counter() - started
+        kept = kept.with_meta(iteration=step, policy_version=step, chunk=chunk, chunks=self.chunks)
+        self._claimed_chunks[chunk] = kept
+        return Batch(kept.tensors.copy(), dict(kept.non_tensors), dict(kept.meta))
+
     # --- internals ----------------------------------------------------------------------------------------
-    def _fetch(self, entry: PendingRollout) -> Batch:
+    def _fetch(self, entry: PendingRollout, chunk: int | None = None) -> Batch:
         """The rollout of ``entry`` with each row tagged with the version it was generated at (a tag already on a
-        row is kept); the weight syncs it queued behind are checked too (a failed one raises here)."""
+        row is kept; ``chunk``: that chunk's only, else every chunk's concatenated); the weight syncs it queued
+        behind are checked too (a failed one raises here)."""
         behind = [sync for sync in self._syncs if sync[0] <= entry.version]
         self._syncs = [sync for sync in self._syncs if sync[0] > entry.version]
         for _, export, load in behind:
@@ -310,8 +325,15 @@ class AsyncRollout:
                 self._stats[f"async/weight_sync_{key}"] += loaded[key]
             peak = "async/weight_sync_peak_bucket_bytes"
             self._stats[peak] = max(self._stats[peak], loaded["peak_bucket_bytes"])
-        source = entry.source
-        batch: Batch = source if isinstance(source, Batch) else source.get(timeout=self.timeout_s)
+        sources = entry.source if isinstance(entry.source, list) else [entry.source]
+        if chunk is not None:
+            sources = [sources[chunk]]
+        parts = [source if isinstance(source, Batch) else source.get(timeout=self.timeout_s) for source in sources]
+        batch = parts[0]
+        if len(parts) > 1:  # the chunks at once (a barrier): one batch, as the unchunked rollout
+            batch = Batch.concat(parts)
+            batch.meta.pop("chunk", None)
+            batch.meta.pop("chunks", None)
         if STALENESS_COLUMN not in batch:
             version = batch.meta.get("policy_version")
             if version is None:
@@ -354,8 +376,12 @@ class AsyncRollout:
     def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
         assert self.synced_version is not None
         tagged = prompts.with_meta(iteration=iteration, policy_version=self.synced_version)
-        entry = PendingRollout(iteration=iteration, prompts=prompts, version=self.synced_version,
-                               source=self.group.rollout.generate(tagged))
+        source: Any  # one call, or one per chunk (streamed; queued in order, so the first is done first)
+        if self.chunks > 1:
+            source = [self.group.rollout.generate(part) for part in split_prompt_chunks(tagged, self.chunks)]
+        else:
+            source = self.group.rollout.generate(tagged)
+        entry = PendingRollout(iteration=iteration, prompts=prompts, version=self.synced_version, source=source)
         if queue:
             self.pending.append(entry)
             self._last_dispatched = iteration

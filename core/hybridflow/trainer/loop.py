@@ -18,7 +18,7 @@ from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
 from hybridflow.data import PromptDataset, PromptLoader, load_rows, make_task_rows
-from hybridflow.errors import CheckpointError, HybridflowError
+from hybridflow.errors import CheckpointError, ConfigError, HybridflowError
 from hybridflow.ledger import Ledger
 from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
@@ -90,6 +90,11 @@ class Trainer:
         self.plans = attach_fault_plan(self.plans, self.faults)
         #: the rollout pool of an asynchronous run (rollout.pool; hybridflow.trainer.async_loop), else None
         self.async_rollout: AsyncRollout | None = None
+        if config.trainer.stream_mini_batches and not getattr(self.algorithm, "streams_mini_batches", False):
+            raise ConfigError(f"trainer.stream_mini_batches trains a step's rollout chunk by chunk, but algorithm "
+                              f"{self.algorithm.name!r} computes its advantages over the whole batch (it does not "
+                              "declare streams_mini_batches). Fix: use grpo or rloo, or set "
+                              "trainer.stream_mini_batches=false")
         if config.rollout.pool is not None:
             self.plans = use_weight_exporting_actor(self.plans)
             self.async_rollout = AsyncRollout(config, self.loader, self.plans)
@@ -178,7 +183,12 @@ class Trainer:
         return Runtime(config=self.config, tokenizer=self.tokenizer, roles=roles,
                        state=self.algorithm_state, reward_fn=self.reward_fn, cost_fn=self.cost_fn,
                        timeout_s=self.config.trainer.deadline_s, log_rollouts=self.config.trainer.log_rollouts,
-                       more_prompts=self._more_prompts)
+                       more_prompts=self._more_prompts, stream_chunks=self._stream_chunks())
+
+    def _stream_chunks(self) -> int:
+        """Chunks a step streams in (trainer.stream_mini_batches; 1 unless the rollout pool claims them one by one)."""
+        rollout = self.async_rollout
+        return rollout.chunks if rollout is not None and rollout.stream else 1
 
     def _more_prompts(self) -> Batch:
         """The loader's next batch for this iteration (dynamic sampling draws it inside a step; a retried step

@@ -78,6 +78,9 @@ class ActorRolloutWorker(_TrainingRole):
         self._park = self._bind and produce is not None and "park" in inspect.signature(produce).parameters
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
+        #: inside a streamed step (trainer.stream_mini_batches): chunks taken, the final one not yet; the weights
+        #: are then none of the policy versions
+        self._mid_step = False
         self._agent: AgentRollout | None = None  # rollout.multi_turn's agent loop, built on first use
         # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
         self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
@@ -202,6 +205,7 @@ class ActorRolloutWorker(_TrainingRole):
                 end()
 
     def _generate(self, prompts: Batch, greedy: bool) -> Batch:
+        self._refuse_mid_step("generate")
         self._sync_weights(_iteration(prompts))
         sampling = self.spec.sampling
         assert sampling is not None
@@ -246,6 +250,7 @@ class ActorRolloutWorker(_TrainingRole):
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:
         self._check_version(batch, "compute_log_probs")
+        self._refuse_mid_step("compute_log_probs")
         maybe_fail("actor.log_probs", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return _only(self.engine.compute_log_probs(batch), batch, old_log_probs="log_probs")
 
@@ -262,6 +267,26 @@ class ActorRolloutWorker(_TrainingRole):
         self._record_resident("training")
         return metrics
 
+    @register(protocol="mesh", blocking=True, idempotent=False)
+    def update_policy_chunk(self, batch: Batch, final: bool) -> dict[str, float]:
+        """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/async.md): its optimizer step(s) now;
+        the policy version moves at the ``final`` chunk only, so a step is one version however it arrives."""
+        self._check_version(batch, "update_policy_chunk")
+        metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
+        maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
+        self._mid_step = not final
+        if final:
+            self.policy_version += 1
+            metrics["actor/policy_version"] = float(self.policy_version)
+            self._record_resident("training")
+        return metrics
+
+    def _refuse_mid_step(self, what: str) -> None:
+        if self._mid_step:
+            raise VersionMismatchError(
+                f"actor.{what} inside a streamed step: the weights have taken some of step {self.policy_version}'s "
+                "chunks, not all, and are no policy version; call it before the first chunk or after the final one")
+
     @register(protocol="one_to_all", idempotent=True)
     def handover_stats(self) -> dict[str, float]:
         return dict(self.handover)
@@ -274,6 +299,7 @@ class ActorRolloutWorker(_TrainingRole):
     def load_checkpoint(self, path: str) -> None:
         super().load_checkpoint(path)
         self.handover["count"] = 0  # force a fresh handover of the restored weights
+        self._mid_step = False  # restored to a policy version
 
 
 class CriticWorker(_TrainingRole):

@@ -55,6 +55,7 @@ class WeightExportingActor(ActorRolloutWorker):
     def export_generation_weights(self, bucket_bytes: int = BUCKET_BYTES) -> tuple[int, list[WeightBucket]] | None:
         """(policy version, the full generation weights in buckets) from rank 0; None from the other ranks (every
         rank runs: gathering sharded weights is collective)."""
+        self._refuse_mid_step("export_generation_weights")
         target = getattr(self.rollout, "weights_target", "hf")
         weights = self.engine.generation_weights(target=target)
         if self.rank != 0:
@@ -69,6 +70,7 @@ class WeightExportingActor(ActorRolloutWorker):
         """Rank 0 broadcasts its generation weights, tagged with its policy version, to the rollout ranks of
         ``group`` (it is the root), one bucket at a time as they are gathered; the other ranks take part in the
         gather only. Rank 0 returns bytes, buckets, the largest bucket and the seconds taken."""
+        self._refuse_mid_step("broadcast_generation_weights")
         target = getattr(self.rollout, "weights_target", "hf")
         weights = self.engine.generation_weights(target=target)
         if self.rank != 0:
@@ -169,9 +171,10 @@ class RolloutWorker(Worker):
             sampling = replace(sampling, seed=None)
         elif sampling.seed is not None:  # the actor worker's stream: per iteration and generation replica
             iteration = int(prompts.meta.get("iteration") or 0)
+            replica = int(prompts.meta.get("chunk") or 0) * self.world_size + self.rank  # a streamed step's chunk
             sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
-                                      seed=sampling.seed + 1000 * iteration + self.rank)
+                                      seed=sampling.seed + 1000 * iteration + replica)
         out = self.rollout.generate(prompts, sampling)
         tag = prompts.meta.get("iteration")
         maybe_fail("rollout.generate", iteration=None if tag is None else int(tag), rank=self.rank, plan=self.faults)

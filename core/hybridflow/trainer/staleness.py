@@ -1,0 +1,60 @@
+"""The staleness bound of an asynchronous run (docs/async.md) and the actor plan it needs: every row of a rollout
+that reaches the trainer carries the policy version it was generated at, and rows more than ``trainer.max_staleness``
+versions behind the weights they would update are dropped with their prompt group (:func:`enforce_staleness`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hybridflow.batch import Batch
+from hybridflow.errors import ConfigError, VersionMismatchError
+from hybridflow.trainer.build import RolePlan
+
+__all__ = ["STALENESS_COLUMN", "enforce_staleness", "use_weight_exporting_actor"]
+
+#: per-row column of a rollout that reached the trainer: the policy version it was generated at
+STALENESS_COLUMN = "rollout_policy_version"
+
+
+def enforce_staleness(batch: Batch, *, version: int, max_staleness: int) -> tuple[Batch | None, int]:
+    """The rows of ``batch`` (tagged per row with :data:`STALENESS_COLUMN`) that may update weights of ``version``:
+    a row more than ``max_staleness`` versions behind is dropped with every row of its prompt group (same ``uid``,
+    so group advantages stay whole). Returns (the kept rows or None when none is left, rows dropped).
+
+    Raises:
+        VersionMismatchError: a row claims a version newer than ``version`` (weights that do not exist yet).
+    """
+    versions = [int(v) for v in batch[STALENESS_COLUMN].tolist()]
+    ahead = [v for v in versions if v > version]
+    if ahead:
+        raise VersionMismatchError(f"a rollout tagged policy_version {max(ahead)} reached weights of version "
+                                   f"{version}: a sample cannot come from a policy newer than the one it updates")
+    stale = [version - v > max_staleness for v in versions]
+    if "uid" in batch:
+        uids = [str(u) for u in batch["uid"]]
+        stale_groups = {uid for uid, is_stale in zip(uids, stale) if is_stale}
+        keep = [row for row, uid in enumerate(uids) if uid not in stale_groups]
+    else:
+        keep = [row for row, is_stale in enumerate(stale) if not is_stale]
+    dropped = len(versions) - len(keep)
+    if not keep:
+        return None, dropped
+    return (batch, 0) if not dropped else (batch.index(keep), dropped)
+
+
+def use_weight_exporting_actor(plans: list[RolePlan]) -> list[RolePlan]:
+    """The plans with the actor served by :class:`~hybridflow.workers.rollout.WeightExportingActor` (a subclass of
+    the default actor worker that also exports its generation weights to the rollout pool)."""
+    from hybridflow.workers import ActorRolloutWorker
+    from hybridflow.workers.rollout import WeightExportingActor
+
+    out = []
+    for plan in plans:
+        if plan.role == "actor":
+            if plan.worker is not ActorRolloutWorker and not issubclass(plan.worker, WeightExportingActor):
+                raise ConfigError(f"rollout.pool needs the actor served by the default actor worker (it exports the "
+                                  f"weights to the rollout pool); algorithm declares {plan.worker.__qualname__}. "
+                                  "Fix: remove rollout.pool, or derive the worker from WeightExportingActor")
+            plan = replace(plan, worker=WeightExportingActor)
+        out.append(plan)
+    return out
