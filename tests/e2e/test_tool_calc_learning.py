@@ -3,10 +3,11 @@ then GRPO with the calculator tool (examples/grpo_tool_calc.yaml) raises the hel
 
 The SFT fixture runs 200 steps (the shipped config runs 300): the model learns to copy the operands into its call
 late and suddenly (this seed's train loss 0.86 at step 120, 0.45 by 160, 0.29 at 200; after 100 or 150 steps the
-GRPO run collapsed or saw reward 0, failing every assertion below). A higher lr does not make it earlier (seed 1 at
-lr 0.01: no drop by step 210, vs 160-180 at the shipped 0.003) and one rank is not faster per step (both measured
-once on the loaded 2-core box). The hf run has 8 GRPO steps, validated on the 32 held-out prompts (data.val_files,
-8 samples each) before the first update and after the last. Measured (loaded 2-core box; seeded, so the numbers
+GRPO run collapsed or saw reward 0, failing every assertion below). A higher lr did not make it earlier (seed 1 at
+lr 0.01 on one rank: no drop by step 210, vs 160-180 at the shipped 0.003 on two) and one rank was not faster per
+step (1.33 s vs 0.72 s for two ranks, run side by side; each measured once on the loaded 2-core box).
+The hf run has 8 GRPO steps, validated on the 32 held-out prompts (data.val_files, 8 samples each) before the first
+update and after the last. Measured (loaded 2-core box; seeded, so the numbers
 repeat): held-out mean@8 0.254 -> 0.754, tool-call rate 0.56 at step 1 -> 0.95 over steps 5-8, reward 0.38 over
 steps 1-4 -> 0.79 over 5-8 (per-step values swing by ±0.2: the held-out rise is the assertion that carries the
 claim). Over 3 seeds x 2 engines of the shipped 30-step run, bench/tool_calc_learning.py measures the rise.
