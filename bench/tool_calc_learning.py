@@ -40,7 +40,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hybridflow.config import load_config
-from hybridflow.tasks.tool_calc import DATA_SOURCE, TRAIN_FILE, VAL_FILE, save_tool_calc_model
+from hybridflow.tasks.tool_calc import DATA_SOURCE, SFT_FILE, TRAIN_FILE, VAL_FILE, save_tool_calc_model
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.sft import SFTTrainer, load_sft_config
@@ -52,7 +52,7 @@ QUIET = ["trainer.progress=false", "trainer.tensorboard=false"]
 def sft(init: Path, run_dir: Path, seed: int, steps: int | None, extra: Sequence[str] = ()) -> Path:
     """SFT from the shipped config (its own steps unless ``steps``); returns the HF model directory it wrote."""
     overrides = [f"model.path={init}", f"trainer.run_dir={run_dir}", f"trainer.seed={seed}", *QUIET,
-                 f"data.train_files=[{json.dumps(str(EXAMPLES / 'data' / 'tool_calc_sft.jsonl'))}]", *extra]
+                 f"data.train_files=[{json.dumps(str(EXAMPLES / 'data' / SFT_FILE))}]", *extra]
     if steps is not None:
         overrides.append(f"trainer.total_steps={steps}")
     return fit_and_close(SFTTrainer(load_sft_config(EXAMPLES / "sft_tool_calc.yaml", overrides), progress=False))
