@@ -1,17 +1,17 @@
 """The shipped tool task learns on CPU: SFT on the shipped multi-turn demonstrations (examples/sft_tool_calc.yaml),
-then GRPO with the calculator tool (examples/grpo_tool_calc.yaml) raises the tool-call rate and the reward.
+then GRPO with the calculator tool (examples/grpo_tool_calc.yaml) raises the held-out score and the tool-call rate.
 
-Measured on a 2-core box shared with other jobs (one seed, hf engine): the tool-call rate went 0.78 at step 1 to
-0.95-0.98 over steps 13-16, the reward from 0.42-0.70 over steps 1-4 to 0.44-0.73 over steps 13-16 (the SFT model
-already copies the tool's result about two times in three). Slow: the SFT fixture took 362 s here, the hf GRPO run
-65 s. The reward assertion is weak on purpose (no drop, a floor): one seed does not support a stated rise. The vllm
-engine runs 2 steps of the same job from the same SFT model (a full learning run of it cost 71 s more in CI).
-The SFT fixture's 200 steps are not cut: after 100 or 150 SFT steps (one seed each, same box) the 16 GRPO steps
-collapsed instead (tool-call rate 0.64 -> 0.06-0.34 and reward 0.0 throughout after 100; 0.58-0.84 over steps 1-4,
-then 0.0-0.02 and reward 0.0 from step 5 after 150), failing every assertion below. The GRPO run has 12 steps
-(was 16; constant lr, so they are the first 12 of a 16-step run): after 200 SFT steps one run went tool-call rate
-0.61 at step 1 to 0.95 over steps 9-12 (0.93 over 13-16), reward 0.38 over steps 1-4 and 0.62 over steps 5-12 (the
-floor below; 0.56 over steps 9-16).
+The SFT fixture runs 200 steps (the shipped config runs 300): the model learns to copy the operands into its call
+late and suddenly (this seed's train loss 0.86 at step 120, 0.45 by 160, 0.29 at 200; after 100 or 150 steps the
+GRPO run collapsed or saw reward 0, failing every assertion below). A higher lr did not make it earlier (seed 1 at
+lr 0.01 on one rank: no drop by step 210, vs 160-180 at the shipped 0.003 on two) and one rank was not faster per
+step (1.33 s vs 0.72 s for two ranks, run side by side; each measured once on the loaded 2-core box).
+The hf run has 8 GRPO steps, validated on the 32 held-out prompts (data.val_files, 8 samples each) before the first
+update and after the last. Measured (loaded 2-core box; seeded, so the numbers
+repeat): held-out mean@8 0.254 -> 0.754, tool-call rate 0.56 at step 1 -> 0.95 over steps 5-8, reward 0.38 over
+steps 1-4 -> 0.79 over 5-8 (per-step values swing by ±0.2: the held-out rise is the assertion that carries the
+claim). Over 3 seeds x 2 engines of the shipped 30-step run, bench/tool_calc_learning.py measures the rise.
+The vllm engine runs 2 steps of the same job from the same SFT model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from statistics import mean
 import pytest
 
 from hybridflow.config import load_config
-from hybridflow.tasks.tool_calc import save_tool_calc_model
+from hybridflow.tasks.tool_calc import DATA_SOURCE, save_tool_calc_model
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.sft import SFTTrainer, load_sft_config
@@ -42,25 +42,31 @@ def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fit_and_close(trainer)
 
 
-def _tool_calc_config(model: Path, run_dir: Path, engine: str, steps: int):  # type: ignore[no-untyped-def]
+def _tool_calc_config(model: Path, run_dir: Path, engine: str, steps: int,  # type: ignore[no-untyped-def]
+                      val_every: int = 0):
     data = EXAMPLES / "data"
     return load_config(EXAMPLES / "grpo_tool_calc.yaml", [
         f"model.path={model}", f"trainer.run_dir={run_dir}", f"rollout.engine={engine}",
         f"data.train_files=[{json.dumps(str(data / 'tool_calc_train.jsonl'))}]",
         f"data.val_files=[{json.dumps(str(data / 'tool_calc_val.jsonl'))}]",
-        f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.val_n=8", "trainer.checkpoint_every=0",
-        "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
+        f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "trainer.val_n=8",
+        "trainer.checkpoint_every=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
 
 
-@pytest.mark.slow  # ~5 min on a loaded 2-core box: 200 SFT steps, 12 GRPO steps of 64 conversations
-def test_grpo_raises_tool_use_and_reward(sft_model: Path, tmp_path: Path) -> None:
-    """The learning run (hf engine): the tool-call rate rises and the reward holds a floor."""
-    history = fit_and_close(Trainer(_tool_calc_config(sft_model, tmp_path / "run", "hf", 12), progress=False))
+@pytest.mark.slow  # ~5 min on a loaded 2-core box: 200 SFT steps, 8 GRPO steps of 64 conversations
+def test_grpo_raises_held_out_score_and_tool_use(sft_model: Path, tmp_path: Path) -> None:
+    """The learning run (hf engine): the held-out mean@8 and the tool-call rate rise, the reward holds a floor."""
+    # validated before the first update and after the last
+    trainer = Trainer(_tool_calc_config(sft_model, tmp_path / "run", "hf", 8, val_every=8), progress=False)
+    history = fit_and_close(trainer)
+    held_out = [row[f"val-core/{DATA_SOURCE}/acc/mean@8"] for row in trainer.validation_history]
+    assert [row["step"] for row in trainer.validation_history] == [0.0, 8.0]
+    assert held_out[1] >= held_out[0] + 0.25, held_out
     tool_rate = [metrics["tool_call_counts/mean"] for metrics in history]
     reward = [metrics["reward/mean"] for metrics in history]
     assert mean(tool_rate[-4:]) >= tool_rate[0] + 0.1, tool_rate
     assert mean(tool_rate[-4:]) >= 0.85, tool_rate
-    assert mean(reward[-4:]) >= mean(reward[:4]) - 0.05 and mean(reward[-8:]) >= 0.5, reward
+    assert mean(reward[-4:]) >= mean(reward[:4]) and mean(reward[-4:]) >= 0.5, reward
 
 
 @pytest.mark.slow
