@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from export_probe import hf_log_probs, probe_batch
 
 from hybridflow.batch import Batch
 from hybridflow.errors import CheckpointError
+from hybridflow.export import main as hybridflow_export_main
 from hybridflow.trainer import Trainer
 
 pytestmark = [
@@ -30,26 +29,10 @@ pytestmark = [
 ]
 
 
-#: ``hybridflow export`` once per argument list, in order, in one process: the CLI entry point as a user calls it
-_EXPORTS = """import json, sys
-from hybridflow.cli import main
-print("EXIT CODES", json.dumps([main(["export", *args]) for args in json.loads(sys.argv[1])]))
-"""
-
-
 def export_main(*arg_lists: list[str]) -> list[int]:
-    """``hybridflow export ARGS`` for each of ``arg_lists`` as a user runs it: the CLI in a fresh process (one for
-    all of them: its torch/deepspeed imports are paid once); their exit codes (output shown on failure)."""
-    result = subprocess.run([sys.executable, "-c", _EXPORTS, json.dumps(arg_lists)], capture_output=True, text=True,
-                            timeout=300, check=False)
-    line = next((line for line in result.stdout.splitlines() if line.startswith("EXIT CODES ")), None)
-    if result.returncode or line is None:
-        print(result.stdout, result.stderr, sep="\n")
-        return [result.returncode or 1] * len(arg_lists)
-    codes: list[int] = json.loads(line.removeprefix("EXIT CODES "))
-    if any(codes):
-        print(result.stdout, result.stderr, sep="\n")
-    return codes
+    """``hybridflow export ARGS`` (the CLI's entry point, in this process) for each of ``arg_lists``, in order; their
+    exit codes."""
+    return [hybridflow_export_main(args) for args in arg_lists]
 
 
 def _train(config: Any, trainer_export: Path) -> dict[str, torch.Tensor | Batch]:
