@@ -71,8 +71,5 @@ def combine_chunk_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         elif key in last or key.startswith("memory/"):
             out[key] = values[-1]
         else:
-            total = 0.0
-            for value in values:
-                total += value
-            out[key] = total / len(values)
+            out[key] = sum(values) / len(values)
     return out
