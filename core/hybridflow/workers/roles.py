@@ -262,6 +262,10 @@ class ActorRolloutWorker(_TrainingRole):
             metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
             # weights already stepped
             maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
+        return self._next_version(metrics)
+
+    def _next_version(self, metrics: dict[str, float]) -> dict[str, float]:
+        """An update's end: the policy version moves on (reported in ``metrics``) and resident bytes are recorded."""
         self.policy_version += 1
         metrics["actor/policy_version"] = float(self.policy_version)
         self._record_resident("training")
@@ -275,11 +279,7 @@ class ActorRolloutWorker(_TrainingRole):
         metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
         maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         self._mid_step = not final
-        if final:
-            self.policy_version += 1
-            metrics["actor/policy_version"] = float(self.policy_version)
-            self._record_resident("training")
-        return metrics
+        return self._next_version(metrics) if final else metrics
 
     def _refuse_mid_step(self, what: str) -> None:
         if self._mid_step:
