@@ -89,6 +89,8 @@ def test_cli_unknown_engine_suggests_nearest(tmp_path: Path) -> None:
     ("critic.clip_ratio_low=0.1", "critic trains on a value loss", "set actor.clip_ratio_low"),
     ("critic.clip_ratio_high=0.3", "critic trains on a value loss", "critic.value_clip"),
     ("critic.entropy_coef=0.01", "actor (policy-loss) key", "set actor.entropy_coef"),
+    ("critic.entropy_target=0.1", "actor (policy-loss) key", "set actor.entropy_target"),
+    ("reference.entropy_coef_delta=0.01", "reference is frozen", "remove reference.entropy_coef_delta"),
     ("critic.kl_loss_coef=0.1", "actor (policy-loss) key", "set actor.kl_loss_coef"),
     ("critic.kl_loss_kind=k1", "actor (policy-loss) key", "set actor.kl_loss_kind"),
     ("critic.recompute_log_probs=false", "actor (policy-loss) key", "set actor.recompute_log_probs"),
@@ -105,6 +107,16 @@ def test_keys_that_did_nothing_are_refused_with_the_reason(override: str, reason
         load_config(EXAMPLE, [override])
     message = str(info.value)
     assert f"{key[0]}.{key[1]}:" in message and reason in message and "Fix: " in message and fix in message
+
+
+def test_adaptive_entropy_keys_need_a_target() -> None:
+    for override in ("actor.entropy_coef_delta=0.01", "actor.entropy_coef_max=0.05"):
+        with pytest.raises(ConfigError, match=r"which is not set .*Fix: set actor.entropy_target"):
+            load_config(EXAMPLE, [override])
+    with pytest.raises(ConfigError, match="must be ≥ 0"):
+        load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef=-0.01"])
+    actor = load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef_max=0.05"]).actor
+    assert (actor.entropy_target, actor.entropy_coef_delta, actor.entropy_coef_max) == (0.1, 0.001, 0.05)
 
 
 def test_trained_roles_take_gradient_checkpointing_and_mixed_precision() -> None:

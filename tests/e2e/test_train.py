@@ -82,6 +82,25 @@ def test_dynamic_sampling_trains_on_the_groups_that_disagree(tmp_path: Path, tin
         assert metrics["tokens/prompt_and_response"] > 0
 
 
+def test_adaptive_entropy_control_steers_the_coefficient_the_workers_apply(tmp_path: Path, tiny_config: Any) -> None:
+    """``actor.entropy_target`` through the trainer: each step's batch carries the controller's coefficient to the
+    actor workers, whose loss reports the one it applied (``actor/entropy_coeff``); below the target it climbs by
+    ``entropy_coef_delta`` a step, and the controller (value and last entropy) is checkpointed with the run."""
+    trainer = Trainer(tiny_config(tmp_path / "run", "trainer.total_steps=3", "trainer.checkpoint_every=3",
+                                  "actor.entropy_target=50", "actor.entropy_coef=0.0",
+                                  "actor.entropy_coef_delta=0.01"), progress=False)
+    try:
+        history = trainer.fit()
+        checkpoint = trainer.latest_checkpoint()
+    finally:
+        trainer.close()
+    assert [round(m["actor/entropy_coeff"], 9) for m in history] == [0.0, 0.01, 0.02]
+    assert all(0 < m["actor/entropy"] < 50 for m in history)
+    assert checkpoint is not None
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["algorithm"]["entropy_controller"]
+    assert saved["value"] == pytest.approx(0.03) and saved["last_entropy"] == history[-1]["actor/entropy"]
+
+
 #: metrics that are wall-clock readings (differ between otherwise identical runs)
 TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 

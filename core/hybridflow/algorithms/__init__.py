@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridflow.algorithms.coefficients import (
+        AdaptiveEntropyController,
         AdaptiveKLController,
         FixedKLController,
         LagrangeMultiplier,
@@ -45,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "policy_roles": "roles",
     "FixedKLController": "coefficients",
     "AdaptiveKLController": "coefficients",
+    "AdaptiveEntropyController": "coefficients",
     "LagrangeMultiplier": "coefficients",
     "build_kl_controller": "coefficients",
     "build_kl_state": "coefficients",
@@ -65,6 +67,7 @@ __all__ = [
     "policy_roles",
     "FixedKLController",
     "AdaptiveKLController",
+    "AdaptiveEntropyController",
     "LagrangeMultiplier",
     "build_kl_controller",
     "build_kl_state",

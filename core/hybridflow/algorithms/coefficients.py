@@ -1,5 +1,6 @@
-"""Scalar coefficients an RL driver updates once per iteration: KL coefficient controllers and the Safe-RLHF Lagrange
-multiplier (and :func:`build_kl_state`, the KL controller state an algorithm declares).
+"""Scalar coefficients an RL driver updates once per iteration: KL coefficient controllers, the adaptive entropy
+coefficient and the Safe-RLHF Lagrange multiplier (and :func:`build_kl_state`, the KL controller state an algorithm
+declares).
 
 Plain Python floats, so ``state_dict()`` → JSON → ``load_state_dict()`` resumes bit for bit; measuring the KL or
 the episode cost and saving the state with the checkpoint are left to the driver. Stability: public.
@@ -18,6 +19,9 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "LagrangeMultiplier",
+    "AdaptiveEntropyController",
+    "ENTROPY_CONTROLLER",
+    "build_entropy_controller",
     "KLController",
     "build_kl_controller",
     "build_kl_state",
@@ -166,6 +170,65 @@ class LagrangeMultiplier:
         self.value, self.cost_limit, self.lr = float(loaded["value"]), float(loaded["cost_limit"]), float(loaded["lr"])
         self.max_value = None if loaded["max_value"] is None else float(loaded["max_value"])
         self.update_delay, self.steps = int(loaded["update_delay"]), int(loaded["steps"])
+
+
+class AdaptiveEntropyController:
+    """The entropy bonus's coefficient steered so the policy's token entropy stays near ``target`` (Skywork-OR1's
+    adaptive entropy control, arXiv:2505.22312 §3.2): after each update that measured the mean token entropy ``e``,
+    ``value ← clip(value + delta·sign(target − e), 0, max_value)``; and :meth:`coefficient`, the bonus the next
+    update applies, is ``value`` while the last measured entropy is at most the target and 0 above it — so the bonus
+    only ever holds entropy up, never pushes it past the target (a fixed bonus large enough to stop the policy from
+    collapsing can instead drive it to uniform noise).
+    """
+
+    __slots__ = ("value", "target", "delta", "max_value", "last_entropy")
+
+    def __init__(self, *, init_coef: float, target: float, delta: float, max_value: float | None = None) -> None:
+        self.value = _finite("entropy_coef", init_coef, minimum=0.0)
+        self.target = _finite("entropy_target", target, minimum=0.0, strict=True)
+        self.delta = _finite("entropy_coef_delta", delta, minimum=0.0, strict=True)
+        self.max_value = None if max_value is None else _finite("entropy_coef_max", max_value, minimum=0.0)
+        if self.max_value is not None and self.value > self.max_value:
+            raise ConfigError(f"entropy_coef {self.value} (the starting coefficient) exceeds entropy_coef_max "
+                              f"{self.max_value}; lower the one or raise the other")
+        self.last_entropy: float | None = None
+
+    def coefficient(self) -> float:
+        """The entropy bonus coefficient of the next update: ``value``, or 0 while the entropy is above target."""
+        if self.last_entropy is not None and self.last_entropy > self.target:
+            return 0.0
+        return self.value
+
+    def update(self, entropy: float) -> float:
+        """One step from the mean token entropy an update measured (``actor/entropy``); return the new value."""
+        measured = _finite("actor/entropy", entropy, minimum=0.0)
+        value = max(0.0, self.value + (self.delta if measured < self.target else -self.delta))
+        self.value = value if self.max_value is None else min(value, self.max_value)
+        self.last_entropy = measured
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "AdaptiveEntropyController", "value": self.value, "target": self.target, "delta": self.delta,
+                "max_value": self.max_value, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        loaded = _load("AdaptiveEntropyController", state, ("value", "target", "delta", "max_value", "last_entropy"))
+        self.value, self.target, self.delta = float(loaded["value"]), float(loaded["target"]), float(loaded["delta"])
+        self.max_value = None if loaded["max_value"] is None else float(loaded["max_value"])
+        self.last_entropy = None if loaded["last_entropy"] is None else float(loaded["last_entropy"])
+
+
+#: the name the trainer keeps an :class:`AdaptiveEntropyController` under, beside the algorithm's own state
+ENTROPY_CONTROLLER = "entropy_controller"
+
+
+def build_entropy_controller(actor: Any) -> AdaptiveEntropyController | None:
+    """The adaptive entropy controller ``actor.entropy_target`` asks for (``actor``: the config's actor section), or
+    None when the entropy coefficient is fixed."""
+    if getattr(actor, "entropy_target", None) is None:
+        return None
+    return AdaptiveEntropyController(init_coef=actor.entropy_coef, target=actor.entropy_target,
+                                     delta=actor.entropy_coef_delta, max_value=actor.entropy_coef_max)
 
 
 def build_kl_state(config: Any) -> dict[str, Stateful]:

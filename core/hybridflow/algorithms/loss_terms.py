@@ -16,11 +16,14 @@ from hybridflow.algorithms.advantages import AlgorithmInputError, masked_mean
 from hybridflow.errors import ConfigError
 
 __all__ = [
-    "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation", "KLKind",
+    "ENTROPY_COEF_KEY", "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation",
+    "KLKind",
     "LossResult", "ROLLOUT_CORRECTIONS", "RolloutCorrection", "aggregate_loss", "ppo_policy_loss",
     "compute_rollout_correction_weights", "value_loss", "kl_penalty", "entropy_bonus",
 ]
 
+#: batch meta key carrying the entropy bonus coefficient of the update the batch feeds (adaptive entropy control)
+ENTROPY_COEF_KEY = "entropy_coef"
 LOSS_SCALE_TOKENS = "loss_scale_tokens"
 LOSS_SCALE_ROWS = "loss_scale_rows"
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]

@@ -40,6 +40,7 @@ import torch
 
 from hybridflow.algorithms.advantages import AlgorithmInputError, masked_mean
 from hybridflow.algorithms.loss_terms import (
+    ENTROPY_COEF_KEY,
     KL_KINDS,
     LOSS_AGGREGATIONS,
     LOSS_SCALE_ROWS,
@@ -63,8 +64,9 @@ from hybridflow.errors import ConfigError
 
 __all__ = [
     "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation", "KLKind",
-    "LossResult", "PolicyLossConfig", "ValueLossConfig", "ActorLoss", "CriticLoss", "compute_loss_scale",
-    "aggregate_loss", "ppo_policy_loss", "value_loss", "kl_penalty", "entropy_bonus", "make_actor_loss_fn",
+    "ENTROPY_COEF_KEY", "LossResult", "PolicyLossConfig", "ValueLossConfig", "ActorLoss", "CriticLoss",
+    "compute_loss_scale", "aggregate_loss", "ppo_policy_loss", "value_loss", "kl_penalty", "entropy_bonus",
+    "make_actor_loss_fn",
     "make_critic_loss_fn", "VERL_ACTOR_METRICS", "ROLLOUT_CORRECTIONS", "RolloutCorrection",
     "compute_rollout_correction_weights",
 ]
@@ -90,6 +92,9 @@ class PolicyLossConfig:
     clip_ratio_high: float = 0.2
     dual_clip_c: float | None = None
     entropy_coef: float = 0.0
+    #: the coefficient comes with each batch (``meta["entropy_coef"]``, set by the trainer's adaptive entropy
+    #: control); ``entropy_coef`` applies to a batch without it
+    adaptive_entropy: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_kind: KLKind = "k3"
     loss_agg: LossAggregation = "token-mean"
@@ -179,7 +184,8 @@ class ActorLoss:
 
     @property
     def required_outputs(self) -> tuple[str, ...]:
-        return ("log_probs", "entropy") if self.config.entropy_coef != 0.0 else ("log_probs",)
+        entropy = self.config.entropy_coef != 0.0 or self.config.adaptive_entropy
+        return ("log_probs", "entropy") if entropy else ("log_probs",)
 
     def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Batch) -> LossResult:
         config = self.config
@@ -207,12 +213,14 @@ class ActorLoss:
             token_weights=weights,
         )
         metrics.update(correction)
-        if config.entropy_coef != 0.0 or "entropy" in outputs:  # engines pass a detached entropy for the metric
+        entropy_coef = float(micro_batch.meta.get(ENTROPY_COEF_KEY, config.entropy_coef))
+        if entropy_coef != 0.0 or "entropy" in outputs:  # engines pass a detached entropy for the metric
             entropy = _output(outputs, "entropy", "entropy_coef is non-zero")
             metrics["entropy"] = float(masked_mean(entropy.detach(), valid))
-            if config.entropy_coef != 0.0:
-                loss = loss - config.entropy_coef * entropy_bonus(entropy, valid, loss_agg=config.loss_agg,
-                                                                  loss_scale=scale)
+            if entropy_coef != 0.0:
+                loss = loss - entropy_coef * entropy_bonus(entropy, valid, loss_agg=config.loss_agg, loss_scale=scale)
+            if entropy_coef != 0.0 or config.adaptive_entropy:
+                metrics["entropy_coeff"] = entropy_coef  # the coefficient this update applied
         if config.kl_loss_coef > 0.0:
             ref = _column(micro_batch, "ref_log_probs", "kl_loss_coef > 0 needs the reference policy's log-probs")
             kl = kl_penalty(log_probs, ref.detach(), config.kl_loss_kind, response_mask=valid)

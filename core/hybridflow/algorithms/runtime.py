@@ -14,6 +14,7 @@ import torch
 
 from hybridflow.agent.batch import summarize_agent_metrics
 from hybridflow.algorithms.advantages import build_token_level_rewards, masked_mean, masked_sum
+from hybridflow.algorithms.coefficients import ENTROPY_CONTROLLER
 from hybridflow.algorithms.dynamic_sampling import fill_informative_groups
 from hybridflow.algorithms.helpers import (
     combine_chunk_metrics,
@@ -22,6 +23,7 @@ from hybridflow.algorithms.helpers import (
     mean_over_ranks,
     split_prompt_chunks,
 )
+from hybridflow.algorithms.loss_terms import ENTROPY_COEF_KEY
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
@@ -204,6 +206,9 @@ class Runtime:
         scores = self.dispatch_scores(generated)
         costs = self.dispatch_scores(generated, cost=True) if cost else None
         batch = self.score(fill_old_log_probs(self.gather(generated, old, ref, *value_futures)), model_scores=scores)
+        entropy = self.state.get(ENTROPY_CONTROLLER)
+        if entropy is not None:  # the bonus coefficient of the update this batch feeds (actor.entropy_target)
+            batch.meta[ENTROPY_COEF_KEY] = entropy.coefficient()
         return self.score(batch, key="costs", cost=True, model_scores=costs) if cost else batch
 
     def old_log_probs(self, generated: Any) -> Any:

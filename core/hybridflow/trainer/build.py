@@ -214,7 +214,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             options = {
                 "loss": make_actor_loss_fn(PolicyLossConfig(
                     clip_ratio_low=section.clip_ratio_low, clip_ratio_high=section.clip_ratio_high,
-                    entropy_coef=section.entropy_coef, kl_loss_coef=section.kl_loss_coef,
+                    entropy_coef=section.entropy_coef, adaptive_entropy=section.entropy_target is not None,
+                    kl_loss_coef=section.kl_loss_coef,
                     kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg,
                     rollout_correction=config.algorithm.rollout_correction,
                     rollout_correction_threshold=config.algorithm.rollout_correction_threshold)),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridflow import registries
+from hybridflow.algorithms.coefficients import ENTROPY_CONTROLLER, build_entropy_controller
 from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_state
 from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
@@ -86,6 +87,14 @@ class Trainer:
         self.plans = plan_roles(config, self.algorithm.roles(config), tokenizer=self.tokenizer,
                                 algorithm=self.algorithm)
         self.algorithm_state = check_algorithm_state(self.algorithm.name, self.algorithm.build_state(config))
+        #: adaptive entropy control (actor.entropy_target), checkpointed beside the algorithm's own state
+        self.entropy_control = entropy = build_entropy_controller(config.actor)
+        if entropy is not None:
+            if ENTROPY_CONTROLLER in self.algorithm_state:
+                raise ConfigError(f"algorithm {self.algorithm.name!r} keeps its own state named "
+                                  f"{ENTROPY_CONTROLLER!r}, the name of the trainer's adaptive entropy control "
+                                  "(actor.entropy_target). Fix: rename the algorithm's state")
+            self.algorithm_state[ENTROPY_CONTROLLER] = entropy
         self.faults = FaultPlan.from_sources(config.reliability.faults, self.run_dir)
         self.plans = attach_fault_plan(self.plans, self.faults)
         #: the rollout pool of an asynchronous run (rollout.pool; hybridflow.trainer.async_loop), else None
@@ -333,6 +342,7 @@ class Trainer:
             if self.async_rollout is not None:
                 self.async_rollout.begin_step(self.step, prompts, self.worker_groups().role("actor"))
             metrics: dict[str, float] = self.algorithm.step(runtime, prompts)
+            self._update_entropy_control(metrics)
             if self.async_rollout is not None:
                 metrics.update(self.async_rollout.end_step(self.step, self.worker_groups().role("actor")))
         except BaseException:
@@ -359,6 +369,19 @@ class Trainer:
         if self.advisor is not None:
             self.advisor.after_step(self.step)  # appends its decision to RUN_DIR/advisor.jsonl when due
         return metrics
+
+    def _update_entropy_control(self, metrics: dict[str, float]) -> None:
+        """Adaptive entropy control (actor.entropy_target): steer the coefficient by the entropy this step's update
+        measured (the update logged the coefficient it applied as actor/entropy_coeff)."""
+        controller = self.entropy_control
+        if controller is None:
+            return
+        if "actor/entropy" not in metrics:
+            raise ConfigError(
+                f"actor.entropy_target steers the entropy bonus by the entropy each update measures, but algorithm "
+                f"{self.algorithm.name!r}'s step returned no actor/entropy (metrics: {', '.join(sorted(metrics))}). "
+                "Fix: return the actor update's metrics from the step, or remove actor.entropy_target")
+        controller.update(metrics["actor/entropy"])
 
     def validate_if_due(self) -> dict[str, float]:
         """Validate the current weights (policy version ``self.step``) when ``trainer.val_every`` says so; the

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridflow.algorithms.coefficients import (
+    AdaptiveEntropyController,
     AdaptiveKLController,
     FixedKLController,
     LagrangeMultiplier,
@@ -120,3 +121,38 @@ def test_build_kl_controller_validates():
         build_kl_controller("pid", kl_coef=0.1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="horizon"):
         AdaptiveKLController(0.1, 1.0, horizon=0)
+
+
+def test_adaptive_entropy_control_moves_by_delta_toward_the_target_and_gates_the_bonus_above_it():
+    """Skywork-OR1's rule: ± delta per step toward the target entropy, clipped to [0, max]; the bonus the next update
+    applies is 0 while the last measured entropy is above the target (so it never pushes entropy past it)."""
+    controller = AdaptiveEntropyController(init_coef=0.01, target=0.1, delta=0.004, max_value=0.02)
+    assert controller.coefficient() == 0.01  # nothing measured yet: the starting value
+    applied = []
+    for entropy in (0.05, 0.05, 0.05, 0.5, 0.5, 0.5, 0.5, 0.09):
+        controller.update(entropy)
+        applied.append(round(controller.coefficient(), 6))
+    # below target: 0.014, 0.018, 0.02 (max); above: gated to 0 while the value falls 0.016, 0.012, 0.008, 0.004;
+    # below again: the value climbs from where it was (0.008) and applies at once
+    assert applied == [0.014, 0.018, 0.02, 0.0, 0.0, 0.0, 0.0, 0.008]
+    for _ in range(10):
+        controller.update(1.0)
+    assert controller.value == 0.0 and controller.coefficient() == 0.0  # clipped at 0, never negative
+
+
+def test_adaptive_entropy_control_resumes_bit_for_bit_and_checks_its_input():
+    controller = AdaptiveEntropyController(init_coef=0.0, target=0.3, delta=0.001)
+    for entropy in (0.2, 0.4, 0.1):
+        controller.update(entropy)
+    restored = AdaptiveEntropyController(init_coef=0.5, target=1.0, delta=0.1)
+    restored.load_state_dict(json.loads(json.dumps(controller.state_dict())))
+    assert (restored.value, restored.last_entropy, restored.coefficient()) == (
+        controller.value, controller.last_entropy, controller.coefficient())
+    with pytest.raises(ConfigError, match="actor/entropy must be finite"):
+        controller.update(float("nan"))
+    with pytest.raises(ConfigError, match="exceeds entropy_coef_max"):
+        AdaptiveEntropyController(init_coef=0.1, target=0.3, delta=0.001, max_value=0.05)
+    with pytest.raises(ConfigError, match="entropy_target must be finite and > 0"):
+        AdaptiveEntropyController(init_coef=0.0, target=0.0, delta=0.001)
+    with pytest.raises(CheckpointError, match="AdaptiveEntropyController state expected keys"):
+        restored.load_state_dict({"kind": "AdaptiveEntropyController", "value": 0.1})

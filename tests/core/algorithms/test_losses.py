@@ -208,6 +208,13 @@ def test_actor_loss_terms_and_metrics():
     assert metrics["actor/entropy"] == pytest.approx(float(aggregate_loss(entropy, batch["response_mask"])))
     with pytest.raises(AlgorithmInputError, match='"entropy"'):
         with_entropy({"log_probs": log_probs}, batch)
+    # adaptive entropy control: the batch carries the coefficient of its update, which replaces the configured one
+    adaptive = make_actor_loss_fn(PolicyLossConfig(entropy_coef=0.5, adaptive_entropy=True))
+    assert make_actor_loss_fn(PolicyLossConfig(adaptive_entropy=True)).required_outputs == ("log_probs", "entropy")
+    for coef in (0.0, 0.25):
+        loss, metrics = adaptive({"log_probs": log_probs, "entropy": entropy}, batch.with_meta(entropy_coef=coef))
+        torch.testing.assert_close(loss, base - coef * aggregate_loss(entropy, batch["response_mask"]))
+        assert metrics["actor/entropy_coeff"] == coef
     with pytest.raises(AlgorithmInputError, match='"ref_log_probs"'):
         make_actor_loss_fn(PolicyLossConfig(kl_loss_coef=0.1))({"log_probs": log_probs}, batch.select(
             "response_mask", "old_log_probs", "advantages"))
