@@ -8,7 +8,7 @@ tensor-parallel size tg > 1 (the trainer's ``rollout.tensor_parallel_size``) eve
 the Megatron/vLLM-style shards of ``GenerationLayout(tensor=tg, training=<the engine's data mesh>)``. With
 ``park=True`` (ZeRO-3, the actor worker's path) a rank holds its generation shards alone while generating: the full
 data of the persistent parameters (DeepSpeed's ``param_persistence_threshold``: kept gathered besides their
-partitions) is released before the move, the ``ds_tensor`` partitions' storage after it, and both come back bit for
+partitions) and the ``ds_tensor`` partitions' storage are released after the move, and both come back bit for
 bit from the generation shards afterwards through the planner's way back (generation layout → ZeRO layout, the
 persistent parameters whole): nothing at tg = 1, and at tg > 1 each rank receives from its tensor-parallel peers
 exactly what its own shards lack (the row-parallel weights' partition bytes outside its columns, the persistent
@@ -96,6 +96,10 @@ def _layout_key(layout: ModelLayout) -> Hashable:
     return (layout.mesh, tuple(layout.params.items()))
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
 class WeightHandover:
     """One engine's handover: its ZeRO layout and one reshard plan per target layout, reused every step."""
 
@@ -131,7 +135,15 @@ class WeightHandover:
                 storage.resize_(nbytes)
                 torch.empty(0, dtype=torch.uint8, device=owner.device).set_(storage).zero_()
             shards, parked.shards = parked.shards, {}  # the executor pops each once read: its memory goes then
-            rebuilt, self.last_restore_stats = execute_reshard(parked.back, shards, rank=engine.rank)
+            try:
+                rebuilt, self.last_restore_stats = execute_reshard(parked.back, shards, rank=engine.rank)
+            except Exception as exc:
+                raise EngineError(
+                    f"rank {engine.rank}: bringing the parked ZeRO-3 partitions back from the generation shards failed "
+                    f"({type(exc).__name__}: {exc}); expected every rank to run end_generation() (or a forward) after "
+                    f"the same handover; got a failed collective, so this rank's weights are zeroed, not restored. "
+                    f"Fix: the cause above, then load_checkpoint() before training on"
+                ) from exc
             del shards
             for name, parameter in engine.module.named_parameters():
                 tensor = rebuilt.pop(name, None)
@@ -151,9 +163,8 @@ class WeightHandover:
         """Release the distinct non-empty storages behind ``tensors``; returns (a tensor of each, its bytes)."""
         released: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}
         for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and (str(tensor.device), storage.data_ptr()) not in released:
-                released[(str(tensor.device), storage.data_ptr())] = (tensor, storage.nbytes())
+            if tensor.untyped_storage().nbytes():
+                released.setdefault(_storage_key(tensor), (tensor, tensor.untyped_storage().nbytes()))
         for tensor, _ in released.values():
             tensor.untyped_storage().resize_(0)  # every view of it (the parameter, DeepSpeed's flat buffers) sees it go
         return list(released.values())
@@ -226,9 +237,9 @@ class WeightHandover:
 
     def reshard(self, target: ModelLayout, *, name: str = "layout", park: bool = False) -> dict[str, torch.Tensor]:
         """This rank's shards of ``target`` (a layout over ``GenerationLayout(..., training=<source mesh>)``);
-        a collective over all ranks. Sets the engine's ``last_handover_stats``. ``park`` (ZeRO-3): the persistent
-        parameters' full data is released before the move (the partitions are its source) and the partitions'
-        storage after it, so the rank holds its generation shards alone until the engine's ``end_generation()`` or
+        a collective over all ranks. Sets the engine's ``last_handover_stats``. ``park`` (ZeRO-3): once the shards
+        are moved, the partitions' storage and the persistent parameters' gathered full data are released, so the
+        rank holds its generation shards alone until the engine's ``end_generation()`` or
         next forward, which bring both back from the shards (:meth:`restore`); do not write into the shards until
         then."""
         engine = self._engine
@@ -236,22 +247,17 @@ class WeightHandover:
         started = time.perf_counter()
         plan = self.plan_for(target)
         local = self.local_shards()
-        parking = park and engine.options.zero_stage == 3
-        released: list[tuple[torch.Tensor, int]] = []
-        persisted: dict[str, torch.Tensor] = {}
-        if parking:
-            persisted = self._gathered_persistent()
-            # a storage another (gathered, not persistent) parameter's data shares stays: it is not a copy
-            blocked = {(str(p.device), p.data.untyped_storage().data_ptr()) for n, p in engine.module.named_parameters()
-                       if n not in persisted and p.data.untyped_storage().nbytes()}
-            released = self._release([p.data for p in persisted.values()
-                                      if (str(p.device), p.data.untyped_storage().data_ptr()) not in blocked])
         with torch.no_grad():
             shards, stats = execute_reshard(plan, local, rank=engine.rank)
+        released: list[tuple[torch.Tensor, int]] = []
         back_bytes = 0
-        if parking:
-            parameters = [p for _, p in engine.module.named_parameters()]
-            released += self._release([p.ds_tensor for p in parameters])  # type: ignore[attr-defined]  # ZeRO-3's
+        if park and engine.options.zero_stage == 3:
+            persisted = self._gathered_persistent()
+            # a storage that another (gathered, not persistent) parameter's data shares stays: it is no copy
+            blocked = {_storage_key(p.data) for n, p in engine.module.named_parameters()
+                       if n not in persisted and p.data.untyped_storage().nbytes()}
+            released = self._release([p.data for p in persisted.values() if _storage_key(p.data) not in blocked]
+                                     + [p.ds_tensor for p in engine.module.parameters()])  # type: ignore[attr-defined]
             back = self.back_plan(target, frozenset(persisted))
             back_bytes = back.lower_bound_bytes(engine.rank)
             self._parked = _Parked(back=back, shards=dict(shards), storages=released, persisted=frozenset(persisted))
