@@ -157,7 +157,8 @@ def _report(label: str, tensor: int, results: list[dict[str, Any]]) -> list[dict
             row["generation_resident_weight_bytes"] = max(r[scheme]["generation_resident"] for r in results)
             row["exact_per_rank"] = all(r[scheme]["received"] == r[scheme]["lower_bound"] for r in results)
             row["parked_bytes_per_rank"] = [r[scheme]["parked"] for r in results]
-            row["aside_bytes_per_rank"] = [r[scheme]["aside"] for r in results]
+            # what end_generation() receives to bring the parked storages back (DeepSpeed ZeRO-3 at tg > 1)
+            row["restore_bytes_per_rank"] = [r[scheme]["restore"] for r in results]
         rows.append(row)
     return rows
 

@@ -139,9 +139,10 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         :meth:`parallel_layout` (stride grouping), Hugging Face-named: full tensors at tg = 1, tensor-parallel shards
         above (column/vocab dim 0, row dim 1, norms whole), moved by the reshard planner. A collective under ZeRO-3
         (and at tg > 1): every rank must consume the whole iterator; bytes received are in ``last_handover_stats``
-        once it is exhausted. ``park`` (the actor worker's default; ZeRO-3): the partitions' storage is released
-        into the generation shards holding its bytes (at tg > 1 the rest kept aside) until :meth:`end_generation` or
-        the next forward."""
+        once it is exhausted. ``park`` (the actor worker's default; ZeRO-3): the partitions' storage and the persistent
+        parameters' full data are released, the generation shards holding every byte of them on this rank or its
+        tensor-parallel peers, until :meth:`end_generation` or the next forward bring them back bit for bit (a
+        collective at tg > 1)."""
         self._check_role("generation_weights", ("actor", "reference"))
         if tensor_parallel_size < 1 or self.world_size % tensor_parallel_size:
             raise ConfigError(f"generation tensor_parallel_size {tensor_parallel_size} must divide the deepspeed "
@@ -151,8 +152,9 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         return self.handover.shard_weights(target=target, tensor=tensor_parallel_size, park=park)
 
     def end_generation(self) -> None:
-        """Give the ZeRO-3 partitions parked by ``generation_weights(park=True)`` their storage back (bit for bit);
-        a no-op when none is parked."""
+        """Give the ZeRO-3 partitions and persistent parameters parked by ``generation_weights(park=True)`` their
+        storage back (bit for bit, from the generation shards; a collective on every rank); a no-op when none is
+        parked."""
         self.handover.restore()
 
     def reshard_weights(self, target: Any) -> dict[str, torch.Tensor]:

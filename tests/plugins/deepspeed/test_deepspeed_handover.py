@@ -2,7 +2,8 @@
 planner and each rank receives exactly the lower bound (the bytes it lacked, counted from the executor's buffers),
 for a tg = 1 target and a tg = 2 tensor-parallel target; ZeRO-1 moves nothing. The gathered weights equal
 DeepSpeed's own gather (``deepspeed.zero.GatheredParameters``). With ``park=True`` at tg = 1 the ZeRO-3 partitions
-are released into the full generation weights (a rank holds M, not M/2 + M) and come back bit for bit."""
+and, under DeepSpeed's default persistence, the persistent parameters' full data are released into the full generation
+weights (a rank holds M, not M/2 + M, nor M/2 + 2 M) and come back bit for bit."""
 
 from __future__ import annotations
 
@@ -77,7 +78,11 @@ def _park_cycle(engine: Any, weights: dict[str, torch.Tensor], rank: int, world_
     parameters = list(engine.module.parameters())
     batch = build_training_batch(rows=8).chunk(world_size)[rank]
     before = engine.compute_log_probs(batch)["log_probs"]
-    snapshot = [p.ds_tensor.detach().clone() for p in parameters]
+    def state() -> list[torch.Tensor]:  # partitions, and gathered persistent parameters' full data
+        return [t.detach().clone() for p in parameters
+                for t in ((p.ds_tensor, p.data) if getattr(p, "ds_persist", False) else (p.ds_tensor,))]
+
+    snapshot = state()
     training = count_storage_bytes(parameters)
     shards = dict(engine.generation_weights(park=True))
     out = {"training": training, "stats": engine.last_handover_stats,
@@ -87,11 +92,11 @@ def _park_cycle(engine: Any, weights: dict[str, torch.Tensor], rank: int, world_
            "target": sum(t.numel() * t.element_size() for t in shards.values())}
     del shards
     engine.end_generation()
-    out["restored_equal"] = all(torch.equal(a, p.ds_tensor) for a, p in zip(snapshot, parameters, strict=True))
+    out["restored_equal"] = all(torch.equal(a, b) for a, b in zip(snapshot, state(), strict=True))
     out["restored"] = count_storage_bytes(parameters)
     shards = dict(engine.generation_weights(park=True))
     out["forward_equal"] = torch.equal(engine.compute_log_probs(batch)["log_probs"], before)
-    out["forward_restored_equal"] = all(torch.equal(a, p.ds_tensor) for a, p in zip(snapshot, parameters, strict=True))
+    out["forward_restored_equal"] = all(torch.equal(a, b) for a, b in zip(snapshot, state(), strict=True))
     del shards  # held through the forward, as a rollout engine would
     return out
 
@@ -119,22 +124,19 @@ def test_handover_moves_exactly_the_lower_bound(tmp_path: Path) -> None:
         # ZeRO-1 keeps full weights on every rank: nothing to move, and 0 is the lower bound
         assert zero1["tg1"].path == "replicated" and zero1["tg1"].bytes_received == zero1["tg1"].lower_bound_bytes == 0
         assert zero1["tg2"].bytes_received == zero1["tg2"].lower_bound_bytes == 0
-        # ZeRO-3, tg = 1, park=True: the flat partition buffer went into the full generation weights, so a rank
-        # holds those alone while generating: M, not M/2 + M; then every partition comes back bit for bit
-        for key in ("park", "park_partitioned"):
+        # ZeRO-3, tg = 1, park=True: everything training held went into the full generation weights, so a rank
+        # holds those alone while generating (M); then every partition and full datum comes back bit for bit, with
+        # nothing received (the full weights hold every byte)
+        for key, held in (("park", 1.5), ("park_partitioned", 0.5)):
             park = result[key]
             assert park["mismatched"] == [] and park["target"] == zero3["total"], park
             assert park["restored_equal"] and park["restored"] == park["training"], park
             assert park["forward_equal"] and park["forward_restored_equal"], park
-            # the partitions (one flat buffer: about M/2) are what parks
-            assert park["stats"].parked_bytes == park["training"] - park["parked_training"] > 0, park
-            assert math.isclose(park["stats"].parked_bytes, zero3["total"] / 2, rel_tol=0.05), park
-            assert park["generation"] == park["parked_training"] + park["target"], park
-        # default persistence: the whole tiny model stays gathered besides (M), so generating holds 2 M (not 2.5 M)
-        assert result["park"]["parked_training"] == zero3["total"], result["park"]
-        # every parameter partitioned: only the generation weights are resident while generating, M
-        partitioned = result["park_partitioned"]
-        assert partitioned["parked_training"] == 0 and partitioned["generation"] == zero3["total"], partitioned
+            assert park["stats"].parked_bytes == park["training"] > 0 and park["parked_training"] == 0, park
+            assert park["generation"] == park["target"] and park["stats"].restore_bytes == 0, park
+            # what parks: the partitions (one flat buffer: about M/2) and, under DeepSpeed's default persistence
+            # (the whole tiny model persists), the full data gathered besides them (M): M/2 + M, not held twice
+            assert math.isclose(park["stats"].parked_bytes, zero3["total"] * held, rel_tol=0.05), park
     # both ranks hold the same generation weights after the handover
     assert all(torch.equal(ranks[0]["zero3"]["weights"][n], ranks[1]["zero3"]["weights"][n])
                for n in ranks[0]["zero3"]["weights"])
