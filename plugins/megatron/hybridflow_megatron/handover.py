@@ -254,11 +254,12 @@ class WeightHandover:
         """This rank's shards of ``target`` (a layout over ``GenerationLayout(..., training=<source mesh>)``), moved
         by the cached plan; a collective over all ranks. Sets the engine's ``last_handover_stats``. ``views=True``:
         shards this rank already holds whole are views of the training parameters (do not write into them; they
-        follow the next optimizer step). ``park=True`` (implies views): a training storage (Megatron's DDP param
-        buffer) whose every parameter lies in this rank's generation shards is released once they hold it, so the
-        rank holds each weight once while generating (:class:`hybridflow.resharding.StorageParking`); the engine's
-        ``end_generation()`` (or its next use of the weights) brings it back bit for bit. Do not write into the
-        returned shards until then."""
+        follow the next optimizer step). ``park=True`` (implies views): the training storage (Megatron's DDP param
+        buffer, the last stage's tied output-layer copy included) is released once the generation shards hold it,
+        so the rank holds each weight once while generating (:class:`hybridflow.resharding.StorageParking`); the
+        engine's ``end_generation()`` (or its next use of the weights) brings it back bit for bit, fetching from
+        other ranks' generation shards what none of this rank's holds (then a collective over all ranks). Do not
+        write into the returned shards until then."""
         self._check_plannable()
         started = time.perf_counter()
         plan = self.plan_for(target)
