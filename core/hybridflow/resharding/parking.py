@@ -13,9 +13,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
+from hybridflow.errors import ReshardError
 from hybridflow.resharding.planner import ReshardPlan
 from hybridflow.resharding.specs import Piece
 
@@ -39,12 +41,19 @@ def parking_cells(plan: ReshardPlan, rank: int) -> dict[str, tuple[tuple[Home, .
     A (non-empty) piece lying whole inside one target piece is one home (fused sources, e.g. Megatron's qkv, have one
     per component); any other piece is cut along the boundaries of the target pieces it meets, each cell a home or
     aside (a ZeRO-3 flat row range under a column split: the rank's columns go home, the others aside)."""
+    return _cells_of(plan.source.pieces(rank), plan, rank)
+
+
+def _cells_of(sources: Mapping[str, tuple[Piece, ...]], plan: ReshardPlan,
+              rank: int) -> dict[str, tuple[tuple[Home, ...], tuple[tuple[slice, ...], ...]]]:
+    """:func:`parking_cells` of any named pieces held on ``rank`` (the plan's source pieces, or copies of them that
+    the plan does not describe) against ``rank``'s target shards of ``plan``."""
     targets: dict[str, list[tuple[str, Piece]]] = {}
     for name, pieces in plan.target.pieces(rank).items():
         for piece in pieces:
             targets.setdefault(piece.canonical, []).append((name, piece))
     out: dict[str, tuple[tuple[Home, ...], tuple[tuple[slice, ...], ...]]] = {}
-    for name, pieces in plan.source.pieces(rank).items():
+    for name, pieces in sources.items():
         homes: list[Home] = []
         aside: list[tuple[slice, ...]] = []
         for piece in pieces:
@@ -117,42 +126,70 @@ class StorageParking:
     is released in :meth:`finish` only when at least one of its shards was copied out (its viewing targets are made
     copies first, so the rank still holds every weight once).
 
+    ``copies``: tensors the plan does not describe that hold a copy of canonical pieces it moves (a tied embedding's
+    output-layer copy on a pipeline's last stage), each with those pieces (e.g. the source spec's pieces on the rank
+    holding the original): where the pieces lie whole in this rank's generation shards (no aside) the copy is one more
+    member of its storage, whose homes are those generation shards. It counts as copied out once :meth:`finish`
+    finds it equal, bit for bit, to its homes (the copy the rank keeps is the one the generation shards hold), and
+    :meth:`restore` copies it back from there. A copy that differs, or whose pieces lie partly outside the rank's
+    generation shards (unless ``aside="fetch"``: those cells are then fetched like a shard's), keeps its storage from
+    parking (as ``others`` does; its name is in :attr:`unparked_copies`).
+
     ``aside=True``: a storage also parks when some of its shards' bytes lie in no generation shard on this rank
     (:func:`parking_cells`), provided they are fewer than the storage's bytes: as each shard is released those cells
     are copied into a small aside buffer (one per shard, set on its ``storages`` tensor as ``parked_aside`` so that
     ``count_storage_bytes`` counts it), and :meth:`restore` puts them back. Without it such a storage stays.
+    ``aside="fetch"``: as ``aside=True``, but those cells are not kept anywhere on this rank: :meth:`restore` leaves
+    them zero, for the caller to fetch from the ranks whose generation shards hold them (every byte of the storage
+    lies in some rank's generation shards; :func:`parking_cells` names the cells), e.g. by a reverse reshard before
+    those shards go. The rank then holds its generation shards alone.
     """
 
     def __init__(self, plan: ReshardPlan, rank: int, shards: Mapping[str, torch.Tensor], *,
                  others: Iterable[torch.Tensor] = (), storages: Mapping[str, torch.Tensor] | None = None,
-                 write_back: Callable[[str, torch.Tensor], None] | None = None, aside: bool = False) -> None:
+                 write_back: Callable[[str, torch.Tensor], None] | None = None,
+                 aside: bool | Literal["fetch"] = False,
+                 copies: Mapping[str, tuple[torch.Tensor, tuple[Piece, ...]]] | None = None) -> None:
         cells = parking_cells(plan, rank)
         if not aside:
             cells = {name: found for name, found in cells.items() if not found[1]}
-        blocked = {_key(t) for t in others if t.untyped_storage().nbytes()}
+        copies = dict(copies or {})
+        if clash := sorted(set(copies) & set(shards)):
+            raise ReshardError(f"StorageParking copies must be named apart from the shards; both name {clash}; rename "
+                               "the copies")
+        copy_cells = _cells_of({name: pieces for name, (_, pieces) in copies.items()}, plan, rank)
+        self._copies = {name: tensor for name, (tensor, _) in copies.items()
+                        if aside == "fetch" or not copy_cells[name][1]}
+        self.unparked_copies: list[str] = sorted(set(copies) - set(self._copies))
+        blocked = {_key(t) for t in [*others, *(copies[n][0] for n in self.unparked_copies)]
+                   if t.untyped_storage().nbytes()}
         owners = shards if storages is None else storages
         by_key: dict[tuple[str, int], _Storage] = {}
-        for name in shards:
-            tensor = owners[name]
+        for name, tensor in [*((n, owners[n]) for n in shards), *self._copies.items()]:
             if not tensor.untyped_storage().nbytes():
                 continue
             slot = by_key.setdefault(_key(tensor), _Storage(owner=tensor, members=set()))
             slot.members.add(name)
 
         def aside_bytes(slot: _Storage) -> int:
-            return sum(shards[n][cell].numel() * shards[n].element_size() for n in slot.members for cell in cells[n][1])
+            return sum(shards[n][cell].numel() * shards[n].element_size()
+                       for n in slot.members if n in shards for cell in cells[n][1])
 
-        self._homes = {name: found[0] for name, found in cells.items()}
-        self._cells = {name: found[1] for name, found in cells.items() if found[1]}
+        self._homes = {name: found[0] for name, found in [*cells.items(), *copy_cells.items()]}
+        self._cells = {name: found[1] for name, found in [*cells.items(), *copy_cells.items()]
+                       if found[1] and (name in shards or name in self._copies)}
+        self._fetch = aside == "fetch"
         self._write_back = write_back
         self._shards = dict(shards) if write_back is None else {}
         self._owners = dict(owners)
         self._meta = {name: (tuple(t.shape), t.dtype, t.device) for name, t in shards.items()}
         self._storages = {key: slot for key, slot in by_key.items()
-                          if key not in blocked and all(name in cells for name in slot.members)
-                          and aside_bytes(slot) < slot.owner.untyped_storage().nbytes()}
+                          if key not in blocked and all(name in cells or name in self._copies
+                                                        for name in slot.members)
+                          and (aside == "fetch" or aside_bytes(slot) < slot.owner.untyped_storage().nbytes())}
         self._by_name = {name: slot for slot in self._storages.values() for name in slot.members}
-        self._pending = {name: shards[name] for name in self._by_name if name in self._cells}  # until copied aside
+        self._pending = {name: shards[name] for name in self._by_name  # until copied aside
+                         if name in self._cells and aside != "fetch"}
         self._aside: dict[str, torch.Tensor] = {}
         self._restore: list[tuple[_Storage, list[tuple[str, list[tuple[tuple[slice, ...], torch.Tensor,
                                                                       tuple[slice, ...]]]]]]] = []
@@ -161,6 +198,12 @@ class StorageParking:
     def parked_bytes(self) -> int:
         """Training storage bytes released now."""
         return sum(slot.nbytes for slot in self._storages.values())
+
+    @property
+    def fetch_cells(self) -> dict[str, tuple[tuple[slice, ...], ...]]:
+        """``aside="fetch"``: per shard or copy of a storage that parks, the slices :meth:`restore` leaves zero
+        (no generation shard on this rank holds them); empty otherwise."""
+        return {name: cells for name, cells in self._cells.items() if name in self._by_name} if self._fetch else {}
 
     @property
     def aside_bytes(self) -> int:
@@ -195,9 +238,18 @@ class StorageParking:
 
     def finish(self, targets: MutableMapping[str, torch.Tensor]) -> int:
         """After the handover: release the storages some targets still view (those targets become copies), where a
-        shard of the storage was copied out; record where every parked shard lives on. Returns the parked bytes."""
-        for key, slot in self._storages.items():
-            if slot.nbytes or not slot.released:
+        shard of the storage was copied out or a copy in it equals its homes (a storage holding a copy that differs
+        stays); record where every parked shard lives on. Returns the parked bytes."""
+        for key, slot in list(self._storages.items()):
+            if slot.nbytes:
+                continue
+            held = slot.members & self._copies.keys()
+            if held and all(self._equals_homes(name, targets) for name in held):
+                slot.released |= held
+            elif held:
+                self._keep(key, slot)
+                continue
+            if not slot.released:
                 continue
             for name, tensor in targets.items():
                 if tensor.untyped_storage().nbytes() and _key(tensor) == key:
@@ -211,6 +263,20 @@ class StorageParking:
                 self._restore.append((slot, places))
         return self.parked_bytes
 
+    def _equals_homes(self, name: str, targets: Mapping[str, torch.Tensor]) -> bool:
+        copy = self._copies[name]
+        return all(torch.equal(copy[home.source_slices], targets[home.target][home.target_slices])
+                   for home in self._homes[name])
+
+    def _keep(self, key: tuple[str, int], slot: _Storage) -> None:
+        """``slot`` stays resident (a copy in it differs from its homes): forget it, and its shards' aside copies."""
+        del self._storages[key]
+        for name in slot.members:
+            self._by_name.pop(name, None)
+            self._aside.pop(name, None)
+            self._pending.pop(name, None)
+        self.unparked_copies = sorted({*self.unparked_copies, *(slot.members & self._copies.keys())})
+
     def restore(self) -> int:
         """Give every parked storage its bytes back (zeroed, then each shard copied from its generation shards and
         its aside buffer), one storage at a time, dropping the references to the generation shards; returns the bytes
@@ -223,6 +289,11 @@ class StorageParking:
                 storage.resize_(slot.nbytes)
                 torch.empty(0, dtype=torch.uint8, device=slot.owner.device).set_(storage).zero_()
                 for name, homes in places:
+                    copy = self._copies.get(name)
+                    if copy is not None:  # a copy outside the plan: straight back from its homes
+                        for source_slices, home, target_slices in homes:
+                            copy[source_slices].copy_(home[target_slices])
+                        continue
                     shape, dtype, device = self._meta[name]
                     shard = self._shards[name] if self._write_back is None else torch.zeros(
                         shape, dtype=dtype, device=device)

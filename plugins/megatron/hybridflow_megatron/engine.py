@@ -363,7 +363,9 @@ class MegatronTrainingEngine:
 
     def end_generation(self) -> None:
         """Give the training parameters parked by ``generation_weights(park=True)`` their storage back (bit for bit,
-        from the generation shards); a no-op when none is parked."""
+        from the generation shards); a no-op when none is parked. Call it on every rank: where a rank's training
+        shard did not lie in its own generation shards (tg not dividing t) it fetches the rest from the other ranks'
+        (a collective)."""
         self.handover.restore()
 
     def parallel_layout(self) -> Any:

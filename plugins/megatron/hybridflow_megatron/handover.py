@@ -8,13 +8,17 @@ where the planner cannot describe the shards: a vocabulary megatron padded for t
 With ``park=True`` (the actor worker's path) megatron's DDP param buffer — one flat storage behind every trained
 parameter (distributed optimizer) — is released once the generation shards hold all of it, so a rank holds each
 weight once while generating; it comes back bit for bit from those shards on ``end_generation()`` or the engine's
-next use of its weights. It cannot part-release, so it parks only where the rank's generation shards contain its
-whole training shard (pg = 1 and tg dividing t, e.g. t = 2 → tg = 1), and not on a pipeline's last stage holding
-a tied embedding's copy. Stability: public.
+next use of its weights. On a pipeline's last stage the buffer also holds the tied embedding's output-layer copy,
+which the layout describes once (on the first stage): it parks in the rank's generation shard of the embedding,
+checked equal to it bit for bit first. Where a rank's generation shards do not contain its whole training shard
+(tg not dividing t, e.g. p = 2, t = 2 → tg = 4) the buffer parks all the same and the cells only other ranks'
+generation shards hold are fetched back on restore by the reverse plan (generation → training layout; a
+collective over all ranks, ``HandoverStats.fetch_bytes`` per rank). Stability: public.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Hashable, Iterator
@@ -30,12 +34,15 @@ from hybridflow.resharding import (
     ModelLayout,
     ParallelLayout,
     ReshardPlan,
+    ReshardStats,
     StorageParking,
     build_tensor_parallel_layout,
     execute_reshard,
+    parking_cells,
     plan_reshard,
 )
 from hybridflow.resharding.planner import DEFAULT_BUCKET_BYTES
+from hybridflow.resharding.specs import Piece
 
 if TYPE_CHECKING:
     from hybridflow_megatron.engine import MegatronTrainingEngine
@@ -46,6 +53,19 @@ __all__ = ["TARGETS", "DEFAULT_BUCKET_BYTES", "HandoverStats", "WeightHandover"]
 #: rollout engine and vLLM's ``update_weights`` (``weights_target = "hf"``: vLLM fuses while loading) take those.
 #: For vLLM's own fused, per-TP-rank shards use :meth:`WeightHandover.reshard` with ``build_vllm_layout``.
 TARGETS = ("hf", "vllm")
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetch:
+    """A pending fetch-back (``park=True`` where some rank's training shard is not inside its generation shards):
+    the reverse plan, this rank's generation shards (its source; other ranks fetch from them) and, per training
+    shard, the cells no generation shard on this rank holds (what this rank fetches)."""
+
+    plan: ReshardPlan
+    shards: dict[str, torch.Tensor]
+    cells: dict[str, tuple[tuple[slice, ...], ...]]
+    copies: dict[str, torch.Tensor]  # the tied copy by name; it is fetched as the embedding
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,8 +77,10 @@ class HandoverStats:
     target shards minus what it held), ``peak_extra_bytes`` the executor's memory high-water mark above
     max(source, target) footprint, ``max_bucket_cost`` the plan's largest bucket, ``aliased_bytes`` the generation
     shards handed over as views of the training parameters, ``parked_bytes`` the training storage released while
-    generating (``park=True``). ``path="gather"``: the padded-vocab fallback (all-gather over t, broadcast over p),
-    which reports received bytes only.
+    generating (``park=True``), ``fetch_bytes`` what the restore will receive back (the lower bound of the reverse
+    plan: the training bytes that lie only in other ranks' generation shards; 0 where every rank's training shard
+    lies in its own generation shards). ``path="gather"``: the padded-vocab fallback (all-gather over t, broadcast
+    over p), which reports received bytes only.
     """
 
     rank: int
@@ -74,6 +96,7 @@ class HandoverStats:
     seconds: float = 0.0
     aliased_bytes: int = 0
     parked_bytes: int = 0
+    fetch_bytes: int = 0
 
 
 def _layout_key(layout: ModelLayout) -> Hashable:
@@ -91,7 +114,11 @@ class WeightHandover:
         self._source: ModelLayout | None = None
         self._plans: dict[Hashable, ReshardPlan] = {}
         self._parking: StorageParking | None = None
+        self._fetch: _Fetch | None = None
+        self._fetches: dict[Hashable, bool] = {}
         self._hooked = False
+        #: the executor's stats of the last fetch-back (``restore`` after a park with cells on other ranks)
+        self.last_fetch_stats: ReshardStats | None = None
 
     @property
     def parked_bytes(self) -> int:
@@ -100,21 +127,56 @@ class WeightHandover:
 
     def restore(self) -> int:
         """Give the storage parked by ``reshard(park=True)`` back, bit for bit, from the generation shards holding
-        it; returns the bytes restored (0: nothing was parked)."""
+        it; returns the bytes restored (0: nothing was parked). After a park whose training shards do not all lie in
+        their own rank's generation shards it is a collective over all ranks: the cells that lie only in other ranks'
+        generation shards come back by the reverse plan (``last_fetch_stats``)."""
         parking, self._parking = self._parking, None
-        return 0 if parking is None else parking.restore()
+        fetch, self._fetch = self._fetch, None
+        restored = 0 if parking is None else parking.restore()
+        if fetch is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with torch.no_grad():
+                fetched, self.last_fetch_stats = execute_reshard(fetch.plan, fetch.shards, rank=rank)
+                if restored:  # its cells are zero now (a rank whose buffer stayed holds them already)
+                    local = {**dict(self._engine.iter_weight_shards()), **fetch.copies}
+                    for name, cells in fetch.cells.items():
+                        source = fetched[_EMBEDDING if name in fetch.copies else name]
+                        for cell in cells:
+                            local[name][cell].copy_(source[cell])
+            del fetched
+        return restored
 
-    def _unhanded(self) -> list[torch.Tensor]:
-        """Parameters the handover skips (the last stage's copy of a tied embedding): their storage never parks."""
+    def _needs_fetch(self, plan: ReshardPlan, key: Hashable) -> bool:
+        """Whether some rank's training shard has bytes outside its own generation shards (the same answer on every
+        rank: parking then fetches back, a collective restore)."""
+        if key not in self._fetches:
+            self._fetches[key] = any(aside for rank in range(plan.world_size)
+                                     for _, aside in parking_cells(plan, rank).values())
+        return self._fetches[key]
+
+    def _tied_copies(self, rank: int) -> dict[str, tuple[torch.Tensor, tuple[Piece, ...]]]:
+        """The parameter the handover skips, as a copy for :class:`StorageParking`: on a pipeline's last stage (p > 1)
+        megatron keeps ``output_layer.weight``, a copy of the tied embedding (its embedding-group all-reduce keeps
+        the two equal), which the layout describes once, on the first stage. Its pieces are the embedding's on
+        this rank's coordinates, so it parks in the rank's generation shard of the embedding and comes back from it."""
         from hybridflow_megatron.spec_names import named_local_parameters
 
         engine = self._engine
-        return [param for name, param in named_local_parameters(engine.module)
-                if engine.arch.tied_embeddings and name == "output_layer.weight"]
+        if not engine.arch.tied_embeddings:
+            return {}
+        source = self.source_layout()
+        spec = source.params.get(_EMBEDDING)
+        copies = {}
+        for name, param in named_local_parameters(engine.module):
+            if name == "output_layer.weight" and spec is not None:
+                pieces = dataclasses.replace(spec, pipeline_stage=None).pieces(source.mesh, rank)
+                copies[name] = (param.detach(), pieces)
+        return copies
 
     def _install_restore_hook(self) -> None:
         """Once: a forward of the model restores first, so a caller that skips ``end_generation()`` never reads
-        released storage (the engine's own methods restore explicitly too)."""
+        released storage (the engine's own methods restore explicitly too); where the restore is a collective (a
+        fetch-back) the forward raises instead."""
         if self._hooked:
             return
         self._hooked = True
@@ -122,8 +184,13 @@ class WeightHandover:
 
         def restore(*_: Any, **__: Any) -> None:
             owner = ref()
-            if owner is not None:
-                owner.restore()
+            if owner is None:
+                return
+            if owner._fetch is not None:  # a collective: one rank's forward must not start it alone
+                raise EngineError(
+                    "the training weights are parked with cells that only other ranks' generation shards hold; "
+                    "call engine.end_generation() on every rank (a collective) before running the model")
+            owner.restore()
 
         self._engine.module.register_forward_pre_hook(restore, prepend=True)
 
@@ -159,6 +226,20 @@ class WeightHandover:
                                             bucket_bytes=self.bucket_bytes)
         return self._plans[key]
 
+    def reverse_plan_for(self, target: ModelLayout) -> ReshardPlan:
+        """The ``hybridflow`` plan from ``target`` back to the engine's layout (the fetch-back after a park whose
+        training shards do not all lie in their own rank's generation shards): planned once per target."""
+        key = ("reverse", _layout_key(target))
+        if key not in self._plans:
+            source = self.source_layout()
+            embedding = source.params.get(_EMBEDDING)
+            if self._engine.arch.tied_embeddings and embedding is not None and embedding.pipeline_stage is not None:
+                # the last stage fetches its tied copy's cells too: the embedding, on every stage
+                source = dataclasses.replace(source, params={
+                    **source.params, _EMBEDDING: dataclasses.replace(embedding, pipeline_stage=None)})
+            self._plans[key] = plan_reshard(target, source, strategy="hybridflow", bucket_bytes=self.bucket_bytes)
+        return self._plans[key]
+
     def _check_plannable(self) -> None:
         if not self.plannable:
             arch = self._engine.arch
@@ -173,18 +254,21 @@ class WeightHandover:
         """This rank's shards of ``target`` (a layout over ``GenerationLayout(..., training=<source mesh>)``), moved
         by the cached plan; a collective over all ranks. Sets the engine's ``last_handover_stats``. ``views=True``:
         shards this rank already holds whole are views of the training parameters (do not write into them; they
-        follow the next optimizer step). ``park=True`` (implies views): a training storage (Megatron's DDP param
-        buffer) whose every parameter lies in this rank's generation shards is released once they hold it, so the
-        rank holds each weight once while generating (:class:`hybridflow.resharding.StorageParking`); the engine's
-        ``end_generation()`` (or its next use of the weights) brings it back bit for bit. Do not write into the
-        returned shards until then."""
+        follow the next optimizer step). ``park=True`` (implies views): the training storage (Megatron's DDP param
+        buffer, the last stage's tied output-layer copy included) is released once the generation shards hold it,
+        so the rank holds each weight once while generating (:class:`hybridflow.resharding.StorageParking`); the
+        engine's ``end_generation()`` (or its next use of the weights) brings it back bit for bit, fetching from
+        other ranks' generation shards what none of this rank's holds (then a collective over all ranks). Do not
+        write into the returned shards until then."""
         self._check_plannable()
         started = time.perf_counter()
         plan = self.plan_for(target)
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.restore()  # a previous handover's parked storage comes home before anything reads it
         local = dict(self._engine.iter_weight_shards())
-        parking = StorageParking(plan, rank, local, others=self._unhanded()) if park else None
+        fetch = park and self._needs_fetch(plan, _layout_key(target))
+        copies = self._tied_copies(rank) if park else {}
+        parking = StorageParking(plan, rank, local, copies=copies, aside="fetch" if fetch else False) if park else None
         with torch.no_grad():
             shards, stats = execute_reshard(plan, local, rank=rank, views=views or park,
                                             on_release=None if parking is None else parking.on_release)
@@ -192,11 +276,16 @@ class WeightHandover:
         if parking is not None and parked:
             self._parking = parking
             self._install_restore_hook()
+        reverse = self.reverse_plan_for(target) if fetch else None
+        if reverse is not None and parking is not None:  # every rank: the others fetch from its generation shards
+            self._fetch = _Fetch(reverse, dict(shards), parking.fetch_cells,
+                                 {name: tensor for name, (tensor, _) in copies.items()})
         self._engine.last_handover_stats = HandoverStats(
             rank=rank, path="reshard", target=name, tensors=len(shards), bytes_received=stats.bytes_received,
             bytes_sent=stats.bytes_sent, lower_bound_bytes=plan.lower_bound_bytes(rank),
             peak_extra_bytes=stats.peak_extra_bytes, max_bucket_cost=plan.max_bucket_cost(), buckets=stats.buckets,
             seconds=time.perf_counter() - started, aliased_bytes=stats.aliased_bytes, parked_bytes=parked,
+            fetch_bytes=0 if reverse is None else reverse.lower_bound_bytes(rank),
         )
         return shards
 

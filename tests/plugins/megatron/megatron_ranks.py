@@ -258,9 +258,55 @@ def scenario_park(args: dict) -> dict:
     """Every case of ``args["cases"]`` through :func:`_park_case`."""
     return _each_case(args, _park_case)
 
+def scenario_park_steps(args: dict) -> dict:
+    """A train step, then (``args["park"]``) for each tg of ``args["tensors"]`` a handover with ``park=True``: the
+    resident training bytes counted from storages while parked, the parked bytes, a direct forward's error where the
+    restore is a collective fetch-back, and after ``end_generation()`` whether every parameter is bit-identical to
+    before; then a second train step and the parameters before and after it (to compare with an unparked run,
+    ``park`` false, which skips the handovers)."""
+    from hybridflow.algorithms.losses import PolicyLossConfig, make_actor_loss_fn
+    from hybridflow.errors import EngineError
+    from hybridflow.resharding import count_storage_bytes
+
+    engine = build_engine(args)
+    training = list(engine.model.parameters())
+    info = engine.mesh_info()
+    batch = make_batch(rows=4)
+    local = batch.slice(info.dp_rank * len(batch) // info.dp_size, (info.dp_rank + 1) * len(batch) // info.dp_size)
+    local["old_log_probs"] = engine.compute_log_probs(local)["log_probs"]
+    loss_fn = make_actor_loss_fn(PolicyLossConfig())
+    engine.train_step(local, loss_fn=loss_fn)
+    shapes = engine.handover.generation_layout().canonical_shapes().values()
+    out: dict = {"training_bytes": count_storage_bytes(training), "last_stage": engine.placement.is_last_stage,
+                 "tied_copy": any(n == "output_layer.weight" for n, _ in engine.module.named_parameters()),
+                 "model_bytes": sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes)}
+    for tensor in args["tensors"] if args.get("park", True) else ():
+        snapshot = [p.detach().clone() for p in training]
+        shards = dict(engine.generation_weights(tensor_parallel_size=tensor, park=True))
+        out[tensor] = {"stats": engine.last_handover_stats, "parked_training_bytes": count_storage_bytes(training),
+                       "generation_bytes": count_storage_bytes([*training, *shards.values()]),
+                       "target_bytes": _nbytes(shards.values()), "bucket": engine.handover.plan_for(
+                           engine.handover.generation_layout(tensor=tensor)).max_bucket_cost()}
+        if tensor > engine.placement.tp_size:  # tg beyond t: restoring fetches, a collective the hook refuses
+            try:
+                engine.module(None, None, attention_mask=None)
+            except EngineError as error:
+                out[tensor]["forward_error"] = str(error)
+        del shards
+        engine.handover.last_fetch_stats = None
+        engine.end_generation()
+        out[tensor]["restored_equal"] = all(torch.equal(a, p) for a, p in zip(snapshot, training, strict=True))
+        out[tensor]["fetch"] = engine.handover.last_fetch_stats
+    out["before"] = [p.detach().clone() for p in training]
+    engine.train_step(local, loss_fn=loss_fn)
+    out["after"] = [p.detach().clone() for p in training]
+    engine.release()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[dict], dict]] = {"train": scenario_train, "logits": scenario_logits,
                                                 "handover": scenario_handover, "park": scenario_park,
-                                                "cases": scenario_cases}
+                                                "park_steps": scenario_park_steps, "cases": scenario_cases}
 
 
 def main() -> None:

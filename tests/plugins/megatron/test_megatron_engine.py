@@ -4,7 +4,9 @@ exactly the per-rank lower bound and yield the HF weights bit for bit; and (t = 
 ``park=True``, the actor worker's path: while the generation shards are held a rank holds every weight once — resident
 weight bytes, counted from storages, are the generation shards alone (M at tg = 1, M/2 + the replicated norms' other
 half at tg = 2; never M/2 + M) — and ``end_generation()`` (or the next forward, or a train step) gives the training
-parameters their storage back bit for bit.
+parameters their storage back bit for bit. (p, t, d) = (2, 2, 1) with tied embeddings parks on both pipeline stages
+at tg = 1, 2 and 4 (the last stage's output-layer copy parked in the embedding's generation shard; at tg = 4 the
+cells held only by other ranks fetched back), and its next train step equals an unparked run bit for bit.
 
 Every run of one world size goes through one group of processes (megatron imported once per rank), a case each: one
 1-rank, one 2-rank and one 4-rank group for the whole module."""
@@ -44,9 +46,14 @@ HANDOVER = [  # vocab 64: a multiple of 8·t, so megatron pads nothing and the p
                                  "tie_word_embeddings": True}},
 ]
 HANDOVER_IDS = ["p1t2d2_llama", "p2t2d1_qwen2_tied"]
+# (p, t, d) = (2, 2, 1), tied embeddings: the last stage's DDP buffer also holds the embedding's output-layer copy;
+# tg = 4 does not divide t, so each rank's training shard lies half in other ranks' generation shards
+PARK_STEPS = {"scenario": "park_steps", "pp": 2, "tp": 2, "tensors": [1, 2, 4], "micro_batch_size": 1,
+              "config": {"vocab_size": 64}, "extra": {"handover_bucket_bytes": BUCKET_BYTES},
+              "model": {"architecture": "qwen2", **GQA, "tie_word_embeddings": True}}
 FOUR_RANKS = [{"scenario": "handover", "cases": HANDOVER, "config": {"vocab_size": 64},
                "extra": {"handover_bucket_bytes": BUCKET_BYTES}, "micro_batch_size": 1},
-              {**TRAIN, "tp": 2}]
+              {**TRAIN, "tp": 2}, {**PARK_STEPS, "park": True}, {**PARK_STEPS, "park": False}]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +76,11 @@ def parked(two_ranks):
 
 @pytest.fixture(scope="module")
 def four_ranks(module_ranks):
-    """Rank order: ``[handover results per case per rank, tp2 dp2 train results per rank]``."""
+    """Rank order: ``[handover results per case per rank, tp2 dp2 train results per rank, p2 t2 park results per
+    rank, the same unparked]``."""
     results = module_ranks("cases", 4, {"cases": FOUR_RANKS}, timeout_s=600)
     handover = [[result["cases"][0]["cases"][index] for result in results] for index in range(len(HANDOVER))]
-    return handover, [result["cases"][1] for result in results]
+    return handover, *([result["cases"][index] for result in results] for index in (1, 2, 3))
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +245,36 @@ def test_tg2_holds_megatrons_shards_once(parked, case):
 def test_a_train_step_after_a_park_restores_first(parked, case):
     for result in parked[case]:
         assert result["stepped"] and result["stepped_bytes"] == result["training_bytes"]
+
+
+def test_p2_t2_parks_on_both_stages_at_every_tg_and_trains_as_unparked(four_ranks):
+    """p = 2, t = 2, tied embeddings: the last stage's param buffer (its output-layer copy of the embedding parked
+    in the generation shard of the embedding) parks like the first stage's, at tg = 4 too (the cells other ranks'
+    generation shards hold are fetched back by the reverse plan); resident bytes counted from storages."""
+    _, _, parked, unparked = four_ranks
+    assert [r["last_stage"] and r["tied_copy"] for r in parked] == [False, False, True, True]
+    for rank, result in enumerate(parked):
+        model, training = result["model_bytes"], result["training_bytes"]
+        assert model // 4 <= training < model // 2, (rank, result)  # a quarter of the model (its DDP buffer)
+        for tensor in (1, 2, 4):
+            one = result[tensor]
+            stats, budget = one["stats"], model // tensor + one["bucket"]  # M/(tg·pg) + one bucket
+            assert stats.bytes_received == stats.lower_bound_bytes, (rank, tensor, stats)
+            assert one["generation_bytes"] <= budget, (rank, tensor, one)
+            assert one["restored_equal"], (rank, tensor)  # bit for bit after end_generation()
+            if tensor == 2 and not result["last_stage"]:  # every first-stage shard a view: nothing to gain
+                assert stats.parked_bytes == 0 and stats.aliased_bytes > 0, (rank, stats)
+                continue
+            # the buffer is gone, the output-layer copy with it: the generation shards alone are resident
+            assert stats.parked_bytes == training and one["parked_training_bytes"] == 0, (rank, tensor, one)
+            assert one["generation_bytes"] == one["target_bytes"], (rank, tensor, one)
+            if tensor == 4:  # half of each training shard lies in other ranks' generation shards: fetched back
+                assert one["fetch"].bytes_received == stats.fetch_bytes > 0, (rank, one["fetch"], stats)
+                assert "call engine.end_generation() on every rank" in one["forward_error"]
+            else:
+                assert stats.fetch_bytes == 0 and one["fetch"] is None, (rank, tensor, stats)
+    for rank, (a, b) in enumerate(zip(parked, unparked, strict=True)):
+        assert 1 not in b  # the unparked run skipped the handovers
+        assert all(torch.equal(x, y) for x, y in zip(a["before"], b["before"], strict=True)), rank
+        assert any(not torch.equal(x, y) for x, y in zip(a["before"], a["after"], strict=True)), rank  # it moved
+        assert all(torch.equal(x, y) for x, y in zip(a["after"], b["after"], strict=True)), rank
