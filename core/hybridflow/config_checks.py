@@ -83,6 +83,13 @@ def check_generation_layout(config: Any, world: int) -> None:
                          f"tensor_parallel_size {tensor})")
     if tensor == 1:
         return
+    if config.rollout.engine == "vllm" and world != tensor:
+        raise ValueError(f"rollout.engine = vllm generates tensor-parallel on the actor's own ranks with vLLM's "
+                         f"external_launcher, which groups consecutive ranks of the world into tensor groups; the "
+                         f"hybrid engine's generation layout at {world} ranks / tg = {tensor} draws strided tensor "
+                         f"groups (micro-DP {world // tensor}, docs/vllm.md). Expected rollout.tensor_parallel_size "
+                         f"= {world} (the actor's world) or 1, got {tensor}. Fix: set rollout.tensor_parallel_size="
+                         f"{world} or 1, or rollout.engine=hf")
     if config.rollout.multi_turn.enable:
         raise ValueError(f"rollout.multi_turn runs each conversation's turns on one rank; it does not run at "
                          f"rollout.tensor_parallel_size = {tensor} (a tool's timing could make the ranks of a "

@@ -292,6 +292,16 @@ class ActorRolloutWorker(_TrainingRole):
         return dict(self.handover)
 
     @register(protocol="one_to_all", idempotent=True)
+    def rollout_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The rollout engine's parameters as this rank holds them (its ``parameter_shapes()``: at tg > 1 this
+        rank's tensor-parallel partition), for checking what generation keeps resident."""
+        shapes = getattr(self.rollout, "parameter_shapes", None)
+        if shapes is None:
+            raise ConfigError(f'rollout engine "{self.spec.rollout_engine}" does not report its parameter shapes '
+                              "(no parameter_shapes()); expected an engine that does (vllm)")
+        return dict(shapes())
+
+    @register(protocol="one_to_all", idempotent=True)
     def export_hf(self, path: str) -> None:
         self.engine.export_hf(path)
 
