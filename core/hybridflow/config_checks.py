@@ -104,6 +104,13 @@ def check_generation_layout(config: Any, world: int) -> None:
                              f"{value} (tensor-parallel generation splits it over the tensor ranks). Fix: pick a "
                              f"size dividing it, or a model whose {key} it divides (model.preset=tiny-qwen2-4h "
                              "shards over 2)")
+    vocab = hf_config.get("vocab_size")
+    if config.rollout.engine == "vllm" and isinstance(vocab, int) and vocab % 64:
+        raise ValueError(f"rollout.engine = vllm at rollout.tensor_parallel_size = {tensor} loads each rank's "
+                         f"vocabulary shard as is, but vLLM pads the vocabulary to a multiple of 64 before splitting "
+                         f"it, so its rows per rank differ from the even split unless the vocabulary is a multiple "
+                         f"of 64: expected vocab_size % 64 == 0, got vocab_size = {vocab}. Fix: pad the model's "
+                         "vocab_size to a multiple of 64, or set rollout.tensor_parallel_size=1")
 
 
 def _hf_config_of(model: Any) -> dict[str, Any] | None:

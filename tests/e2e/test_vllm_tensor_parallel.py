@@ -41,7 +41,7 @@ def _elements(shapes: dict[str, tuple[int, ...]], *, replicated: bool) -> int:
                if name.endswith(REPLICATED) == replicated)
 
 
-@pytest.mark.slow  # two trainer starts with a vLLM engine per rank, 2 GRPO steps at tp = 2 (~60 CPU-seconds)
+@pytest.mark.slow  # two trainer starts with a vLLM engine per rank, 2 GRPO steps at tp = 2: 87-139 s here
 def test_tp2_vllm_generates_on_the_actor_ranks_from_shards_and_equals_tp1(tmp_path: Path, tiny_config) -> None:
     responses, shapes = {}, {}
     for tensor, steps in ((1, 1), (2, 2)):

@@ -116,7 +116,7 @@ class ActorRolloutWorker(_TrainingRole):
                 f'rollout engine "{self.spec.rollout_engine}" does not generate tensor-parallel inside the actor\'s '
                 f"processes (it reports no tensor_rank for extra['tensor_groups']), so rollout.tensor_parallel_size="
                 f"{self.rollout_tensor_parallel_size} cannot be the hybrid engine's generation layout. Set "
-                "rollout.tensor_parallel_size=1 or use an engine that does (hf)")
+                "rollout.tensor_parallel_size=1 or use an engine that does (hf, vllm)")
         if int(reported) != expected:
             raise EngineError(f"rollout engine reports tensor rank {reported} on rank {self.rank}; the generation "
                               f"layout gives it tensor rank {expected} (extra['tensor_groups'] order)")
