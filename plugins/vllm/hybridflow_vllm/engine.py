@@ -177,7 +177,9 @@ def _release_vllm_groups(shutdown_ray: bool = False) -> None:
 
 
 class VllmRolloutEngine:
-    """One in-process vLLM engine on one rank (``tensor_parallel_size`` workers inside it). Stability: public.
+    """One in-process vLLM engine on one rank (``tensor_parallel_size`` workers inside it), or, given
+    ``extra["tensor_groups"]`` at ``tensor_parallel_size > 1``, this rank's tensor-parallel worker of an engine that
+    spans the caller's ranks (vLLM's ``external_launcher``; the hybrid engine's path). Stability: public.
 
     ``capabilities`` holds ``update_weights_in_memory``, ``log_probs`` and ``seed``, plus ``sleep`` where the
     platform supports vLLM's sleep mode (CUDA/ROCm/XPU; not CPU, where ``sleep``/``wake`` only mark the engine
@@ -430,7 +432,7 @@ class VllmRolloutEngine:
         """Load Hugging Face named weights into the running engine, without disk: full tensors, or with
         ``weights_sharded`` this rank's tensor-parallel shards (``generation_weights(tensor_parallel_size=tp)``:
         column-parallel and vocabulary rows on dim 0, row-parallel on dim 1, norms whole), which vLLM's loaders take
-        as they are (``is_sharded_weight``), so no rank materialises a full tensor.
+        as they are (:func:`hybridflow_vllm.worker_extension.mark_presharded`), so no rank builds a full tensor.
 
         All weights of the model must be given; vLLM fuses q/k/v and gate/up itself. The prefix cache is reset,
         since it holds KV computed with the old weights.
