@@ -83,6 +83,13 @@ def check_generation_layout(config: Any, world: int) -> None:
                          f"tensor_parallel_size {tensor})")
     if tensor == 1:
         return
+    if config.rollout.engine == "vllm" and world != tensor:
+        raise ValueError(f"rollout.engine = vllm generates tensor-parallel on the actor's own ranks with vLLM's "
+                         f"external_launcher, which groups consecutive ranks of the world into tensor groups; the "
+                         f"hybrid engine's generation layout at {world} ranks / tg = {tensor} draws strided tensor "
+                         f"groups (micro-DP {world // tensor}, docs/vllm.md). Expected rollout.tensor_parallel_size "
+                         f"= {world} (the actor's world) or 1, got {tensor}. Fix: set rollout.tensor_parallel_size="
+                         f"{world} or 1, or rollout.engine=hf")
     if config.rollout.multi_turn.enable:
         raise ValueError(f"rollout.multi_turn runs each conversation's turns on one rank; it does not run at "
                          f"rollout.tensor_parallel_size = {tensor} (a tool's timing could make the ranks of a "
@@ -97,6 +104,13 @@ def check_generation_layout(config: Any, world: int) -> None:
                              f"{value} (tensor-parallel generation splits it over the tensor ranks). Fix: pick a "
                              f"size dividing it, or a model whose {key} it divides (model.preset=tiny-qwen2-4h "
                              "shards over 2)")
+    vocab = hf_config.get("vocab_size")
+    if config.rollout.engine == "vllm" and isinstance(vocab, int) and vocab % 64:
+        raise ValueError(f"rollout.engine = vllm at rollout.tensor_parallel_size = {tensor} loads each rank's "
+                         f"vocabulary shard as is, but vLLM pads the vocabulary to a multiple of 64 before splitting "
+                         f"it, so its rows per rank differ from the even split unless the vocabulary is a multiple "
+                         f"of 64: expected vocab_size % 64 == 0, got vocab_size = {vocab}. Fix: pad the model's "
+                         "vocab_size to a multiple of 64, or set rollout.tensor_parallel_size=1")
 
 
 def _hf_config_of(model: Any) -> dict[str, Any] | None:

@@ -3,10 +3,13 @@ the actor's ranks, the prompts must split over the generation replicas, and the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError
+from hybridflow.presets import tiny_model_config
 
 
 def test_generation_tensor_parallel_size_is_checked_at_load() -> None:
@@ -30,3 +33,19 @@ def test_multi_turn_rollouts_are_refused_at_generation_tensor_parallel_size_abov
     with pytest.raises(ConfigError, match=r"multi_turn .*tensor_parallel_size = 2.*Fix: set rollout.tensor_para"):
         load_config(None, ["rollout.tensor_parallel_size=2", "model.preset=tiny-qwen2-4h",
                            "rollout.multi_turn.enable=true", 'rollout.multi_turn.tools=["calculator"]'])
+
+
+def test_vllm_generates_tensor_parallel_only_over_the_whole_actor_world() -> None:
+    """vLLM's external launcher groups consecutive ranks into tensor groups; the hybrid engine's layout at 4 ranks,
+    tg = 2 has strided ones ({0, 2}, {1, 3}), so vllm takes tg = world (or 1) only."""
+    model = json.dumps(tiny_model_config(num_heads=4, num_kv_heads=2, vocab_size=64))
+    vllm = ["rollout.engine=vllm", "model.preset=null", f"model.config={model}"]
+    assert load_config(None, [*vllm, "rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
+    # vLLM splits the vocabulary padded to a multiple of 64: the shards match the layout's only at such a size
+    with pytest.raises(ConfigError, match=r"expected vocab_size % 64 == 0, got vocab_size = 48. Fix: pad"):
+        load_config(None, ["rollout.engine=vllm", "model.preset=tiny-qwen2-4h", "rollout.tensor_parallel_size=2"])
+    four = [*vllm, "resource_pools.main.devices_per_node=[4]"]
+    with pytest.raises(ConfigError, match=r"Expected rollout.tensor_parallel_size = 4 .* or 1, got 2. Fix: set "
+                                          r"rollout.tensor_parallel_size=4 or 1, or rollout.engine=hf"):
+        load_config(None, [*four, "rollout.tensor_parallel_size=2"])
+    assert load_config(None, [*four, "rollout.engine=hf", "rollout.tensor_parallel_size=2"]).rollout.engine == "hf"

@@ -116,7 +116,7 @@ class ActorRolloutWorker(_TrainingRole):
                 f'rollout engine "{self.spec.rollout_engine}" does not generate tensor-parallel inside the actor\'s '
                 f"processes (it reports no tensor_rank for extra['tensor_groups']), so rollout.tensor_parallel_size="
                 f"{self.rollout_tensor_parallel_size} cannot be the hybrid engine's generation layout. Set "
-                "rollout.tensor_parallel_size=1 or use an engine that does (hf)")
+                "rollout.tensor_parallel_size=1 or use an engine that does (hf, vllm)")
         if int(reported) != expected:
             raise EngineError(f"rollout engine reports tensor rank {reported} on rank {self.rank}; the generation "
                               f"layout gives it tensor rank {expected} (extra['tensor_groups'] order)")
@@ -290,6 +290,16 @@ class ActorRolloutWorker(_TrainingRole):
     @register(protocol="one_to_all", idempotent=True)
     def handover_stats(self) -> dict[str, float]:
         return dict(self.handover)
+
+    @register(protocol="one_to_all", idempotent=True)
+    def rollout_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The rollout engine's parameters as this rank holds them (its ``parameter_shapes()``: at tg > 1 this
+        rank's tensor-parallel partition), for checking what generation keeps resident."""
+        shapes = getattr(self.rollout, "parameter_shapes", None)
+        if shapes is None:
+            raise ConfigError(f'rollout engine "{self.spec.rollout_engine}" does not report its parameter shapes '
+                              "(no parameter_shapes()); expected an engine that does (vllm)")
+        return dict(shapes())
 
     @register(protocol="one_to_all", idempotent=True)
     def export_hf(self, path: str) -> None:

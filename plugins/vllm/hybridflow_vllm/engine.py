@@ -10,7 +10,8 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -21,6 +22,7 @@ from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngineConfig, SamplingParams, TokenCompletion
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
+from hybridflow_vllm.layout import tensor_parallel_shard_shapes
 from hybridflow_vllm.model_dir import prepare_model_dir, read_checkpoint_shapes
 from hybridflow_vllm.worker_extension import WORKER_EXTENSION
 
@@ -108,8 +110,76 @@ def _sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
+def _shared_memory_identity() -> str:
+    """A name for this engine's CPU shared-memory segments that all ranks agree on (rank 0's, broadcast over the
+    caller's world) and no other engine on the machine uses."""
+    import secrets
+
+    import torch.distributed as dist
+
+    token = [f"hybridflow-{os.getpid()}-{secrets.token_hex(6)}"]
+    dist.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
+@contextmanager
+def _external_launcher_identity(identity: str) -> Iterator[None]:
+    """While vLLM starts, its ``external_launcher`` executor reports an init method ending in ``identity``.
+
+    vLLM's CPU worker names the shared-memory segments of its tensor-parallel all-reduce after the init method's
+    last ``:`` field (``VLLM_DIST_IDENT``, ``cpu_worker.py``); the external launcher's is ``env://``, so every such
+    engine on a machine would use the same ``/dev/shm`` names: a second one fails with ``create shm in SHMManager
+    failed. errno: 17`` (EEXIST), as does every later one after a killed process left its segments. The method
+    itself is not used: the caller's world is initialised already, vLLM only builds groups inside it.
+    """
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    original = ExecutorWithExternalLauncher._distributed_args
+
+    def distributed_args(executor: Any) -> tuple[str, int, int]:
+        _, rank, local_rank = original(executor)
+        return f"env://hybridflow:{identity}", rank, local_rank
+
+    ExecutorWithExternalLauncher._distributed_args = distributed_args
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = original
+
+
+def _unlink_shared_memory(identity: str) -> None:
+    """Remove the names of this engine's shared-memory segments once every rank has mapped them: the mappings stay,
+    and no segment outlives its processes, however they end (a Ray worker is killed, not shut down; each start left
+    24 MiB in /dev/shm before). The segments: the CPU all-reduce's (named after ``identity``, joined by every rank
+    inside vLLM's start) and the tensor group's message queue (created by tensor rank 0, attached by the others
+    before the group is ready)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    dist.barrier()
+    for path in Path("/dev/shm").glob(f"{identity}-*"):
+        path.unlink(missing_ok=True)
+    buffer = getattr(get_tp_group().mq_broadcaster, "buffer", None)
+    if buffer is not None and getattr(buffer, "is_creator", False):
+        buffer.shared_memory.unlink()
+        buffer.is_creator = False  # vLLM unlinks in __del__ as the creator; the name is gone already
+
+
+def _release_vllm_groups(shutdown_ray: bool = False) -> None:
+    """vLLM's process groups and its world coordinator, not the default process group they were built in."""
+    from vllm.distributed import parallel_state
+
+    state: Any = parallel_state
+    state.destroy_model_parallel()
+    if state._WORLD is not None:
+        state._WORLD.destroy()
+        state._WORLD = None
+
+
 class VllmRolloutEngine:
-    """One in-process vLLM engine on one rank (``tensor_parallel_size`` workers inside it). Stability: public.
+    """One in-process vLLM engine on one rank (``tensor_parallel_size`` workers inside it), or, given
+    ``extra["tensor_groups"]`` at ``tensor_parallel_size > 1``, this rank's tensor-parallel worker of an engine that
+    spans the caller's ranks (vLLM's ``external_launcher``; the hybrid engine's path). Stability: public.
 
     ``capabilities`` holds ``update_weights_in_memory``, ``log_probs`` and ``seed``, plus ``sleep`` where the
     platform supports vLLM's sleep mode (CUDA/ROCm/XPU; not CPU, where ``sleep``/``wake`` only mark the engine
@@ -122,17 +192,28 @@ class VllmRolloutEngine:
 
     def __init__(self, *, config: RolloutEngineConfig, device: str = "cpu") -> None:
         self.config = config
-        self.options = VllmOptions.from_extra(config.extra)
+        extra = dict(config.extra)
+        #: the hybrid engine's tensor groups (``ActorRolloutWorker``): generate tensor-parallel across the caller's
+        #: own processes with vLLM's ``external_launcher`` executor, each rank loading only its generation shards
+        self.tensor_groups: list[list[int]] | None = extra.pop("tensor_groups", None)
+        self.options = VllmOptions.from_extra(extra)
         self.device = device
         self.max_model_len = config.max_prompt_length + config.max_new_tokens
         self.last_update: WeightUpdateStats | None = None
+        #: names this engine's /dev/shm segments (external launcher only; their names are unlinked once started)
+        self.shared_memory_identity: str | None = None
         self._version = 0
         self._asleep = False
         for key, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
         self._broken: str | None = None
+        if self.tensor_groups is not None:
+            self._check_external_launcher()
         self.model_dir, self._model_holder = prepare_model_dir(config.model)
         self.weight_shapes = read_checkpoint_shapes(self.model_dir)
+        if self.weights_sharded:
+            self._check_vocabulary_split()
+            self.weight_shapes = tensor_parallel_shard_shapes(self.weight_shapes, config.tensor_parallel_size)
         try:
             self._llm = self._start()
         except BaseException:
@@ -141,6 +222,66 @@ class VllmRolloutEngine:
         sleep = {"sleep"} if self._sleep_enabled else set()
         self.capabilities: frozenset[str] = frozenset(
             {"update_weights_in_memory", "log_probs", "seed", "continue_from_tokens"} | sleep)
+
+    @property
+    def weights_sharded(self) -> bool:
+        """Whether ``update_weights`` takes this rank's tensor-parallel shards (the hybrid engine's generation layout
+        at ``tensor_parallel_size > 1``) instead of full tensors."""
+        return self.tensor_groups is not None and self.config.tensor_parallel_size > 1
+
+    @property
+    def tensor_rank(self) -> int | None:
+        """This process's vLLM tensor-parallel rank when it generates as one rank of the caller's tensor group
+        (``extra["tensor_groups"]``), else None (tp = 1, or vLLM's own workers)."""
+        if not self.weights_sharded or getattr(self, "_llm", None) is None:
+            return None
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def _check_external_launcher(self) -> None:
+        """The caller's processes are vLLM's tensor-parallel workers: vLLM's ``external_launcher`` executor reuses the
+        initialised torch.distributed world and groups its ranks into tensor groups of consecutive ranks
+        (``vllm.distributed.parallel_state.initialize_model_parallel``: ``arange(world).reshape(..., tp)``). It fits
+        the hybrid engine's generation layout when that layout is one tensor group over the whole world."""
+        import torch.distributed as dist
+
+        tensor, groups = self.config.tensor_parallel_size, self.tensor_groups
+        if tensor == 1:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                f"extra['tensor_groups'] with tensor_parallel_size={tensor} runs vLLM on the caller's processes "
+                "(external_launcher), which needs torch.distributed initialised first (the actor's training engine "
+                "does it); got an uninitialised default process group")
+        world = dist.get_world_size()
+        if groups != [list(range(world))]:
+            raise ConfigError(
+                f"the vllm engine generates tensor-parallel on the actor's own ranks only as one tensor group over "
+                f"the whole world (vLLM's external_launcher groups consecutive ranks; the hybrid engine's generation "
+                f"layout draws strided groups once the world is larger than tg): expected tensor_groups "
+                f"[{list(range(world))}], got {groups}. Fix: set rollout.tensor_parallel_size to the actor's world "
+                f"size {world}, or 1")
+        backend = self.options.llm_kwargs.get("distributed_executor_backend", "external_launcher")
+        if backend != "external_launcher":
+            raise ConfigError(
+                f"extra.llm_kwargs.distributed_executor_backend={backend!r}, but the vllm engine of the hybrid engine "
+                "generates on the actor's own processes, which needs 'external_launcher'. Fix: remove "
+                "distributed_executor_backend from rollout.extra.llm_kwargs")
+
+    def _check_vocabulary_split(self) -> None:
+        """vLLM pads the vocabulary to a multiple of 64 before splitting it over the tensor ranks; the generation
+        layout splits the unpadded rows evenly. The two agree when the vocabulary is a multiple of 64."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
+
+        vocab = self.weight_shapes.get("model.embed_tokens.weight", (0,))[0]
+        if vocab % DEFAULT_VOCAB_PADDING_SIZE:
+            raise ConfigError(
+                f"tensor-parallel generation with vllm loads each rank's vocabulary shard as is: vLLM pads the "
+                f"vocabulary to a multiple of {DEFAULT_VOCAB_PADDING_SIZE} and gives rank r rows [r * padded / tp, "
+                f"...), the generation layout rows [r * vocab / tp, ...); they agree for a vocabulary that is a "
+                f"multiple of {DEFAULT_VOCAB_PADDING_SIZE}, got vocab_size {vocab}. Fix: pad the model's vocab_size "
+                f"to a multiple of {DEFAULT_VOCAB_PADDING_SIZE}, or set rollout.tensor_parallel_size=1")
 
     def _start(self) -> Any:
         from vllm import LLM
@@ -160,11 +301,20 @@ class VllmRolloutEngine:
             "enable_sleep_mode": self._sleep_enabled,
             "worker_extension_cls": WORKER_EXTENSION,
         }
+        if self.tensor_groups is not None and self.config.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"  # the caller's ranks are vLLM's TP workers
         kwargs.update(options.llm_kwargs)
         set_num_threads = torch.set_num_threads
         random_states = _save_random_states()
+        launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
+        identity = self.shared_memory_identity = _shared_memory_identity() if launcher else None
         try:
-            return LLM(**kwargs)
+            if identity is None:
+                return LLM(**kwargs)
+            with _external_launcher_identity(identity):
+                llm = LLM(**kwargs)
+            _unlink_shared_memory(identity)
+            return llm
         except Exception as exc:
             raise EngineError(
                 f"vLLM failed to start on {self.device} with model {self.model_dir}: {type(exc).__name__}: {exc}. "
@@ -279,7 +429,10 @@ class VllmRolloutEngine:
         return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Load full (unsharded, Hugging Face named) weights into the running engine, without disk.
+        """Load Hugging Face named weights into the running engine, without disk: full tensors, or with
+        ``weights_sharded`` this rank's tensor-parallel shards (``generation_weights(tensor_parallel_size=tp)``:
+        column-parallel and vocabulary rows on dim 0, row-parallel on dim 1, norms whole), which vLLM's loaders take
+        as they are (:func:`hybridflow_vllm.worker_extension.mark_presharded`), so no rank builds a full tensor.
 
         All weights of the model must be given; vLLM fuses q/k/v and gate/up itself. The prefix cache is reset,
         since it holds KV computed with the old weights.
@@ -293,7 +446,7 @@ class VllmRolloutEngine:
             raise ConfigError("update_weights got no tensors; pass the generation weights as (name, tensor) pairs")
         self._check_weights(tensors)
         try:
-            self._llm.collective_rpc("hybridflow_load_weights", args=(tensors, version))
+            self._llm.collective_rpc("hybridflow_load_weights", args=(tensors, version, self.weights_sharded))
         except Exception as exc:
             names = ", ".join(name for name, _ in tensors[:3])
             self._broken = f"loading version {version} failed half-way ({type(exc).__name__}: {exc})"
@@ -321,6 +474,8 @@ class VllmRolloutEngine:
         unknown = sorted(set(given) - set(expected))
         missing = sorted(set(expected) - set(given) - optional)
         misshapen = sorted(name for name in set(given) & set(expected) if given[name] != expected[name])
+        what = (f"this rank's tensor-parallel shard (tp = {self.config.tensor_parallel_size})" if self.weights_sharded
+                else "full shape")
         if unknown or missing or misshapen:
             detail = "; ".join(
                 f"{label}: {names[:4]}{' ...' if len(names) > 4 else ''}"
@@ -330,12 +485,21 @@ class VllmRolloutEngine:
             example = misshapen[0] if misshapen else None
             shapes = f" (e.g. {example}: expected {expected[example]}, got {given[example]})" if example else ""
             raise ConfigError(
-                f"update_weights expects every tensor of the checkpoint with its Hugging Face name and full shape; "
-                f"got {detail}{shapes}. Send generation_weights(target='hf') of the whole model."
+                f"update_weights expects every tensor of the checkpoint with its Hugging Face name and {what}; "
+                f"got {detail}{shapes}. Send generation_weights(target='hf', tensor_parallel_size="
+                f"{self.config.tensor_parallel_size if self.weights_sharded else 1}) of the whole model."
             )
 
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """vLLM's parameters on this rank (fused names, this rank's tensor-parallel partition; a linear weight that
+        vLLM's CPU path packed into its kernel reports the partition it was packed from)."""
+        self._check_awake("parameter_shapes")
+        (shapes,) = self._llm.collective_rpc("hybridflow_parameter_shapes")
+        return {str(name): tuple(int(d) for d in shape) for name, shape in shapes.items()}
+
     def update_weights_from_path(self, path: str | Path, *, version: int) -> None:
-        """Reload weights from a Hugging Face directory (the fallback path that goes through disk)."""
+        """Reload weights from a Hugging Face directory (the fallback path that goes through disk; full tensors,
+        which vLLM's loaders narrow to this rank's shard at tp > 1)."""
         self._check_awake("update_weights_from_path")
         self._llm.collective_rpc("hybridflow_load_weights_from_path", args=(str(path), version))
         self._llm.reset_prefix_cache()
@@ -359,16 +523,33 @@ class VllmRolloutEngine:
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Shut the engine down and release its process-global state (torch.distributed groups, temp model dir)."""
+        """Shut the engine down and release its process-global state (vLLM's torch.distributed groups, temp model
+        dir). An engine on the caller's ranks (``weights_sharded``) leaves the caller's world initialised; any other
+        engine tears the default process group down, as vLLM does."""
         llm = getattr(self, "_llm", None)
         if llm is None:
             return
         self._llm = None
-        del llm
-        gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        if self.weights_sharded:
+            # vLLM's in-process engine core shuts down (on deletion) with cleanup_dist_env_and_memory(), which
+            # destroys the default process group: the caller's world here; only vLLM's own groups go
+            from vllm.v1.engine import core as vllm_core
 
-        cleanup_dist_env_and_memory()
+            core: Any = vllm_core
+            original = core.cleanup_dist_env_and_memory
+            core.cleanup_dist_env_and_memory = _release_vllm_groups
+            try:
+                del llm
+                gc.collect()
+            finally:
+                core.cleanup_dist_env_and_memory = original
+            _release_vllm_groups()
+        else:
+            del llm
+            gc.collect()
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
         self._cleanup_model_dir()
 
     def _cleanup_model_dir(self) -> None:

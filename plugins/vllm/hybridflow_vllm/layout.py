@@ -17,7 +17,12 @@ from hybridflow.errors import LayoutError
 from hybridflow.resharding import ModelLayout, build_tensor_parallel_layout
 from hybridflow.resharding.specs import Mesh
 
-__all__ = ["build_vllm_layout"]
+__all__ = ["build_vllm_layout", "tensor_parallel_shard_shapes"]
+
+#: Hugging Face name endings vLLM splits on dim 0 (column-parallel, vocabulary-parallel) and dim 1 (row-parallel)
+_COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+           "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")
+_ROW = ("o_proj.weight", "down_proj.weight")
 
 
 def build_vllm_layout(
@@ -63,3 +68,24 @@ def build_vllm_layout(
         shapes, mesh=mesh, dtype=dtype, fuse_attention=(num_heads, num_kv_heads, head_dim), fuse_mlp=True,
         tensor=tensor_parallel_size if mesh is None else 1, pipeline=pipeline_parallel_size if mesh is None else 1,
     )
+
+
+def tensor_parallel_shard_shapes(named_shapes: Mapping[str, Sequence[int]], tensor: int) -> dict[str, tuple[int, ...]]:
+    """The shape of one tensor rank's shard of each Hugging Face tensor at ``tensor`` ranks, as vLLM's Llama/Qwen2
+    layers hold it before fusing (column-parallel and vocabulary rows split on dim 0, row-parallel on dim 1, the
+    rest whole): what ``generation_weights(target="hf", tensor_parallel_size=tensor)`` yields per rank.
+
+    Raises:
+        LayoutError: ``tensor`` does not divide a split dimension.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in named_shapes.items():
+        dims = list(shape)
+        dim = 0 if name.endswith(_COLUMN) else 1 if name.endswith(_ROW) else None
+        if dim is not None:
+            if dims[dim] % tensor:
+                raise LayoutError(f"{name} has {dims[dim]} entries on dim {dim}, not divisible by the tensor-parallel "
+                                  f"size {tensor}; choose a tensor_parallel_size that divides it")
+            dims[dim] //= tensor
+        shapes[name] = tuple(dims)
+    return shapes

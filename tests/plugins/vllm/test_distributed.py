@@ -67,3 +67,86 @@ def test_every_rank_of_a_world_runs_its_own_engine(tmp_path: Path) -> None:
     outputs = [torch.load(tmp_path / f"out{rank}.pt") for rank in range(WORLD_SIZE)]
     assert all(output["world"] == WORLD_SIZE for output in outputs)
     assert torch.equal(outputs[0]["responses"], outputs[1]["responses"])
+
+
+def _shard(name: str, tensor: torch.Tensor, shape: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous tensor-parallel slice of ``tensor`` with shard shape ``shape``."""
+    for dim, (full, part) in enumerate(zip(tensor.shape, shape, strict=True)):
+        if full != part:
+            return tensor.narrow(dim, rank * part, part).clone()
+    return tensor.clone()
+
+
+def _run_tensor_parallel_rank(rank: int, port: int, outdir: str, first: str, second: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
+                                         timeout=datetime.timedelta(seconds=120))
+    from hybridflow.engines import ModelSpec, RolloutEngineConfig, SamplingParams
+    from hybridflow.errors import ConfigError
+    from hybridflow.testing.contracts.rollout import build_prompt_batch, read_weights
+    from hybridflow.testing.fixtures import EOS_ID, PAD_ID
+    from hybridflow_vllm.engine import VllmRolloutEngine
+
+    config = RolloutEngineConfig(model=ModelSpec(path=first), tensor_parallel_size=2, pad_token_id=PAD_ID,
+                                 eos_token_id=EOS_ID, max_prompt_length=8, max_new_tokens=8,
+                                 extra={"tensor_groups": [[0, 1]]})
+    engine = VllmRolloutEngine(config=config)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    leftover = sorted(path.name for path in Path("/dev/shm").glob(f"{engine.shared_memory_identity}-*"))
+    out: dict[str, object] = {"tensor_rank": engine.tensor_rank, "leftover": leftover}
+    out["first"] = engine.generate(build_prompt_batch(), greedy)["responses"]
+    shards = {path: {name: _shard(name, tensor, engine.weight_shapes[name], rank)
+                     for name, tensor in read_weights(Path(path)).items()} for path in (first, second)}
+    try:
+        engine.update_weights(iter(read_weights(Path(second)).items()), version=1)
+    except ConfigError as exc:
+        out["full_refused"] = str(exc)
+    engine.update_weights(iter(shards[second].items()), version=1)
+    out["bytes"] = engine.last_update.bytes if engine.last_update else -1
+    out["second_from_shards"] = engine.generate(build_prompt_batch(), greedy)["responses"]
+    engine.update_weights_from_path(second, version=2)  # full tensors again: vLLM narrows them itself
+    out["second_from_path"] = engine.generate(build_prompt_batch(), greedy)["responses"]
+    engine.update_weights(iter(shards[first].items()), version=3)
+    out["first_again"] = engine.generate(build_prompt_batch(), greedy)["responses"]
+    engine.close()
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)  # the trainer's world outlives the engine
+    out["world_after_close"] = int(total.item())
+    torch.save(out, Path(outdir) / f"tp{rank}.pt")
+
+
+def test_tensor_parallel_engine_on_the_callers_ranks_loads_shards(tmp_path: Path) -> None:
+    """tp = 2 across the two ranks of the caller's world (external_launcher, extra["tensor_groups"]): each rank loads
+    only its shards, which give the same tokens as vLLM narrowing the full tensors itself; full tensors are refused;
+    no shared-memory name outlives the start; closing leaves the caller's world working."""
+    from hybridflow.presets import save_tiny_model
+    from hybridflow.testing.contracts.rollout import read_weights
+
+    first, second = (save_tiny_model(tmp_path / f"m{seed}", seed=seed, num_kv_heads=2, vocab_size=64)
+                     for seed in (5, 6))
+    context = mp.start_processes(_run_tensor_parallel_rank, args=(_free_port(), str(tmp_path), str(first),
+                                                                  str(second)),
+                                 nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=DEADLINE_S)
+        while not context.join(timeout=5):
+            if datetime.datetime.now() > deadline:
+                pytest.fail(f"ranks did not finish within {DEADLINE_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    outputs = [torch.load(tmp_path / f"tp{rank}.pt") for rank in range(WORLD_SIZE)]
+    model_bytes = sum(t.numel() * t.element_size() for t in read_weights(first).values())
+    norm_bytes = 4 * 64 * (2 * 2 + 1)  # input/post-attention norms of 2 layers + the final norm, float32
+    for rank, out in enumerate(outputs):
+        assert out["tensor_rank"] == rank and out["leftover"] == [] and out["world_after_close"] == WORLD_SIZE
+        assert "this rank's tensor-parallel shard (tp = 2)" in out["full_refused"]
+        # half of every split tensor, the norms whole
+        assert out["bytes"] == (model_bytes - norm_bytes) // 2 + norm_bytes, (out["bytes"], model_bytes)
+        assert torch.equal(out["second_from_shards"], out["second_from_path"])
+        assert torch.equal(out["first_again"], out["first"])
+        assert not torch.equal(out["first"], out["second_from_shards"])  # the weights did change
+        assert torch.equal(out["first"], outputs[0]["first"])  # both ranks of the group return the same tokens

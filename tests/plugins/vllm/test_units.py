@@ -13,7 +13,7 @@ from hybridflow.testing.fixtures import tiny_model_config
 from hybridflow_vllm.capabilities import describe_capabilities
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
 from hybridflow_vllm.engine import VllmOptions
-from hybridflow_vllm.layout import build_vllm_layout
+from hybridflow_vllm.layout import build_vllm_layout, tensor_parallel_shard_shapes
 
 
 def test_prompt_token_lists_drop_left_padding() -> None:
@@ -82,6 +82,29 @@ def test_layout_drops_tied_lm_head_and_refuses_bad_splits() -> None:
         build_vllm_layout(shapes, model_config=config, tensor_parallel_size=2)
     with pytest.raises(LayoutError, match="num_attention_heads"):
         build_vllm_layout(shapes, model_config={"hidden_size": 64})
+
+
+def test_shard_shapes_are_the_fused_layouts_parts_per_rank() -> None:
+    """What update_weights expects per rank at tp > 1: each unfused tensor's shard, whose q/k/v and gate/up parts
+    stack to the fused layout's shard of that rank."""
+    config = tiny_model_config(num_heads=4, num_kv_heads=2, hidden_size=64, tie_word_embeddings=False)
+    shapes = tiny_llama_shapes(hidden=64, intermediate=128, layers=1, num_heads=4, num_kv_heads=2, vocab=48)
+    shards = tensor_parallel_shard_shapes(shapes, 2)
+    assert set(shards) == set(shapes)
+    prefix = "model.layers.0."
+    assert shards[prefix + "self_attn.q_proj.weight"] == (32, 64)
+    assert shards[prefix + "self_attn.o_proj.weight"] == (64, 32)
+    assert shards[prefix + "mlp.down_proj.weight"] == (64, 64)
+    assert shards["model.embed_tokens.weight"] == shards["lm_head.weight"] == (24, 64)
+    assert shards["model.norm.weight"] == shapes["model.norm.weight"]
+    fused = build_vllm_layout(shapes, model_config=config, tensor_parallel_size=2).extract_shards(
+        {name: torch.zeros(shape) for name, shape in shapes.items()}, 1)
+    assert fused[prefix + "self_attn.qkv_proj.weight"].shape[0] == sum(
+        shards[prefix + f"self_attn.{name}_proj.weight"][0] for name in "qkv")
+    assert fused[prefix + "mlp.gate_up_proj.weight"].shape[0] == sum(
+        shards[prefix + f"mlp.{name}_proj.weight"][0] for name in ("gate", "up"))
+    with pytest.raises(LayoutError, match="not divisible by the tensor-parallel size 3"):
+        tensor_parallel_shard_shapes(shapes, 3)
 
 
 def test_capabilities_follow_the_installed_build() -> None:
