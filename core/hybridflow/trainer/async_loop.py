@@ -441,10 +441,9 @@ _STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/we
 def _partial_metrics(batch: Batch, step: int) -> dict[str, float]:
     """A partial rollout's trained rows: the fraction sampled under two or more versions, and the staleness of their
     tokens (mean, max) as the step's weights see it."""
-    versions = batch[TOKEN_VERSIONS].long()
+    versions = batch[TOKEN_VERSIONS].long()  # -1 on padding
     sampled = versions >= 0
-    newest = torch.where(sampled, versions, torch.full_like(versions, -1)).amax(dim=1)
-    mixed = (newest > batch[STALENESS_COLUMN].long()).float()
+    mixed = (versions.amax(dim=1) > batch[STALENESS_COLUMN].long()).float()  # newest token newer than the oldest
     token_staleness = (step - versions[sampled]).float()
     return {"async/partial_mixed_version_frac": float(mixed.mean()),
             "async/token_staleness_mean": float(token_staleness.mean()) if token_staleness.numel() else 0.0,
