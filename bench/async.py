@@ -9,7 +9,10 @@ wall-second of GRPO (examples/grpo_arithmetic_scratch.yaml, shortened) for
   dispatched right behind the update): the ablation of that change;
 - ``split-k0/k1-stream``: ``trainer.stream_mini_batches`` with ``--stream-chunks`` chunks a step (each chunk trained
   the moment it is generated), and ``split-k0/k1-barrier`` the same chunks consumed at once (one update of the
-  chunks concatenated, ``AsyncRollout.stream = False``): the ablation of streaming.
+  chunks concatenated, ``AsyncRollout.stream = False``): the ablation of streaming;
+- ``split-k0/k1/k2-partial``: ``rollout.partial_rollout`` in segments of ``--partial-tokens`` (an update that ends
+  while a generation is in flight is loaded before its next segment): ``partial_mixed_frac`` the mean fraction of
+  the rows trained on that were sampled under two or more versions, ``token_staleness_mean`` per token.
 
 Timing covers the training steps after the first (warm-up: it also pays the first weight sync), wall clock from the
 end of step 0 to the end of the last step; worker start-up is not counted. ``reward_per_wall_s`` = Σ over the timed
@@ -58,7 +61,8 @@ from hybridflow.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
 SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update",
-            "split-k0-stream", "split-k0-barrier", "split-k1-stream", "split-k1-barrier")
+            "split-k0-stream", "split-k0-barrier", "split-k1-stream", "split-k1-barrier", "split-k0-partial",
+            "split-k1-partial", "split-k2-partial")
 DEFAULT_SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k1-after-update")
 #: the calls that are generation (on the rollout pool, or the colocated actor's own); a rollout worker's
 #: load_weights / receive_weights is neither (most of its time is waiting for the actor's weights: ``sync_wait_s``)
@@ -67,8 +71,9 @@ SYNC_LOADS = ("load_weights", "receive_weights")
 
 
 def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: float, rows: int = 128,
-                      chunks: int = 4) -> list[str]:
-    """The config of ``setting``; ``rows`` a step's (prompts × n), cut into ``chunks`` for the streamed ones."""
+                      chunks: int = 4, partial_tokens: int = 4) -> list[str]:
+    """The config of ``setting``; ``rows`` a step's (prompts × n), cut into ``chunks`` for the streamed ones;
+    segments of ``partial_tokens`` for the partial ones."""
     if setting == "colocated":
         pools = {"main": {"devices_per_node": [colocated_workers], "device": "cpu",
                           "cpus_per_worker": cpus_per_worker}}
@@ -79,7 +84,9 @@ def setting_overrides(setting: str, *, colocated_workers: int, cpus_per_worker: 
              for name in ("main", "gen")}
     return [f"resource_pools={yaml.safe_dump(pools, default_flow_style=True).strip()}", "rollout.pool=gen",
             f"trainer.max_staleness={staleness}",
-            *(streamed if setting.endswith(("-stream", "-barrier")) else [])]
+            *(streamed if setting.endswith(("-stream", "-barrier")) else []),
+            *(["rollout.partial_rollout=true", f"rollout.partial_rollout_tokens={partial_tokens}"]
+              if setting.endswith("-partial") else [])]
 
 
 def _busy_intervals(records: list[CallRecord], *, generation: bool) -> list[tuple[float, float]]:
@@ -122,7 +129,8 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
         "data.task.num_val_prompts=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
         "trainer.log_rollouts=0", f"data.batch_size={args.batch_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
         *setting_overrides(setting, colocated_workers=args.colocated_workers, cpus_per_worker=args.cpus_per_worker,
-                           rows=args.batch_size * 4, chunks=args.stream_chunks),  # rows: the example's n = 4
+                           rows=args.batch_size * 4, chunks=args.stream_chunks,  # rows: the example's n = 4
+                           partial_tokens=args.partial_tokens),
     ]
     label = setting
     if setting.startswith("split"):
@@ -181,6 +189,12 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
             "staleness_max": max(row["async/staleness_max"] for row in history),
             "dropped_stale_samples": history[-1]["async/dropped_stale_samples_total"],
         })
+        if setting.endswith("-partial"):
+            result.update({
+                "partial_mixed_frac": sum(row["async/partial_mixed_version_frac"] for row in history) / len(history),
+                "token_staleness_mean": sum(row["async/token_staleness_mean"] for row in history) / len(history),
+                "syncs_loaded_in_flight": sum(row["async/weight_sync_in_flight"] for row in history),
+            })
     return result
 
 
@@ -207,6 +221,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--stream-chunks", type=int, default=4, help="chunks a step of the -stream/-barrier settings")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--partial-tokens", type=int, default=4, help="segment size of the -partial settings")
     parser.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated pool (split: 1+1)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--weight-sync", nargs="+", default=["object_store"], choices=("object_store", "collective"),

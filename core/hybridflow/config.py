@@ -81,6 +81,11 @@ class RolloutConfig(_Section):
     # torch.distributed group (gloo on CPU, NCCL on CUDA); in buckets of at most weight_sync_bucket_bytes either way
     weight_sync: Literal["object_store", "collective"] = "object_store"
     weight_sync_bucket_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    # partial rollout (docs/async.md): rollout.pool generates in segments of at most partial_rollout_tokens new
+    # tokens per row; weights synced while a generation is in flight are loaded between two segments, and each
+    # token keeps the version that sampled it (token_versions)
+    partial_rollout: bool = False
+    partial_rollout_tokens: int = Field(default=4, gt=0)
 
     @model_validator(mode="after")
     def _no_pipeline_generation(self) -> RolloutConfig:

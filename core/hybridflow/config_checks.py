@@ -13,7 +13,7 @@ from typing import Any
 from hybridflow.errors import ConfigError
 
 __all__ = ["check_pool_batches", "check_registered_names", "check_generation_layout", "check_async",
-           "check_streaming"]
+           "check_streaming", "check_partial_rollout"]
 
 
 def check_async(config: Any) -> None:
@@ -34,6 +34,7 @@ def check_async(config: Any) -> None:
                          "resource_pools and set rollout.pool to it, or set trainer.max_staleness=0")
     if config.trainer.stream_mini_batches:
         check_streaming(config)
+    check_partial_rollout(config)
     if config.algorithm.rollout_correction != "none" and not config.actor.recompute_log_probs:
         raise ValueError(f"algorithm.rollout_correction = {config.algorithm.rollout_correction} weighs tokens by "
                          "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "
@@ -64,6 +65,31 @@ def check_async(config: Any) -> None:
     if config.data.batch_size % world:
         raise ValueError(f"data.batch_size = {config.data.batch_size} prompts must be a multiple of the rollout "
                          f"pool's {world} workers (rollout.pool = {pool!r})")
+
+
+def check_partial_rollout(config: Any) -> None:
+    """``rollout.partial_rollout`` (docs/async.md): segments of a rollout pool's generation, weights loaded between
+    them. The engine's capability (``continue_from_tokens``) is checked by the rollout worker when it builds it."""
+    rollout = config.rollout
+    if not rollout.partial_rollout:
+        default = type(rollout).model_fields["partial_rollout_tokens"].default
+        if rollout.partial_rollout_tokens != default:
+            raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} sizes the segments "
+                             "of a partial rollout, but rollout.partial_rollout is false. Fix: set "
+                             "rollout.partial_rollout=true, or remove rollout.partial_rollout_tokens")
+        return
+    what = "rollout.partial_rollout loads weights synced while a generation is in flight between its segments"
+    if rollout.pool is None:
+        raise ValueError(f"{what}, but rollout.pool is not set (the actor's own generation never overlaps a weight "
+                         "update). Fix: set rollout.pool (and trainer.max_staleness >= 1 for updates to land "
+                         "mid-generation), or set rollout.partial_rollout=false")
+    if rollout.weight_sync != "object_store":
+        raise ValueError(f"{what} from the object store, but rollout.weight_sync = {rollout.weight_sync} broadcasts "
+                         "them when the rollout pool reaches the sync in its queue. Fix: set "
+                         "rollout.weight_sync=object_store, or rollout.partial_rollout=false")
+    if config.trainer.stream_mini_batches:
+        raise ValueError(f"{what}; streamed mini-batches (trainer.stream_mini_batches) are not combined with it "
+                         "yet. Fix: set one of trainer.stream_mini_batches, rollout.partial_rollout to false")
 
 
 def check_generation_layout(config: Any, world: int) -> None:

@@ -15,7 +15,10 @@ restarts it when one of its calls failed (a rollout worker died), and the retrie
 weights again, version-checked; a failed step that leaves the rollout pool alive keeps the generations that stay
 valid (:meth:`AsyncRollout.abort_step`). Streaming (``trainer.stream_mini_batches``): an iteration is generated
 as one call per chunk of ``actor.mini_batch_size`` rows, and the step claims each chunk as it finishes
-(:meth:`AsyncRollout.claim` of a chunk's prompts). Partial rollout is not here.
+(:meth:`AsyncRollout.claim` of a chunk's prompts). Partial rollout (``rollout.partial_rollout``): every weight
+export is also posted to a mailbox the rollout workers read between the segments of their generation, so an update
+that ends while a generation is in flight is loaded before its next segment; a row's staleness is its oldest
+token's (:func:`~hybridflow.trainer.staleness.oldest_token_versions`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ from hybridflow.config import Config
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
-from hybridflow.trainer.staleness import STALENESS_COLUMN, enforce_staleness, use_weight_exporting_actor
+from hybridflow.trainer.staleness import (
+    STALENESS_COLUMN,
+    TOKEN_VERSIONS,
+    enforce_staleness,
+    oldest_token_versions,
+    use_weight_exporting_actor,
+)
 from hybridflow.workers.rollout import WeightsRef
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
@@ -73,6 +82,10 @@ class AsyncRollout:
         #: (False: the chunks' rollouts concatenated, claimed at once: the barrier the streaming test compares with)
         self.chunks = stream_chunk_count(config)
         self.stream = self.chunks > 1
+        #: rollout.partial_rollout: the weight mailbox (a Ray actor, built at start) every export is posted to
+        self.partial = config.rollout.partial_rollout
+        self._mailbox: Any = None
+        self._partial_claimed: dict[int, dict[str, float]] = {}  # iteration → its partial-rollout metrics
         self.loader = loader
         actor = next(plan for plan in plans if plan.role == "actor")
         device = config.resource_pools[self.pool_name].device
@@ -105,8 +118,16 @@ class AsyncRollout:
         from hybridflow.controller import WorkerGroup
         from hybridflow.workers.rollout import RolloutWorker
 
+        init: dict[str, Any] = {"spec": self.spec}
+        if self.partial:
+            from hybridflow.workers.partial_rollout import start_weight_mailbox
+
+            if self._mailbox is None:
+                self._mailbox = start_weight_mailbox()
+            init.update(partial_rollout_tokens=self.config.rollout.partial_rollout_tokens,
+                        weight_mailbox=self._mailbox)
         self.pool = build_resource_pool(self.pool_name, self.config.resource_pools[self.pool_name])
-        self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": {"spec": self.spec}},
+        self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": init},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
                                  observers=[*observers, self._observe])
 
@@ -128,6 +149,7 @@ class AsyncRollout:
         release_worker_group(self.group, self.pool)
         self.group = self.pool = None
         self._rendezvous = None  # the sync group's store (its members are gone)
+        self._mailbox = None  # its last handle: Ray ends the actor
 
     def reset(self) -> None:
         """Forget the generations in flight (the next step starts over from the actor's weights)."""
@@ -137,6 +159,7 @@ class AsyncRollout:
         self._step = self._sent_after_update = self._last_dispatched = None
         self._claimed_chunks = {}
         self.synced_version = None
+        self._forget_posted()
         if self._rendezvous is not None:  # a sync may be half done on the old group: the next one builds a new one
             self._rendezvous.renew()
 
@@ -147,6 +170,7 @@ class AsyncRollout:
         dispatched behind its update (the retry dispatches them again). A restarted rollout pool forgets everything
         (:meth:`reset`, called by recovery), as does the collective sync (a broadcast may be half done)."""
         step = self._step
+        self._forget_posted()  # the exports of the failed attempt (the retry posts its own)
         if step is None or self.weight_sync == "collective" or (not self.pending and self._claimed_batch is None
                                                                  and self._streamed is None):
             self.reset()
@@ -160,6 +184,10 @@ class AsyncRollout:
             self._force_sync = True  # its load may still run on the rollout pool: sync before the next dispatch
         self._current = self._step = self._sent_after_update = self._before_update = None
 
+    def _forget_posted(self) -> None:
+        if self._mailbox is not None:
+            self._mailbox.clear.remote()
+
     def wrap_actor(self, actor: Any) -> Any:
         """The actor handle the algorithm's step gets: its ``generate`` of the step's prompts comes from here."""
         from hybridflow.trainer.async_actor import ActorWithRolloutPool
@@ -172,6 +200,8 @@ class AsyncRollout:
         ``step + k`` (under the latest weights sent)."""
         self._current, self._step = prompts, step
         self._stats = {key: 0.0 for key in _STEP_STATS}
+        if self.partial:
+            self._stats["async/weight_sync_in_flight"] = 0.0  # syncs checked this step that loaded mid-generation
         if not self._queued_for(step, prompts):
             self.reset()
             self._current, self._step = prompts, step
@@ -230,6 +260,9 @@ class AsyncRollout:
         })
         for age in range(self.max_staleness + 1):  # the staleness histogram, as fractions of the rows trained on
             metrics[f"async/staleness_frac_{age}"] = staleness.count(age) / len(staleness)
+        if self.partial:
+            metrics.update(self._partial_claimed.get(step, {}))
+            self._partial_claimed = {i: value for i, value in self._partial_claimed.items() if i > step}
         return metrics
 
     def owns(self, prompts: Any) -> bool:
@@ -268,6 +301,8 @@ class AsyncRollout:
             assert kept is not None  # generated at the current version: staleness 0
         self._stats["async/wait_s"] = time.perf_counter() - started
         self._claimed[step] = ([step - int(v) for v in kept[STALENESS_COLUMN].tolist()], dropped, all_stale)
+        if TOKEN_VERSIONS in kept:
+            self._partial_claimed[step] = _partial_metrics(kept, step)
         kept = kept.with_meta(iteration=step, policy_version=step)
         self._claimed_batch = (step, _uids(entry.prompts), kept)
         return Batch(kept.tensors.copy(), dict(kept.non_tensors), dict(kept.meta))
@@ -323,6 +358,8 @@ class AsyncRollout:
             export.wait(timeout=self.timeout_s)  # its record reaches the ledger
             for key in ("bytes", "buckets", "wait_s", "load_s"):
                 self._stats[f"async/weight_sync_{key}"] += loaded[key]
+            if self.partial:  # loaded between two segments of a generation (else by the queued load)
+                self._stats["async/weight_sync_in_flight"] += loaded.get("in_flight", 0.0)
             peak = "async/weight_sync_peak_bucket_bytes"
             self._stats[peak] = max(self._stats[peak], loaded["peak_bucket_bytes"])
         sources = entry.source if isinstance(entry.source, list) else [entry.source]
@@ -339,7 +376,10 @@ class AsyncRollout:
             if version is None:
                 raise VersionMismatchError(f"the rollout of iteration {entry.iteration} carries no policy_version "
                                            "tag; the staleness bound cannot be checked")
-            batch[STALENESS_COLUMN] = torch.full((len(batch),), int(version), dtype=torch.long)
+            if TOKEN_VERSIONS in batch:  # a partial rollout: a row is as stale as its oldest token
+                batch[STALENESS_COLUMN] = oldest_token_versions(batch, fallback=int(version))
+            else:
+                batch[STALENESS_COLUMN] = torch.full((len(batch),), int(version), dtype=torch.long)
         return batch
 
     def _sync(self, actor: Any, version: int) -> None:
@@ -356,6 +396,8 @@ class AsyncRollout:
             load = self.group.rollout.receive_weights(group, version)
         else:  # the rollout worker fetches the export from the actor's output in the object store
             export = actor.export_generation_weights.submit(self.bucket_bytes)
+            if self._mailbox is not None:  # a generation in flight may load it between two segments
+                self._mailbox.post.remote(version, [export.output_ref(0)])
             load = self.group.rollout.load_weights(WeightsRef(export.output_ref(0)), version)
         self._syncs.append((version, export, load))
         self._stats["async/weight_sync_driver_s"] += time.perf_counter() - started
@@ -394,6 +436,18 @@ class AsyncRollout:
 _STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_peak_bucket_bytes",
                "async/weight_sync_wait_s", "async/weight_sync_load_s", "async/weight_sync_driver_s",
                "async/wait_s", "async/rollout_busy_s")
+
+
+def _partial_metrics(batch: Batch, step: int) -> dict[str, float]:
+    """A partial rollout's trained rows: the fraction sampled under two or more versions, and the staleness of their
+    tokens (mean, max) as the step's weights see it."""
+    versions = batch[TOKEN_VERSIONS].long()  # -1 on padding
+    sampled = versions >= 0
+    mixed = (versions.amax(dim=1) > batch[STALENESS_COLUMN].long()).float()  # newest token newer than the oldest
+    token_staleness = (step - versions[sampled]).float()
+    return {"async/partial_mixed_version_frac": float(mixed.mean()),
+            "async/token_staleness_mean": float(token_staleness.mean()) if token_staleness.numel() else 0.0,
+            "async/token_staleness_max": float(token_staleness.max()) if token_staleness.numel() else 0.0}
 
 
 def _uids(batch: Batch) -> list[str]:

@@ -1,16 +1,21 @@
 """The staleness bound of an asynchronous run (docs/async.md) and the actor plan it needs: every row of a rollout
-that reaches the trainer carries the policy version it was generated at, and rows more than ``trainer.max_staleness``
-versions behind the weights they would update are dropped with their prompt group (:func:`enforce_staleness`)."""
+that reaches the trainer carries the policy version it was generated at (a partial rollout's row: the oldest version
+of its tokens, :func:`oldest_token_versions`), and rows more than ``trainer.max_staleness`` versions behind the
+weights they would update are dropped with their prompt group (:func:`enforce_staleness`)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan
+from hybridflow.workers.partial_rollout import TOKEN_VERSIONS
 
-__all__ = ["STALENESS_COLUMN", "enforce_staleness", "use_weight_exporting_actor"]
+__all__ = ["STALENESS_COLUMN", "TOKEN_VERSIONS", "enforce_staleness", "oldest_token_versions",
+           "use_weight_exporting_actor"]
 
 #: per-row column of a rollout that reached the trainer: the policy version it was generated at
 STALENESS_COLUMN = "rollout_policy_version"
@@ -22,12 +27,15 @@ def enforce_staleness(batch: Batch, *, version: int, max_staleness: int) -> tupl
     so group advantages stay whole). Returns (the kept rows or None when none is left, rows dropped).
 
     Raises:
-        VersionMismatchError: a row claims a version newer than ``version`` (weights that do not exist yet).
+        VersionMismatchError: a row, or a token of a partial rollout (:data:`TOKEN_VERSIONS`), claims a version
+            newer than ``version`` (weights that do not exist yet).
     """
     versions = [int(v) for v in batch[STALENESS_COLUMN].tolist()]
-    ahead = [v for v in versions if v > version]
-    if ahead:
-        raise VersionMismatchError(f"a rollout tagged policy_version {max(ahead)} reached weights of version "
+    newest = max(versions, default=version)
+    if TOKEN_VERSIONS in batch and len(batch):
+        newest = max(newest, int(batch[TOKEN_VERSIONS].max()))
+    if newest > version:
+        raise VersionMismatchError(f"a rollout tagged policy_version {newest} reached weights of version "
                                    f"{version}: a sample cannot come from a policy newer than the one it updates")
     stale = [version - v > max_staleness for v in versions]
     if "uid" in batch:
@@ -40,6 +48,15 @@ def enforce_staleness(batch: Batch, *, version: int, max_staleness: int) -> tupl
     if not keep:
         return None, dropped
     return (batch, 0) if not dropped else (batch.index(keep), dropped)
+
+
+def oldest_token_versions(batch: Batch, fallback: int) -> torch.Tensor:
+    """Per row, the oldest version among the response tokens of a partial rollout (:data:`TOKEN_VERSIONS`, -1 on
+    padding): the version its staleness is counted by. ``fallback`` for a row without tokens."""
+    versions = batch[TOKEN_VERSIONS].long()
+    sampled = versions >= 0
+    oldest = torch.where(sampled, versions, torch.full_like(versions, torch.iinfo(torch.long).max)).amin(dim=1)
+    return torch.where(sampled.any(dim=1), oldest, torch.full_like(oldest, int(fallback)))
 
 
 def use_weight_exporting_actor(plans: list[RolePlan]) -> list[RolePlan]:

@@ -20,9 +20,10 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Worker, register
-from hybridflow.engines import RolloutEngine, SamplingParams
+from hybridflow.engines import KVCacheReuseEngine, RolloutEngine, SamplingParams, TokenContinuationEngine
 from hybridflow.errors import EngineError, VersionMismatchError
 from hybridflow.reliability.faults import FaultPlan, maybe_fail
+from hybridflow.workers.partial_rollout import SEGMENT_SEED_STRIDE, SegmentedRollout, unpadded_prompts
 from hybridflow.workers.roles import ActorRolloutWorker, RoleSpec
 from hybridflow.workers.weight_sync import (
     BUCKET_BYTES,
@@ -33,6 +34,9 @@ from hybridflow.workers.weight_sync import (
     pack_weight_buckets,
     unpack_weight_buckets,
 )
+
+#: seconds a rollout worker waits for the weight mailbox's answer or an export it found done (both local calls)
+MAILBOX_TIMEOUT_S = 120.0
 
 __all__ = ["BUCKET_BYTES", "WeightBucket", "WeightsRef", "pack_weight_buckets", "unpack_weight_buckets",
            "RolloutWorker", "WeightExportingActor"]
@@ -84,9 +88,17 @@ class RolloutWorker(Worker):
     """Generates on a pool of its own with weights another pool sends (:meth:`load_weights`); no training engine.
 
     ``generate`` refuses prompts tagged with a ``policy_version`` other than the weights it holds, so the version a
-    rollout reports is the version it ran at."""
+    rollout reports is the version it ran at.
 
-    def __init__(self, spec: RoleSpec) -> None:
+    With ``partial_rollout_tokens`` (``rollout.partial_rollout``) ``generate`` samples in segments of at most that
+    many new tokens (:class:`~hybridflow.workers.partial_rollout.SegmentedRollout`, through the engine's
+    ``generate_from_tokens``) and, between two segments, loads the newest weight export posted to
+    ``weight_mailbox`` if it is done: prompts tagged ``policy_version`` v then run under v or newer weights, and each
+    token's version is in the output's ``token_versions`` column. A queued :meth:`load_weights` of weights already
+    loaded that way (or older than the engine's) loads nothing."""
+
+    def __init__(self, spec: RoleSpec, *, partial_rollout_tokens: int | None = None,
+                 weight_mailbox: Any = None) -> None:
         super().__init__()
         if spec.rollout_engine is None or spec.rollout_config is None or spec.sampling is None:
             raise EngineError("the rollout worker needs rollout_engine, rollout_config and sampling in its RoleSpec")
@@ -102,6 +114,19 @@ class RolloutWorker(Worker):
         self.rollout: RolloutEngine = factory(config=spec.rollout_config, device=spec.device)
         self.synced = False
         self.bytes_received = 0
+        self.segment_tokens = partial_rollout_tokens
+        self.mailbox = weight_mailbox
+        # version → (object ref id, load report) of the exports loaded between two segments of a partial rollout
+        self._loaded_in_flight: dict[int, tuple[str, dict[str, float]]] = {}
+        self.weights_loaded_in_flight = 0
+        if partial_rollout_tokens is not None and (
+                "continue_from_tokens" not in self.rollout.capabilities
+                or not isinstance(self.rollout, TokenContinuationEngine)):
+            raise EngineError(f"rollout.partial_rollout continues each unfinished row from its tokens so far, which "
+                              f"needs a rollout engine with capability continue_from_tokens; rollout engine "
+                              f"{spec.rollout_engine!r} ({type(self.rollout).__name__}) has "
+                              f"{sorted(self.rollout.capabilities)}. Fix: use rollout.engine=hf, or set "
+                              "rollout.partial_rollout=false")
         self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
         if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
             warnings.warn(f'rollout engine "{spec.rollout_engine}" cannot seed its sampling (no "seed" capability)',
@@ -114,6 +139,10 @@ class RolloutWorker(Worker):
         export), tagged with its policy version, which must be ``expected_version`` when given. Returns the
         version, bytes and buckets loaded, the seconds spent waiting for the export and fetching + loading."""
         started = time.perf_counter()
+        if isinstance(exported, WeightsRef) and expected_version is not None and self.segment_tokens is not None:
+            ahead = self._loaded_ahead(exported, int(expected_version))
+            if ahead is not None:
+                return ahead
         waited = 0.0
         payload: tuple[int, list[WeightBucket]] | None
         if isinstance(exported, WeightsRef):
@@ -124,6 +153,10 @@ class RolloutWorker(Worker):
             payload = ray.get(exported.ref)
         else:
             payload = exported
+        return self._load_payload(payload, expected_version, started=started, waited=waited)
+
+    def _load_payload(self, payload: tuple[int, list[WeightBucket]] | None, expected_version: int | None, *,
+                      started: float, waited: float) -> dict[str, float]:
         if payload is None:
             raise EngineError("the actor's rank 0 exported no weights (its export_generation_weights returned None)")
         version, buckets = payload
@@ -137,6 +170,44 @@ class RolloutWorker(Worker):
         return {"version": float(version), "bytes": float(nbytes), "buckets": float(len(buckets)),
                 "peak_bucket_bytes": float(max((bucket.nbytes for bucket in buckets), default=0)),
                 "wait_s": waited, "load_s": time.perf_counter() - started - waited}
+
+    def _loaded_ahead(self, exported: WeightsRef, expected_version: int) -> dict[str, float] | None:
+        """The report of a queued load that a partial rollout made already (this very export, loaded between two
+        segments: its report, counted once) or made pointless (the engine holds newer weights: nothing loaded);
+        None when it must load."""
+        loaded = self._loaded_in_flight.pop(expected_version, None)
+        if loaded is not None and loaded[0] == exported.ref.hex():
+            return {**loaded[1], "in_flight": 1.0}
+        if self.synced and self.rollout.weights_version > expected_version:
+            return {"version": float(expected_version), "bytes": 0.0, "buckets": 0.0, "peak_bucket_bytes": 0.0,
+                    "wait_s": 0.0, "load_s": 0.0, "superseded": 1.0}
+        return None
+
+    def _load_posted_weights(self) -> None:
+        """Between two segments of a partial rollout: load the newest export posted to the mailbox if it is newer
+        than the engine's weights and done (the actor's update and export finished); else go on unchanged."""
+        import ray
+        from ray.exceptions import RayError
+
+        posted = ray.get(self.mailbox.newer_than.remote(self.rollout.weights_version), timeout=MAILBOX_TIMEOUT_S)
+        if posted is None:
+            return
+        version, (ref,) = posted
+        ready, _ = ray.wait([ref], num_returns=1, timeout=0, fetch_local=False)
+        if not ready:
+            return
+        started = time.perf_counter()
+        try:
+            payload = ray.get(ref, timeout=MAILBOX_TIMEOUT_S)
+        except RayError:  # a failed export: the queued load_weights of this version raises it, with its step
+            return
+        if payload is None or int(payload[0]) != int(version):  # likewise (a version mismatch)
+            return
+        report = self._load_payload(payload, int(version), started=started, waited=0.0)
+        self._loaded_in_flight[int(version)] = (ref.hex(), report)
+        while len(self._loaded_in_flight) > 16:  # reports whose queued load was forgotten (a reset step)
+            self._loaded_in_flight.pop(min(self._loaded_in_flight))
+        self.weights_loaded_in_flight += 1
 
     @register(protocol="one_to_all", blocking=False)
     def receive_weights(self, group: SyncGroupSpec, expected_version: int) -> dict[str, float]:
@@ -161,7 +232,11 @@ class RolloutWorker(Worker):
     @register(protocol="dp_compute", blocking=False, idempotent=True)
     def generate(self, prompts: Batch) -> Batch:
         expected = prompts.meta.get("policy_version")
-        if not self.synced or (expected is not None and int(expected) != self.rollout.weights_version):
+        held = self.rollout.weights_version
+        # a partial rollout may run under weights newer than its tag (loaded between the segments of the last one)
+        behind = expected is not None and (int(expected) > held if self.segment_tokens is not None
+                                           else int(expected) != held)
+        if not self.synced or behind:
             raise VersionMismatchError(
                 f"rollout worker asked to generate at policy_version {expected} but holds weights version "
                 f"{self.rollout.weights_version if self.synced else 'none (never synced)'}; sync the weights first")
@@ -175,14 +250,54 @@ class RolloutWorker(Worker):
             sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + replica)
-        out = self.rollout.generate(prompts, sampling)
+        if self.segment_tokens is not None:
+            out = self._generate_in_segments(prompts, sampling, self.segment_tokens,
+                                             held if expected is None else int(expected))
+        else:
+            out = self.rollout.generate(prompts, sampling)
         tag = prompts.meta.get("iteration")
         maybe_fail("rollout.generate", iteration=None if tag is None else int(tag), rank=self.rank, plan=self.faults)
-        if out.meta.get("policy_version") != self.rollout.weights_version:
+        if self.segment_tokens is None and out.meta.get("policy_version") != self.rollout.weights_version:
             raise VersionMismatchError(f"rollout engine tagged its output policy_version "
                                        f"{out.meta.get('policy_version')} but holds weights version "
                                        f"{self.rollout.weights_version}")
         return out
 
+    def _generate_in_segments(self, prompts: Batch, sampling: SamplingParams, segment_tokens: int,
+                              version: int) -> Batch:
+        """A partial rollout: every unfinished row continued by at most ``segment_tokens`` ids per call, the newest
+        posted weights loaded between two calls (their keys/values then rebuilt: the engine drops its kept ones on
+        new weights); each token recorded with the version that sampled it."""
+        engine = self.rollout
+        assert isinstance(engine, TokenContinuationEngine)  # checked in __init__
+        config = self.spec.rollout_config
+        assert config is not None
+        rows = prompts.repeat_interleave(sampling.n) if sampling.n > 1 else prompts
+        state = SegmentedRollout(unpadded_prompts(rows), max_new_tokens=sampling.max_new_tokens,
+                                 segment_tokens=segment_tokens)
+        reuse = engine if "kv_cache_reuse" in engine.capabilities and isinstance(engine, KVCacheReuseEngine) else None
+        keys = [("partial_rollout", id(state), row) for row in range(len(rows))]
+        try:
+            while active := state.unfinished():
+                if state.segments and self.mailbox is not None:
+                    self._load_posted_weights()
+                budget = state.budget(active)
+                seed = None if sampling.seed is None else sampling.seed + SEGMENT_SEED_STRIDE * state.segments
+                segment = replace(sampling, n=1, max_new_tokens=budget, seed=seed)
+                prefixes = state.prefixes(active)
+                if reuse is not None:  # keys/values kept between segments under the same weights
+                    completions = reuse.generate_from_tokens(prefixes, segment,
+                                                             cache_keys=[keys[row] for row in active])
+                else:
+                    completions = engine.generate_from_tokens(prefixes, segment)
+                state.extend(active, completions, version=engine.weights_version, budget=budget)
+        finally:
+            if reuse is not None:
+                reuse.release_cache(keys)
+        return state.to_batch(rows, pad_token_id=config.pad_token_id, policy_version=version)
+
     def counters(self) -> dict[str, float]:
-        return {"weight_sync_bytes_received": float(self.bytes_received)}
+        counters = {"weight_sync_bytes_received": float(self.bytes_received)}
+        if self.segment_tokens is not None:
+            counters["weights_loaded_in_flight"] = float(self.weights_loaded_in_flight)
+        return counters

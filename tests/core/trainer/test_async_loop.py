@@ -9,6 +9,7 @@ from hybridflow.batch import Batch
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.async_loop import STALENESS_COLUMN, enforce_staleness
+from hybridflow.trainer.staleness import TOKEN_VERSIONS, oldest_token_versions
 
 POOLS = ["resource_pools.main.devices_per_node=[2]", "data.batch_size=16"]
 
@@ -39,6 +40,20 @@ def test_a_rollout_newer_than_the_weights_is_an_error() -> None:
         enforce_staleness(_rollout([3, 4]), version=3, max_staleness=1)
 
 
+def test_a_partial_rollout_row_is_as_stale_as_its_oldest_token() -> None:
+    batch = _rollout([0, 0, 0, 0])
+    batch[TOKEN_VERSIONS] = torch.tensor([[1, 1, 2, -1], [2, 2, 2, 2], [1, -1, -1, -1], [-1, -1, -1, -1]])
+    assert oldest_token_versions(batch, fallback=7).tolist() == [1, 2, 1, 7]
+    batch[STALENESS_COLUMN] = oldest_token_versions(batch, fallback=2)
+    kept, dropped = enforce_staleness(batch, version=3, max_staleness=1)  # rows 0 and 2 (oldest 1) are 2 behind
+    assert dropped == 4 and kept is None
+    kept, dropped = enforce_staleness(batch, version=2, max_staleness=1)
+    assert dropped == 0 and kept is batch
+    batch[TOKEN_VERSIONS][1, 3] = 4  # one token from weights newer than the ones it would update
+    with pytest.raises(VersionMismatchError, match="policy_version 4 reached weights of version 3"):
+        enforce_staleness(batch, version=3, max_staleness=3)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.max_staleness=1"], "rollout.pool is not set"),
     (["rollout.pool=main"], "is the actor's pool"),
@@ -50,10 +65,21 @@ def test_a_rollout_newer_than_the_weights_is_an_error() -> None:
     (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.weight_sync=nccl"], "weight_sync"),
     (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.weight_sync_bucket_bytes=0"],
      "weight_sync_bucket_bytes"),
+    (["rollout.partial_rollout=true"], "partial_rollout .* rollout.pool is not set"),
+    (["rollout.partial_rollout_tokens=2"], "partial_rollout_tokens = 2 .* rollout.partial_rollout is false"),
+    (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.partial_rollout=true",
+      "rollout.weight_sync=collective"], "rollout.weight_sync = collective broadcasts"),
+    (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.partial_rollout=true",
+      "trainer.stream_mini_batches=true", "actor.mini_batch_size=16", "actor.recompute_log_probs=false"],
+     "not combined with it"),
+    (["resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen", "rollout.partial_rollout=true",
+      "rollout.partial_rollout_tokens=0"], "partial_rollout_tokens"),
 ])
 def test_async_keys_are_checked_at_load(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*POOLS, *overrides])
     config = load_config(None, [*POOLS, "resource_pools.gen.devices_per_node=[1]", "rollout.pool=gen",
-                                "trainer.max_staleness=2", "algorithm.rollout_correction=mis"])
+                                "trainer.max_staleness=2", "algorithm.rollout_correction=mis",
+                                "rollout.partial_rollout=true", "rollout.partial_rollout_tokens=2"])
     assert (config.rollout.pool, config.trainer.max_staleness) == ("gen", 2)
+    assert (config.rollout.partial_rollout, config.rollout.partial_rollout_tokens) == (True, 2)
