@@ -165,6 +165,7 @@ class ActorConfig(_TrainedRole):
     # token entropy (actor/entropy) stays near this target; the bonus is off while the entropy is above it
     entropy_target: float | None = Field(default=None, gt=0)
     entropy_coef_delta: float = Field(default=0.001, gt=0)
+    entropy_coef_min: float = Field(default=0.0, ge=0)  # a floor, applied above the target too (a fixed part)
     entropy_coef_max: float | None = Field(default=None, ge=0)
     kl_loss_coef: float = Field(default=0.0, ge=0)
     kl_loss_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
@@ -173,14 +174,16 @@ class ActorConfig(_TrainedRole):
     @model_validator(mode="after")
     def _adaptive_entropy(self) -> ActorConfig:
         if self.entropy_target is None:
-            adaptive = [key for key in ("entropy_coef_delta", "entropy_coef_max") if key in self.model_fields_set]
+            adaptive = [key for key in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+                        if key in self.model_fields_set]
             if adaptive:
                 raise ValueError(f"actor.{adaptive[0]} steers the entropy coefficient toward actor.entropy_target, "
                                  "which is not set (the coefficient is fixed at actor.entropy_coef). Fix: set "
                                  f"actor.entropy_target (e.g. 0.1), or remove actor.{adaptive[0]}")
-        elif self.entropy_coef < 0:
+        elif self.entropy_coef < self.entropy_coef_min:
             raise ValueError(f"actor.entropy_coef = {self.entropy_coef}: with actor.entropy_target it is the starting "
-                             "value of an entropy bonus and must be ≥ 0. Fix: set it to 0 or a small positive value")
+                             "value of the entropy bonus and must be ≥ actor.entropy_coef_min "
+                             f"({self.entropy_coef_min}) and ≥ 0. Fix: raise it to at least the floor")
         return self
 
 
@@ -192,7 +195,7 @@ class CriticConfig(_TrainedRole):
         "clip_ratio_low": _actor_only("clip_ratio_low", " (critic.value_clip clips the value loss)"),
         "clip_ratio_high": _actor_only("clip_ratio_high", " (critic.value_clip clips the value loss)"),
         **{key: _actor_only(key) for key in ("entropy_coef", "entropy_target", "entropy_coef_delta",
-                                             "entropy_coef_max")},
+                                             "entropy_coef_min", "entropy_coef_max")},
         "kl_loss_coef": _actor_only("kl_loss_coef"),
         "kl_loss_kind": _actor_only("kl_loss_kind"),
         "recompute_log_probs": _actor_only("recompute_log_probs"),
@@ -216,6 +219,7 @@ class ReferenceConfig(_ModelRole):
         "enabled": _DECIDED_BY_ALGORITHM["reference"],
         **{key: _NOT_TRAINED.format(key=key) for key in (
             "optim", "mini_batch_size", "ppo_epochs", "loss_agg", "gradient_checkpointing", "clip_ratio_low",
-            "clip_ratio_high", "entropy_coef", "entropy_target", "entropy_coef_delta", "entropy_coef_max",
+            "clip_ratio_high", "entropy_coef", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+            "entropy_coef_max",
             "kl_loss_coef", "kl_loss_kind", "recompute_log_probs")},
     }

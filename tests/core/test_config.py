@@ -110,11 +110,13 @@ def test_keys_that_did_nothing_are_refused_with_the_reason(override: str, reason
 
 
 def test_adaptive_entropy_keys_need_a_target() -> None:
-    for override in ("actor.entropy_coef_delta=0.01", "actor.entropy_coef_max=0.05"):
+    for override in ("actor.entropy_coef_delta=0.01", "actor.entropy_coef_min=0.01", "actor.entropy_coef_max=0.05"):
         with pytest.raises(ConfigError, match=r"which is not set .*Fix: set actor.entropy_target"):
             load_config(EXAMPLE, [override])
-    with pytest.raises(ConfigError, match="must be ≥ 0"):
+    with pytest.raises(ConfigError, match=r"must be ≥ actor\.entropy_coef_min"):
         load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef=-0.01"])
+    with pytest.raises(ConfigError, match=r"must be ≥ actor.entropy_coef_min \(0.02\)"):
+        load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef=0.01", "actor.entropy_coef_min=0.02"])
     actor = load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef_max=0.05"]).actor
     assert (actor.entropy_target, actor.entropy_coef_delta, actor.entropy_coef_max) == (0.1, 0.001, 0.05)
 

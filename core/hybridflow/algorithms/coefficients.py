@@ -178,42 +178,52 @@ class AdaptiveEntropyController:
     ``value ← clip(value + delta·sign(target − e), 0, max_value)``; and :meth:`coefficient`, the bonus the next
     update applies, is ``value`` while the last measured entropy is at most the target and 0 above it — so the bonus
     only ever holds entropy up, never pushes it past the target (a fixed bonus large enough to stop the policy from
-    collapsing can instead drive it to uniform noise).
+    collapsing can instead drive it to uniform noise). ``min_value`` (default 0) is a floor: the coefficient never
+    goes below it and is applied above the target too, so ``min_value`` acts as a fixed bonus and the control adds to
+    it only while the entropy is below the target.
     """
 
-    __slots__ = ("value", "target", "delta", "max_value", "last_entropy")
+    __slots__ = ("value", "target", "delta", "min_value", "max_value", "last_entropy")
 
-    def __init__(self, *, init_coef: float, target: float, delta: float, max_value: float | None = None) -> None:
+    def __init__(self, *, init_coef: float, target: float, delta: float, min_value: float = 0.0,
+                 max_value: float | None = None) -> None:
         self.value = _finite("entropy_coef", init_coef, minimum=0.0)
         self.target = _finite("entropy_target", target, minimum=0.0, strict=True)
         self.delta = _finite("entropy_coef_delta", delta, minimum=0.0, strict=True)
+        self.min_value = _finite("entropy_coef_min", min_value, minimum=0.0)
         self.max_value = None if max_value is None else _finite("entropy_coef_max", max_value, minimum=0.0)
-        if self.max_value is not None and self.value > self.max_value:
-            raise ConfigError(f"entropy_coef {self.value} (the starting coefficient) exceeds entropy_coef_max "
-                              f"{self.max_value}; lower the one or raise the other")
+        if self.max_value is not None and not self.min_value <= self.value <= self.max_value:
+            raise ConfigError(f"entropy_coef {self.value} (the starting coefficient) lies outside [entropy_coef_min, "
+                              f"entropy_coef_max] = [{self.min_value}, {self.max_value}]; move it inside")
+        if self.value < self.min_value:
+            raise ConfigError(f"entropy_coef {self.value} (the starting coefficient) is below entropy_coef_min "
+                              f"{self.min_value}; raise it to at least the floor")
         self.last_entropy: float | None = None
 
     def coefficient(self) -> float:
-        """The entropy bonus coefficient of the next update: ``value``, or 0 while the entropy is above target."""
+        """The entropy bonus coefficient of the next update: ``value``, or ``min_value`` while the entropy is above
+        the target."""
         if self.last_entropy is not None and self.last_entropy > self.target:
-            return 0.0
+            return self.min_value
         return self.value
 
     def update(self, entropy: float) -> float:
         """One step from the mean token entropy an update measured (``actor/entropy``); return the new value."""
         measured = _finite("actor/entropy", entropy, minimum=0.0)
-        value = max(0.0, self.value + (self.delta if measured < self.target else -self.delta))
+        value = max(self.min_value, self.value + (self.delta if measured < self.target else -self.delta))
         self.value = value if self.max_value is None else min(value, self.max_value)
         self.last_entropy = measured
         return self.value
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "AdaptiveEntropyController", "value": self.value, "target": self.target, "delta": self.delta,
-                "max_value": self.max_value, "last_entropy": self.last_entropy}
+                "min_value": self.min_value, "max_value": self.max_value, "last_entropy": self.last_entropy}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        loaded = _load("AdaptiveEntropyController", state, ("value", "target", "delta", "max_value", "last_entropy"))
+        keys = ("value", "target", "delta", "min_value", "max_value", "last_entropy")
+        loaded = _load("AdaptiveEntropyController", state, keys)
         self.value, self.target, self.delta = float(loaded["value"]), float(loaded["target"]), float(loaded["delta"])
+        self.min_value = float(loaded["min_value"])
         self.max_value = None if loaded["max_value"] is None else float(loaded["max_value"])
         self.last_entropy = None if loaded["last_entropy"] is None else float(loaded["last_entropy"])
 
@@ -228,7 +238,8 @@ def build_entropy_controller(actor: Any) -> AdaptiveEntropyController | None:
     if getattr(actor, "entropy_target", None) is None:
         return None
     return AdaptiveEntropyController(init_coef=actor.entropy_coef, target=actor.entropy_target,
-                                     delta=actor.entropy_coef_delta, max_value=actor.entropy_coef_max)
+                                     delta=actor.entropy_coef_delta, min_value=actor.entropy_coef_min,
+                                     max_value=actor.entropy_coef_max)
 
 
 def build_kl_state(config: Any) -> dict[str, Stateful]:

@@ -150,9 +150,24 @@ def test_adaptive_entropy_control_resumes_bit_for_bit_and_checks_its_input():
         controller.value, controller.last_entropy, controller.coefficient())
     with pytest.raises(ConfigError, match="actor/entropy must be finite"):
         controller.update(float("nan"))
-    with pytest.raises(ConfigError, match="exceeds entropy_coef_max"):
+    with pytest.raises(ConfigError, match=r"outside \[entropy_coef_min, entropy_coef_max\]"):
         AdaptiveEntropyController(init_coef=0.1, target=0.3, delta=0.001, max_value=0.05)
+    with pytest.raises(ConfigError, match="below entropy_coef_min"):
+        AdaptiveEntropyController(init_coef=0.0, target=0.3, delta=0.001, min_value=0.01)
     with pytest.raises(ConfigError, match="entropy_target must be finite and > 0"):
         AdaptiveEntropyController(init_coef=0.0, target=0.0, delta=0.001)
     with pytest.raises(CheckpointError, match="AdaptiveEntropyController state expected keys"):
         restored.load_state_dict({"kind": "AdaptiveEntropyController", "value": 0.1})
+
+
+def test_adaptive_entropy_control_with_a_floor_applies_it_above_the_target_and_adds_below():
+    """``min_value``: a fixed part of the bonus, applied whatever the entropy; the control moves the coefficient above
+    it while the entropy is below the target and back down to it (never under) while above."""
+    controller = AdaptiveEntropyController(init_coef=0.01, target=0.1, delta=0.005, min_value=0.01)
+    applied = []
+    for entropy in (0.5, 0.05, 0.05, 0.5, 0.5, 0.5):
+        controller.update(entropy)
+        applied.append(round(controller.coefficient(), 6))
+    # above: the floor (value stays 0.01); below: 0.015, 0.02; above: the floor applied, value 0.015, 0.01, 0.01
+    assert applied == [0.01, 0.015, 0.02, 0.01, 0.01, 0.01]
+    assert controller.value == 0.01
