@@ -117,8 +117,12 @@ def test_adaptive_entropy_keys_need_a_target() -> None:
         load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef=-0.01"])
     with pytest.raises(ConfigError, match=r"must be ≥ actor.entropy_coef_min \(0.02\)"):
         load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef=0.01", "actor.entropy_coef_min=0.02"])
-    actor = load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef_max=0.05"]).actor
+    config = load_config(EXAMPLE, ["actor.entropy_target=0.1", "actor.entropy_coef_max=0.05"])
+    actor = config.actor
     assert (actor.entropy_target, actor.entropy_coef_delta, actor.entropy_coef_max) == (0.1, 0.001, 0.05)
+    # a dumped config (the run's manifest.json) spells every default out and loads again, with and without a target
+    for loaded in (config, load_config(EXAMPLE, [])):
+        assert type(loaded).model_validate(loaded.model_dump(mode="json")) == loaded
 
 
 def test_trained_roles_take_gradient_checkpointing_and_mixed_precision() -> None:

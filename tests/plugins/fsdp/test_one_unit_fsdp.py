@@ -55,7 +55,9 @@ def test_one_unit_lean_fsdp_matches_per_layer_fsdp(tmp_path: Path) -> None:
     moved = max((layers["after"][n] - layers["before"][n]).abs().max().item() for n in layers["after"])
     assert moved > 1e-3, f"weights barely moved ({moved}); the comparison would be vacuous"
     gap = max((one["after"][n] - layers["after"][n]).abs().max().item() for n in layers["after"])
-    assert gap < 1e-5, f"one-unit lean FSDP diverged from per-layer FSDP by {gap} after 2 steps"
+    # float sums in another order: 1.03e-5 on an AVX-512 box, under 1e-5 on another; a wrong reduction (a gradient
+    # not averaged over the ranks, a shard stepped twice) moves weights by the size of an update (> 1e-3 here)
+    assert gap < 5e-5, f"one-unit lean FSDP diverged from per-layer FSDP by {gap} after 2 steps"
 
 
 def test_fsdp_units_setting() -> None:
