@@ -7,6 +7,7 @@ import datetime
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,13 +49,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_every_rank_of_a_world_runs_its_own_engine(tmp_path: Path) -> None:
-    from hybridflow.testing.contracts.rollout import prepare_model
-
-    # written here: under torch.distributed, save_pretrained writes on rank 0 only
-    weights_dir = prepare_model(tmp_path, seed=5)
-    context = mp.start_processes(_run_rank, args=(_free_port(), str(tmp_path), str(weights_dir)), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")
+def _spawn_ranks(function: Any, args: tuple[Any, ...]) -> None:
+    """Run ``function(rank, *args)`` on WORLD_SIZE spawned processes; fail the test past DEADLINE_S (and kill them)."""
+    context = mp.start_processes(function, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
     try:
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=DEADLINE_S)
         while not context.join(timeout=5):
@@ -64,6 +61,14 @@ def test_every_rank_of_a_world_runs_its_own_engine(tmp_path: Path) -> None:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+def test_every_rank_of_a_world_runs_its_own_engine(tmp_path: Path) -> None:
+    from hybridflow.testing.contracts.rollout import prepare_model
+
+    # written here: under torch.distributed, save_pretrained writes on rank 0 only
+    weights_dir = prepare_model(tmp_path, seed=5)
+    _spawn_ranks(_run_rank, (_free_port(), str(tmp_path), str(weights_dir)))
     outputs = [torch.load(tmp_path / f"out{rank}.pt") for rank in range(WORLD_SIZE)]
     assert all(output["world"] == WORLD_SIZE for output in outputs)
     assert torch.equal(outputs[0]["responses"], outputs[1]["responses"])
@@ -126,18 +131,7 @@ def test_tensor_parallel_engine_on_the_callers_ranks_loads_shards(tmp_path: Path
 
     first, second = (save_tiny_model(tmp_path / f"m{seed}", seed=seed, num_kv_heads=2, vocab_size=64)
                      for seed in (5, 6))
-    context = mp.start_processes(_run_tensor_parallel_rank, args=(_free_port(), str(tmp_path), str(first),
-                                                                  str(second)),
-                                 nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    try:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=DEADLINE_S)
-        while not context.join(timeout=5):
-            if datetime.datetime.now() > deadline:
-                pytest.fail(f"ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    _spawn_ranks(_run_tensor_parallel_rank, (_free_port(), str(tmp_path), str(first), str(second)))
     outputs = [torch.load(tmp_path / f"tp{rank}.pt") for rank in range(WORLD_SIZE)]
     model_bytes = sum(t.numel() * t.element_size() for t in read_weights(first).values())
     norm_bytes = 4 * 64 * (2 * 2 + 1)  # input/post-attention norms of 2 layers + the final norm, float32
