@@ -12,8 +12,8 @@ run to run), so the held-out rise is asserted on the better of the two later rea
 held-out mean@8 (steps 0 -> 8 -> 16) 0.457 -> 0.738 -> 0.789, 0.445 -> 0.691 -> 0.742, 0.453 -> 0.719 -> 0.684, and
 after 8 steps only 0.453 -> 0.566 and 0.461 -> 0.449 (the reason for the 16); tool-call rate 0.70 at step 1 -> 0.95-1.0
 over steps 13-16; an earlier box: 0.254 -> 0.754 in 8 steps (per-step rewards swing by ±0.2: the held-out rise is the
-assertion that carries the claim). Over 3 seeds x 2 engines of the shipped 30-step run, bench/tool_calc_learning.py measures the rise.
-The vllm engine runs 2 steps of the same job from the same SFT model.
+assertion that carries the claim). Over 3 seeds x 2 engines of the shipped 30-step run, bench/tool_calc_learning.py
+measures the rise. The vllm engine runs 2 steps of the same job from the same SFT model.
 """
 
 from __future__ import annotations
