@@ -10,8 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -22,6 +21,12 @@ from hybridflow.batch import Batch
 from hybridflow.engines import RolloutEngineConfig, SamplingParams, TokenCompletion
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
+from hybridflow_vllm.launcher import (
+    external_launcher_identity,
+    release_vllm_groups,
+    shared_memory_identity,
+    unlink_shared_memory,
+)
 from hybridflow_vllm.layout import tensor_parallel_shard_shapes
 from hybridflow_vllm.model_dir import prepare_model_dir, read_checkpoint_shapes
 from hybridflow_vllm.worker_extension import WORKER_EXTENSION
@@ -108,72 +113,6 @@ def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_sleep_mode_available())
-
-
-def _shared_memory_identity() -> str:
-    """A name for this engine's CPU shared-memory segments that all ranks agree on (rank 0's, broadcast over the
-    caller's world) and no other engine on the machine uses."""
-    import secrets
-
-    import torch.distributed as dist
-
-    token = [f"hybridflow-{os.getpid()}-{secrets.token_hex(6)}"]
-    dist.broadcast_object_list(token, src=0)
-    return str(token[0])
-
-
-@contextmanager
-def _external_launcher_identity(identity: str) -> Iterator[None]:
-    """While vLLM starts, its ``external_launcher`` executor reports an init method ending in ``identity``.
-
-    vLLM's CPU worker names the shared-memory segments of its tensor-parallel all-reduce after the init method's
-    last ``:`` field (``VLLM_DIST_IDENT``, ``cpu_worker.py``); the external launcher's is ``env://``, so every such
-    engine on a machine would use the same ``/dev/shm`` names: a second one fails with ``create shm in SHMManager
-    failed. errno: 17`` (EEXIST), as does every later one after a killed process left its segments. The method
-    itself is not used: the caller's world is initialised already, vLLM only builds groups inside it.
-    """
-    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
-
-    original = ExecutorWithExternalLauncher._distributed_args
-
-    def distributed_args(executor: Any) -> tuple[str, int, int]:
-        _, rank, local_rank = original(executor)
-        return f"env://hybridflow:{identity}", rank, local_rank
-
-    ExecutorWithExternalLauncher._distributed_args = distributed_args
-    try:
-        yield
-    finally:
-        ExecutorWithExternalLauncher._distributed_args = original
-
-
-def _unlink_shared_memory(identity: str) -> None:
-    """Remove the names of this engine's shared-memory segments once every rank has mapped them: the mappings stay,
-    and no segment outlives its processes, however they end (a Ray worker is killed, not shut down; each start left
-    24 MiB in /dev/shm before). The segments: the CPU all-reduce's (named after ``identity``, joined by every rank
-    inside vLLM's start) and the tensor group's message queue (created by tensor rank 0, attached by the others
-    before the group is ready)."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_tp_group
-
-    dist.barrier()
-    for path in Path("/dev/shm").glob(f"{identity}-*"):
-        path.unlink(missing_ok=True)
-    buffer = getattr(get_tp_group().mq_broadcaster, "buffer", None)
-    if buffer is not None and getattr(buffer, "is_creator", False):
-        buffer.shared_memory.unlink()
-        buffer.is_creator = False  # vLLM unlinks in __del__ as the creator; the name is gone already
-
-
-def _release_vllm_groups(shutdown_ray: bool = False) -> None:
-    """vLLM's process groups and its world coordinator, not the default process group they were built in."""
-    from vllm.distributed import parallel_state
-
-    state: Any = parallel_state
-    state.destroy_model_parallel()
-    if state._WORLD is not None:
-        state._WORLD.destroy()
-        state._WORLD = None
 
 
 class VllmRolloutEngine:
@@ -307,13 +246,13 @@ class VllmRolloutEngine:
         set_num_threads = torch.set_num_threads
         random_states = _save_random_states()
         launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
-        identity = self.shared_memory_identity = _shared_memory_identity() if launcher else None
+        identity = self.shared_memory_identity = shared_memory_identity() if launcher else None
         try:
             if identity is None:
                 return LLM(**kwargs)
-            with _external_launcher_identity(identity):
+            with external_launcher_identity(identity):
                 llm = LLM(**kwargs)
-            _unlink_shared_memory(identity)
+            unlink_shared_memory(identity)
             return llm
         except Exception as exc:
             raise EngineError(
@@ -537,13 +476,13 @@ class VllmRolloutEngine:
 
             core: Any = vllm_core
             original = core.cleanup_dist_env_and_memory
-            core.cleanup_dist_env_and_memory = _release_vllm_groups
+            core.cleanup_dist_env_and_memory = release_vllm_groups
             try:
                 del llm
                 gc.collect()
             finally:
                 core.cleanup_dist_env_and_memory = original
-            _release_vllm_groups()
+            release_vllm_groups()
         else:
             del llm
             gc.collect()
