@@ -175,8 +175,9 @@ class ActorConfig(_TrainedRole):
     def _adaptive_entropy(self) -> ActorConfig:
         if self.entropy_target is None:
             # by value, not by the keys given: a dumped config (manifest.json) spells every default out
-            defaults = {"entropy_coef_delta": 0.001, "entropy_coef_min": 0.0, "entropy_coef_max": None}
-            adaptive = [key for key, default in defaults.items() if getattr(self, key) != default]
+            fields = type(self).model_fields
+            adaptive = [key for key in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+                        if getattr(self, key) != fields[key].default]
             if adaptive:
                 raise ValueError(f"actor.{adaptive[0]} steers the entropy coefficient toward actor.entropy_target, "
                                  "which is not set (the coefficient is fixed at actor.entropy_coef). Fix: set "

@@ -41,6 +41,7 @@ from hybridflow.trainer.staleness import (
     TOKEN_VERSIONS,
     enforce_staleness,
     oldest_token_versions,
+    partial_rollout_metrics,
     use_weight_exporting_actor,
 )
 from hybridflow.workers.rollout import WeightsRef
@@ -302,7 +303,7 @@ class AsyncRollout:
         self._stats["async/wait_s"] = time.perf_counter() - started
         self._claimed[step] = ([step - int(v) for v in kept[STALENESS_COLUMN].tolist()], dropped, all_stale)
         if TOKEN_VERSIONS in kept:
-            self._partial_claimed[step] = _partial_metrics(kept, step)
+            self._partial_claimed[step] = partial_rollout_metrics(kept, step)
         kept = kept.with_meta(iteration=step, policy_version=step)
         self._claimed_batch = (step, _uids(entry.prompts), kept)
         return Batch(kept.tensors.copy(), dict(kept.non_tensors), dict(kept.meta))
@@ -436,18 +437,6 @@ class AsyncRollout:
 _STEP_STATS = ("async/weight_sync_bytes", "async/weight_sync_buckets", "async/weight_sync_peak_bucket_bytes",
                "async/weight_sync_wait_s", "async/weight_sync_load_s", "async/weight_sync_driver_s",
                "async/wait_s", "async/rollout_busy_s")
-
-
-def _partial_metrics(batch: Batch, step: int) -> dict[str, float]:
-    """A partial rollout's trained rows: the fraction sampled under two or more versions, and the staleness of their
-    tokens (mean, max) as the step's weights see it."""
-    versions = batch[TOKEN_VERSIONS].long()  # -1 on padding
-    sampled = versions >= 0
-    mixed = (versions.amax(dim=1) > batch[STALENESS_COLUMN].long()).float()  # newest token newer than the oldest
-    token_staleness = (step - versions[sampled]).float()
-    return {"async/partial_mixed_version_frac": float(mixed.mean()),
-            "async/token_staleness_mean": float(token_staleness.mean()) if token_staleness.numel() else 0.0,
-            "async/token_staleness_max": float(token_staleness.max()) if token_staleness.numel() else 0.0}
 
 
 def _uids(batch: Batch) -> list[str]:

@@ -15,7 +15,7 @@ from hybridflow.trainer.build import RolePlan
 from hybridflow.workers.partial_rollout import TOKEN_VERSIONS
 
 __all__ = ["STALENESS_COLUMN", "TOKEN_VERSIONS", "enforce_staleness", "oldest_token_versions",
-           "use_weight_exporting_actor"]
+           "partial_rollout_metrics", "use_weight_exporting_actor"]
 
 #: per-row column of a rollout that reached the trainer: the policy version it was generated at
 STALENESS_COLUMN = "rollout_policy_version"
@@ -57,6 +57,18 @@ def oldest_token_versions(batch: Batch, fallback: int) -> torch.Tensor:
     sampled = versions >= 0
     oldest = torch.where(sampled, versions, torch.full_like(versions, torch.iinfo(torch.long).max)).amin(dim=1)
     return torch.where(sampled.any(dim=1), oldest, torch.full_like(oldest, int(fallback)))
+
+
+def partial_rollout_metrics(batch: Batch, step: int) -> dict[str, float]:
+    """A partial rollout's trained rows: the fraction sampled under two or more versions, and the staleness of their
+    tokens (mean, max) as the step's weights see it."""
+    versions = batch[TOKEN_VERSIONS].long()  # -1 on padding
+    sampled = versions >= 0
+    mixed = (versions.amax(dim=1) > batch[STALENESS_COLUMN].long()).float()  # newest token newer than the oldest
+    token_staleness = (step - versions[sampled]).float()
+    return {"async/partial_mixed_version_frac": float(mixed.mean()),
+            "async/token_staleness_mean": float(token_staleness.mean()) if token_staleness.numel() else 0.0,
+            "async/token_staleness_max": float(token_staleness.max()) if token_staleness.numel() else 0.0}
 
 
 def use_weight_exporting_actor(plans: list[RolePlan]) -> list[RolePlan]:

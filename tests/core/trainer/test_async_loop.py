@@ -9,7 +9,7 @@ from hybridflow.batch import Batch
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.async_loop import STALENESS_COLUMN, enforce_staleness
-from hybridflow.trainer.staleness import TOKEN_VERSIONS, oldest_token_versions
+from hybridflow.trainer.staleness import TOKEN_VERSIONS, oldest_token_versions, partial_rollout_metrics
 
 POOLS = ["resource_pools.main.devices_per_node=[2]", "data.batch_size=16"]
 
@@ -83,3 +83,13 @@ def test_async_keys_are_checked_at_load(overrides: list[str], message: str) -> N
                                 "rollout.partial_rollout=true", "rollout.partial_rollout_tokens=2"])
     assert (config.rollout.pool, config.trainer.max_staleness) == ("gen", 2)
     assert (config.rollout.partial_rollout, config.rollout.partial_rollout_tokens) == (True, 2)
+
+
+def test_partial_rollout_metrics_count_mixed_rows_and_token_staleness() -> None:
+    versions = torch.tensor([[2, 2, 3, -1], [3, 3, -1, -1], [2, 3, 3, 3]])  # -1: padding
+    batch = Batch({TOKEN_VERSIONS: versions, STALENESS_COLUMN: torch.tensor([2, 3, 2])})
+    metrics = partial_rollout_metrics(batch, step=3)
+    assert metrics["async/partial_mixed_version_frac"] == pytest.approx(2 / 3)  # rows 0 and 2 span two versions
+    # tokens' staleness against step 3: [1, 1, 0], [0, 0], [1, 0, 0, 0]
+    assert metrics["async/token_staleness_mean"] == pytest.approx(3 / 9)
+    assert metrics["async/token_staleness_max"] == 1.0
