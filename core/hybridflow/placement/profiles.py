@@ -127,17 +127,21 @@ class Cluster:
 _NVLINK3 = InterconnectProfile(name="nvlink3", bandwidth=300 * GB, latency=5e-6)
 _NVLINK4 = InterconnectProfile(name="nvlink4", bandwidth=450 * GB, latency=4e-6)
 _IB_100 = InterconnectProfile(name="ib-800gbps-per-node", bandwidth=12.5 * GB, latency=10e-6)
+# HybridFlow's testbed (EuroSys '25, §8.1): "The inter-machine bandwidth is 200Gbps", shared by a machine's 8 GPUs
+_IB_25 = InterconnectProfile(name="ib-200gbps-per-node", bandwidth=25 * GB / 8, latency=10e-6)
 _IB_400 = InterconnectProfile(name="ib-400gbps-per-gpu", bandwidth=50 * GB, latency=8e-6)
 _LOOPBACK = InterconnectProfile(name="shared-memory", bandwidth=5 * GB, latency=50e-6)
 _ETHERNET = InterconnectProfile(name="ethernet-10g", bandwidth=1.25 * GB, latency=100e-6)
 
 INTERCONNECT_PROFILES: dict[str, InterconnectProfile] = {
-    p.name: p for p in (_NVLINK3, _NVLINK4, _IB_100, _IB_400, _LOOPBACK, _ETHERNET)
+    p.name: p for p in (_NVLINK3, _NVLINK4, _IB_100, _IB_25, _IB_400, _LOOPBACK, _ETHERNET)
 }
 
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
     "a100-80gb": DeviceProfile(name="a100-80gb", peak_flops=312e12, memory_bytes=80 * GB,
                                memory_bandwidth=2.0e12, intra_node=_NVLINK3, inter_node=_IB_100),
+    "a100-80gb-hybridflow": DeviceProfile(name="a100-80gb-hybridflow", peak_flops=312e12, memory_bytes=80 * GB,
+                                          memory_bandwidth=2.0e12, intra_node=_NVLINK3, inter_node=_IB_25),
     "a100-40gb": DeviceProfile(name="a100-40gb", peak_flops=312e12, memory_bytes=40 * GB,
                                memory_bandwidth=1.55e12, intra_node=_NVLINK3, inter_node=_IB_100),
     "h100-80gb": DeviceProfile(name="h100-80gb", peak_flops=989e12, memory_bytes=80 * GB,
