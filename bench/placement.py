@@ -2,11 +2,14 @@
 
 Simplified: the cost is this repo's analytical simulator (uncalibrated A100 profile), not measured iterations; the
 workload is the paper's (1024 prompts, 1024 + 1024 tokens, 8 mini batches). Run:
-    PYTHONPATH=core python bench/placement.py [--profile a100] [--algorithm ppo] [--paper-mixed]
+    PYTHONPATH=core python bench/placement.py [--profile a100-80gb-hybridflow] [--algorithm ppo] [--paper-mixed]
 Prints per cell the chosen placement kind, the best plan of each kind (colocate / split / standalone seconds), the
-search's wall time and, on the next line, the reason in the cost model's terms (``explain_choice``: the stage
-seconds each placement overlaps on disjoint sets against the device time it leaves idle). ``--paper-mixed`` adds
-the paper's asymmetric case (13B actor and reference, 70B critic and reward).
+search's wall time and, on the next lines, the reason in the cost model's terms (``explain_choice``: the stage
+seconds each placement overlaps on disjoint sets against the device time it leaves idle) and what the best
+standalone plan's separate scoring devices buy (``explain_standalone``: the same devices with the forward-only
+models moved onto the critic's set). ``--profile a100-80gb-hybridflow`` is the paper's testbed network (200 Gb/s
+between machines; the default ``a100-80gb`` has 800). ``--paper-mixed`` adds the paper's asymmetric case (13B actor
+and reference, 70B critic and reward).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from hybridflow.errors import PlacementError
 from hybridflow.placement import LLAMA_PRESETS, Simulator, Workload, build_cluster, get_dataflow, search_placements
 from hybridflow.placement.models import ModelSpec
-from hybridflow.placement.search import explain_choice
+from hybridflow.placement.search import explain_choice, explain_standalone
 
 KINDS = ("colocate", "split", "standalone")
 
@@ -35,8 +38,11 @@ def cell(profile: str, algorithm: str, models: dict[str, ModelSpec], devices: in
     plans = [result.best, *result.runners_up]
     best_of = {kind: next((p.iteration_seconds for p in plans if p.kind == kind), None) for kind in KINDS}
     times = " / ".join(f"{best_of[k]:.1f}" if best_of[k] is not None else "-" for k in KINDS)
-    return (f"{devices:>5}  {result.best.kind:<11}{times:>30}{wall:>9.2f}  {result.best.describe()}\n"
-            f"       reason: {explain_choice(result.best, result.runners_up)}")
+    lines = (f"{devices:>5}  {result.best.kind:<11}{times:>30}{wall:>9.2f}  {result.best.describe()}\n"
+             f"       reason: {explain_choice(result.best, result.runners_up)}")
+    standalone = next((p for p in plans if p.kind == "standalone"), None)
+    merged = explain_standalone(simulator, dataflow, models, standalone) if standalone is not None else None
+    return lines + (f"\n       standalone: {merged[1]}" if merged is not None else "")
 
 
 def main() -> None:

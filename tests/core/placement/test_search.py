@@ -138,12 +138,12 @@ def test_faster_devices_never_slow_the_best_plan(scale: float) -> None:
 
 # --- the paper's crossover on its grid (bench/placement.py) ----------------------------------------------------
 @functools.cache  # each grid cell is searched once per session
-def _best_of_each_kind(size: str, devices: int, efficiency=None):  # type: ignore[no-untyped-def]
+def _best_of_each_kind(size: str, devices: int, efficiency=None, profile="a100"):  # type: ignore[no-untyped-def]
     from hybridflow.placement import Efficiency
 
     dataflow = get_dataflow("ppo")
     models = {role: LLAMA_PRESETS[size] for role in dataflow.roles}
-    simulator = Simulator(cluster=build_cluster("a100", devices), workload=Workload(),
+    simulator = Simulator(cluster=build_cluster(profile, devices), workload=Workload(),
                           efficiency=efficiency or Efficiency())
     result = search_placements(simulator, dataflow, models, top=60)
     plans = [result.best, *result.runners_up]
@@ -191,6 +191,106 @@ def test_standalone_loses_on_the_grid_because_its_scoring_devices_idle() -> None
         assert idle["reference"] > 0.7 * standalone.iteration_seconds
         assert idle["reward"] > 0.7 * standalone.iteration_seconds
         assert standalone.idle_fraction() > split.idle_fraction() + 0.15
+
+
+def test_merge_forward_only_sets_moves_scoring_models_onto_the_trainer_that_does_not_generate() -> None:
+    from hybridflow.placement.search import Plan, merge_forward_only_sets
+
+    def plan(placement: tuple[tuple[str, ...], ...], devices: tuple[int, ...]) -> Plan:
+        return Plan(placement=placement, devices=devices, layouts={}, timings=())
+
+    ppo, grpo = get_dataflow("ppo"), get_dataflow("grpo")
+    standalone = plan((("actor",), ("critic",), ("reference",), ("reward",)), (64, 32, 16, 16))
+    assert merge_forward_only_sets(standalone, ppo) == ((("actor",), ("critic", "reference", "reward")), (64, 64))
+    partial = plan((("actor", "reference"), ("critic",), ("reward",)), (48, 48, 32))
+    assert merge_forward_only_sets(partial, ppo) == ((("actor", "reference"), ("critic", "reward")), (48, 80))
+    assert merge_forward_only_sets(plan((("actor", "reward"), ("critic", "reference")), (64, 64)), ppo) is None
+    assert merge_forward_only_sets(plan((("actor", "critic", "reference", "reward"),), (128,)), ppo) is None
+    # no critic: the scoring models join the generating model's set
+    assert merge_forward_only_sets(plan((("actor",), ("reference",), ("reward",)), (96, 16, 16)), grpo) == (
+        (("actor", "reference", "reward"),), (128,))
+
+
+def _paper_cell(size: str, devices: int, profile: str = "a100"):  # type: ignore[no-untyped-def]
+    dataflow = get_dataflow("ppo")
+    models = {role: LLAMA_PRESETS[size] for role in dataflow.roles}
+    return Simulator(cluster=build_cluster(profile, devices), workload=Workload()), dataflow, models
+
+
+def test_standalone_loses_because_forward_passes_scale_with_devices() -> None:
+    """Standalone's reference and reward sets moved, devices and all, onto the critic's set make a faster plan on the
+    same 128 devices: a forward pass over the paper's 2 M tokens runs ~n× faster on n× the devices, so scoring side
+    by side saves nothing over scoring one after another on the union, whose devices then also train the critic.
+    Holds for the best standalone allocation on both networks and for the paper's own (64/32/16/16)."""
+    from hybridflow.placement.autoparallel import LayoutPlanner
+    from hybridflow.placement.search import evaluate_placement, explain_standalone
+
+    for size, profile in (("13b", "a100"), ("70b", "a100"), ("13b", "a100-80gb-hybridflow")):
+        simulator, dataflow, models = _paper_cell(size, 128, profile)
+        standalone = _best_of_each_kind(size, 128, profile=profile)[1]["standalone"]
+        found = explain_standalone(simulator, dataflow, models, standalone)
+        assert found is not None
+        merged, reason = found
+        assert merged.placement == (("actor",), ("critic", "reference", "reward"))
+        assert merged.devices == (standalone.devices[0], sum(standalone.devices[1:]))
+        assert merged.iteration_seconds < 0.96 * standalone.iteration_seconds, (profile, size, reason)
+        alone, on_union = (p.layouts["reference"].stage_seconds["ref_log_probs"] for p in (standalone, merged))
+        more_devices = merged.devices[1] / standalone.devices[2]
+        # ≥ 3/4 of linear (13B: 4.7× for 5×; 70B: 4.0× for 5×, its reference sharing the union's memory with the
+        # critic's training state takes a deeper pipeline there)
+        assert 0.75 * more_devices < alone / on_union <= 1.01 * more_devices
+        assert "saves nothing" in reason
+    simulator, dataflow, models = _paper_cell("13b", 128)
+    usable = simulator.cluster.device.memory_bytes * simulator.efficiency.usable_memory_fraction
+    papers, _ = evaluate_placement(LayoutPlanner(simulator, dataflow, models),
+                                   (("actor",), ("critic",), ("reference",), ("reward",)), [64, 32, 16, 16], usable)
+    assert papers is not None
+    found = explain_standalone(simulator, dataflow, models, papers)
+    assert found is not None and found[0].iteration_seconds < 0.85 * papers.iteration_seconds
+
+
+def test_the_papers_network_makes_colocate_lose_to_standalone_but_not_to_the_split() -> None:
+    """HybridFlow's testbed has 200 Gb/s between machines (§8.1). Colocated, each trainer's data-parallel group spans
+    all 16 machines and its gradient all-reduce, the same bytes per device at any DP size, dominates an update (the
+    paper: "the computation-to-communication ratio decreases with a larger DP size"): standalone then beats colocate
+    at 13B/128, as the paper measured; with 800 Gb/s it does not. The split beats standalone on both."""
+    on_800 = _best_of_each_kind("13b", 128)[1]
+    on_200 = _best_of_each_kind("13b", 128, profile="a100-80gb-hybridflow")[1]
+    assert on_800["standalone"].iteration_seconds > on_800["colocate"].iteration_seconds
+    assert on_200["standalone"].iteration_seconds < on_200["colocate"].iteration_seconds
+    for best in (on_800, on_200):
+        assert best["split"].iteration_seconds < 0.9 * best["standalone"].iteration_seconds
+
+
+def test_standalone_wins_once_stage_calls_carry_a_cost_that_devices_do_not_shorten() -> None:
+    """The search is not built against standalone: add a fixed cost to every stage call (scaling that stalls, the
+    way side-by-side scoring beats one after another) and standalone wins 13B/128 at 30 s a call, not at 10 s (the
+    threshold is ~23 s, about four times the reference's whole forward pass on 64 devices, 5.3 s: docs)."""
+    from dataclasses import dataclass
+
+    simulator, dataflow, models = _paper_cell("13b", 128)
+
+    @dataclass
+    class PerCall:
+        seconds: float
+
+        def train_seconds(self, *, model, parallel, workload, cluster, sequences):  # type: ignore[no-untyped-def]
+            return simulator.train_seconds("", model, parallel, sequences) + self.seconds
+
+        def infer_seconds(self, *, model, parallel, workload, cluster, sequences):  # type: ignore[no-untyped-def]
+            return simulator.infer_seconds("", model, parallel, sequences) + self.seconds
+
+        def generate_seconds(self, *, model, parallel, generation, workload, cluster,  # type: ignore[no-untyped-def]
+                             sequences, kv_cache_bytes):
+            return simulator.generate_seconds("", model, parallel, generation, sequences,
+                                              kv_cache_bytes) + self.seconds
+
+    kinds = {}
+    for seconds in (10.0, 30.0):
+        costly = Simulator(cluster=simulator.cluster, workload=simulator.workload,
+                           overrides={role: PerCall(seconds) for role in dataflow.roles})
+        kinds[seconds] = search_placements(costly, dataflow, models).best.kind
+    assert kinds == {10.0: "split", 30.0: "standalone"}
 
 
 # --- sets that share cores (CPU slots on a small box) ----------------------------------------------------------
