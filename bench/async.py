@@ -59,7 +59,8 @@ from hybridflow.config import load_config
 from hybridflow.controller import CallRecord, init_ray
 from hybridflow.trainer import Trainer
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_arithmetic_scratch.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
 SETTINGS = ("colocated", "split-k0", "split-k1", "split-k2", "split-k0-after-update", "split-k1-after-update",
             "split-k0-stream", "split-k0-barrier", "split-k1-stream", "split-k1-barrier", "split-k0-partial",
             "split-k1-partial", "split-k2-partial")
@@ -137,7 +138,10 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
         overrides.append(f"rollout.weight_sync={weight_sync}")
         if len(args.weight_sync) > 1:
             label = f"{setting}/{weight_sync}"
-    trainer = Trainer(load_config(EXAMPLE, overrides), progress=False)
+    if args.model_path:
+        overrides += [f"model.path={args.model_path}", "reward.function=arithmetic_exact"]
+    overrides += args.set
+    trainer = Trainer(load_config(args.example, overrides), progress=False)
     records: list[CallRecord] = []
     trainer.call_observers.append(records.append)
     history: list[dict[str, float]] = []
@@ -171,6 +175,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
         "reward_per_wall_s": sum(row["reward/mean"] for row in timed) / wall,
         "reward_mean": sum(row["reward/mean"] for row in history) / len(history),
         "reward_last": sum(row["reward/mean"] for row in last) / len(last),
+        "reward_per_step": [round(row["reward/mean"], 4) for row in history],
         "actor_busy_frac": sum(b - a for a, b in train) / wall,
         "rollout_busy_frac": sum(b - a for a, b in generate) / wall,
         "overlap_frac": _overlap(train, generate) / wall,
@@ -198,16 +203,55 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
     return result
 
 
+def reward_gap(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict[str, float]:
+    """How far a setting's reward per step is from split k = 0's over the same steps, same seeds: per seed the mean
+    of reward/mean over all steps minus k = 0's, and the largest difference of a 10-step moving mean; then the mean
+    over seeds and the worst seed."""
+    by_seed = {row["seed"]: row["reward_per_step"] for row in reference}
+    means, windows = [], []
+    for row in runs:
+        base = by_seed.get(row["seed"])
+        if base is None:
+            continue
+        steps = min(len(base), len(row["reward_per_step"]))
+        mine, theirs = row["reward_per_step"][:steps], base[:steps]
+        means.append(sum(mine) / steps - sum(theirs) / steps)
+        width = min(10, steps)
+        windows.append(max(abs(sum(mine[i:i + width]) - sum(theirs[i:i + width])) / width
+                           for i in range(steps - width + 1)))
+    if not means:
+        return {}
+    worst = max(means, key=lambda diff: abs(diff))
+    return {"mean_diff": round(statistics.mean(means), 4), "worst_seed_mean_diff": round(worst, 4),
+            "worst_10_step_window_diff": round(max(windows), 4)}
+
+
+def warm_start(seed: int, root: Path) -> Path:
+    """SFT the arithmetic model as the README's main job does (``hybridflow sft examples/sft_arithmetic.yaml``,
+    in process); the HF directory GRPO then starts from."""
+    from hybridflow.trainer.cli import fit_and_close
+    from hybridflow.trainer.sft import SFTTrainer
+    from hybridflow.trainer.sft_config import load_sft_config
+
+    run_dir = root / f"sft-{seed}"
+    config = load_sft_config(ROOT / "examples" / "sft_arithmetic.yaml",
+                             [f"trainer.run_dir={run_dir}", f"trainer.seed={seed}"])
+    return fit_and_close(SFTTrainer(config, progress=False))
+
+
 def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per setting: medians over its runs, and its tokens/s as a ratio to split-k0's and colocated's."""
     medians = {setting: {key: statistics.median(row[key] for row in rows) for key in rows[0]
                          if isinstance(rows[0][key], float)} for setting, rows in results.items()}
+    k0: str | None = next((name for name in ("split-k0", "split-k0/object_store") if name in results), None)
     out = []
     for setting, values in medians.items():
         row: dict[str, Any] = {"setting": setting, "summary": True, "runs": len(results[setting]), **values}
         for reference in ("split-k0", "split-k0/object_store", "colocated"):
             if reference in medians and reference != setting:
                 row[f"tokens_per_s_vs_{reference}"] = values["tokens_per_s"] / medians[reference]["tokens_per_s"]
+        if k0 is not None and setting != k0:
+            row["reward_gap_vs_k0"] = reward_gap(results[setting], results[k0])
         out.append(row)
     return out
 
@@ -226,12 +270,20 @@ def main() -> None:
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--weight-sync", nargs="+", default=["object_store"], choices=("object_store", "collective"),
                         help="rollout.weight_sync of the split settings (several: each split setting with each)")
+    parser.add_argument("--example", type=Path, default=EXAMPLE, help="the GRPO config every setting starts from")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="SFT first (examples/sft_arithmetic.yaml, per seed) and start GRPO from it with the exact-"
+                             "match reward, as the README's main job: a model that learns within the bench's steps")
+    parser.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     args = parser.parse_args()
+    args.model_path = None
     init_ray(num_cpus=4, object_store_memory=300_000_000)
     results: dict[str, list[dict[str, Any]]] = {}
     print(f"# load average at start: {os.getloadavg()}, {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as directory:
         for seed in args.seeds:
+            if args.warm_start:
+                args.model_path = warm_start(seed, Path(directory))
             for round_index in range(args.rounds):
                 shift = round_index % len(args.settings)
                 for setting in args.settings[shift:] + args.settings[:shift]:
