@@ -7,8 +7,12 @@ splits) run ``--warmup`` + ``--steps`` iterations of ``hybridflow train``'s Trai
 inside the method, as the ledger's ``busy_seconds``). Per run the simulator (CPU profile, the cluster's cores
 shared by its 4 slots) is calibrated by ``fit_efficiency_to_runs`` on that run's colocated (DP 4) and standalone
 (DP 1) placements and ranks the other five, held out; a second score calibrates on the other seed's run (a held-out
-run). Layouts are data-parallel only (the fsdp engine's; the hf rollout has tg = 1). The trainer's lookahead (the
-next generation submitted behind the actor's update) is off: the simulator times one iteration's dataflow.
+run). The fit includes the controller's own time per iteration (``Efficiency.controller_seconds``: iteration minus
+the schedule of that step's node times, from the calibration runs) and the stall of multi-rank stages on the shared
+cores (``Efficiency.collective_stall``); ``predicted_no_controller_s`` and ``predicted_no_collective_stall_s`` leave
+each out. Spearman uses tie-averaged ranks (two placements predicted equal are not ordered). Layouts are
+data-parallel only (the fsdp engine's; the hf rollout has tg = 1). The trainer's lookahead (the next generation
+submitted behind the actor's update) is off: the simulator times one iteration's dataflow.
 Simplified: medians over few steps on a shared box.
 Run:  OMP_NUM_THREADS=1 .venv/bin/python bench/placement_validation.py [--seeds 0,1 --steps 8 --warmup 2]
       ... --run-root DIR --analyse-only    (re-analyse saved runs: DIR/seed<s>/<placement>/{busy.jsonl,measured.json})
@@ -176,17 +180,30 @@ def load_measured(run_dir: Path) -> dict[str, Any]:
 
 # --- ranking statistics ---------------------------------------------------------------------------------------
 def ranks(values: list[float]) -> list[float]:
+    """Ranks from 0; tied values share the mean of their ranks (two placements predicted equal are not ordered)."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     out = [0.0] * len(values)
-    for rank, index in enumerate(order):
-        out[index] = float(rank)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for position in range(start, end + 1):
+            out[order[position]] = (start + end) / 2
+        start = end + 1
     return out
 
 
 def spearman(a: list[float], b: list[float]) -> float:
+    """Pearson correlation of the (tie-averaged) ranks; 1 − 6Σd²/(n(n²−1)) when there are no ties."""
     ra, rb = ranks(a), ranks(b)
     n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else float("nan")
+    if n < 2:
+        return float("nan")
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var > 0 else float("nan")
 
 
 def kendall(a: list[float], b: list[float]) -> float:
@@ -223,7 +240,7 @@ def run_dir_of(root: Path, seed: int, name: str) -> Path:
 
 
 def report_of(name: str, inputs: PlanInputs, measured: dict[str, Any], fitted: Efficiency, used_for: str,
-              dataflow: Dataflow) -> dict[str, Any]:
+              dataflow: Dataflow, no_stall: Efficiency) -> dict[str, Any]:
     placement, devices = PLACEMENTS[name]
     record = data_parallel_record(placement, devices)
     plan = predict(inputs, record, fitted, dataflow)
@@ -236,6 +253,9 @@ def report_of(name: str, inputs: PlanInputs, measured: dict[str, Any], fitted: E
         "measured_fastest_quarter_s": round(statistics.median(sorted(measured["walls"])[:max(1, len(measured["walls"])
                                                                                               // 4)]), 3),
         "predicted_s": round(plan.iteration_seconds, 3),
+        "predicted_no_controller_s": round(plan.schedule_seconds, 3),
+        "predicted_no_collective_stall_s": round(predict(inputs, record, no_stall, dataflow).iteration_seconds, 3),
+        "measured_quartiles_s": [round(q, 3) for q in statistics.quantiles(measured["walls"], n=4)],
         "predicted_prior_s": round(predict(inputs, record, inputs.efficiency, dataflow).iteration_seconds, 3),
         "predicted_serialised_s": round(predict(inputs, record, fitted, serialised_ppo()).iteration_seconds, 3),
         "predicted_no_core_sharing_s": round(predict(no_sharing, record, fitted, dataflow).iteration_seconds, 3),
@@ -246,10 +266,12 @@ def report_of(name: str, inputs: PlanInputs, measured: dict[str, Any], fitted: E
     }
 
 
-def calibrate(inputs: PlanInputs, runs: dict[str, dict[str, Any]]) -> Efficiency:
-    """``fit_efficiency_to_runs`` on one run's colocated and standalone placements."""
+def calibrate(inputs: PlanInputs, runs: dict[str, dict[str, Any]], collective_stall: float | None = None
+              ) -> Efficiency:
+    """``fit_efficiency_to_runs`` on one run's colocated and standalone placements (rows: per step the wall seconds
+    of ``train_step`` and each node's busy seconds), ``collective_stall`` fitted unless given."""
     fitted, _ = fit_efficiency_to_runs(inputs, [(data_parallel_record(*PLACEMENTS[n]), runs[n]["rows"])
-                                                for n in CALIBRATION])
+                                                for n in CALIBRATION], collective_stall=collective_stall)
     return fitted
 
 
@@ -266,7 +288,7 @@ def analyse(inputs: PlanInputs, measured: dict[int, dict[str, dict[str, Any]]]) 
         reports = []
         for name, result in runs.items():
             report = report_of(name, inputs, result, fits[seed], "calibration" if name in CALIBRATION
-                               else "held-out", dataflow)
+                               else "held-out", dataflow, calibrate(inputs, runs, collective_stall=0.0))
             report["predicted_one_run_s"] = round(predict(inputs, data_parallel_record(*PLACEMENTS[name]), one_run,
                                                           dataflow).iteration_seconds, 3)
             others = [s for s in fits if s != seed]
@@ -281,7 +303,8 @@ def analyse(inputs: PlanInputs, measured: dict[int, dict[str, dict[str, Any]]]) 
                                   "fitted": {k: round(v, 5) for k, v in asdict(fits[seed]).items()},
                                   "measured_order": [r["placement"] for r in sorted(reports,
                                                                                     key=lambda r: r["measured_s"])]}
-        for key in ("predicted_s", "predicted_other_run_s", "predicted_no_core_sharing_s", "predicted_prior_s",
+        for key in ("predicted_s", "predicted_no_controller_s", "predicted_no_collective_stall_s",
+                    "predicted_other_run_s", "predicted_no_core_sharing_s", "predicted_prior_s",
                     "predicted_one_run_s", "predicted_serialised_s", "replayed_observed_nodes_s"):
             if all(key in r for r in reports):
                 scores[key.removesuffix("_s")] = {"all": correlations(reports, key),

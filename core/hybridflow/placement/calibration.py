@@ -16,12 +16,13 @@ from typing import Any
 
 from hybridflow.errors import ConfigError
 from hybridflow.placement.autoparallel import LayoutPlanner
+from hybridflow.placement.dataflow import Dataflow
 from hybridflow.placement.profiles import Efficiency
 from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan
-from hybridflow.placement.search import Plan
+from hybridflow.placement.search import Plan, schedule_dataflow
 
 __all__ = ["read_ledger", "node_seconds", "match_nodes", "NodeComparison", "compare_nodes", "fit_efficiency",
-           "fit_efficiency_to_runs", "format_comparison", "LEDGER_FILE", "TRAINER_NODES"]
+           "fit_efficiency_to_runs", "controller_seconds", "format_comparison", "LEDGER_FILE", "TRAINER_NODES"]
 
 LEDGER_FILE = "ledger.jsonl"
 
@@ -217,8 +218,10 @@ def _nonnegative_least_squares(rows: list[list[float]], targets: list[float]) ->
 
 
 def fit_efficiency_to_runs(inputs: PlanInputs, runs: Sequence[tuple[PlanRecord, Sequence[Mapping[str, Any]]]],
-                           rounds: int = 4) -> tuple[Efficiency, list[list[NodeComparison]]]:
-    """Fit each kind's compute efficiency and the shared ``sync_latency_seconds`` to several runs at once.
+                           rounds: int = 4, collective_stall: float | None = None
+                           ) -> tuple[Efficiency, list[list[NodeComparison]]]:
+    """Fit each kind's compute efficiency, the shared ``sync_latency_seconds``, the collective stall on shared cores
+    and the controller's per-iteration time to several runs at once.
 
     Each measured node is modelled as stretch · (a_kind · compute + fixed + hops · latency (+ the transition
     overhead if it covers the weight sync)): compute and fixed come from re-timing the run's plan at the prior
@@ -228,12 +231,58 @@ def fit_efficiency_to_runs(inputs: PlanInputs, runs: Sequence[tuple[PlanRecord, 
     each time with the stretches of the previous fit (1 without sharing). The scales a_kind, the latency and the
     overhead are the non-negative least-squares solution over every node of every run, weighted by 1/observed
     (relative errors). Runs whose models all have one data-parallel size cannot tell compute from latency; give
-    runs of different sizes. Returns the fitted efficiency and, per run, the comparison under it.
+    runs of different sizes. With shared cores, :attr:`Efficiency.collective_stall` (unless given) is chosen on a
+    grid (0 to 2, steps of 0.05) as the value whose fit leaves the smallest relative node error; it only matters for
+    runs with multi-device sets. :attr:`Efficiency.controller_seconds` is :func:`controller_seconds` averaged over
+    the runs whose rows carry iteration ``seconds`` (else the prior's). Returns the fitted efficiency and, per run,
+    the comparison under it.
 
     Raises:
         ConfigError: no run has a node both measured and predicted.
     """
-    prior = replace(inputs.efficiency, sync_latency_seconds=0.0, transition_overhead_seconds=0.0)
+    stalls = [0.0] if collective_stall is None else [collective_stall]
+    if collective_stall is None and inputs.cluster.compute_units is not None and any(
+            max(record.devices) > 1 for record, _ in runs):
+        stalls = [step / 20 for step in range(41)]
+    fits = [_fit_nodes(inputs, runs, rounds, stall) for stall in stalls]
+    efficiency, comparisons = min(fits, key=lambda fit: sum(  # the first (smallest stall) of equals
+        (1 - c.predicted / c.observed_median) ** 2 for run in fit[1] for c in run if c.observed_median > 0))
+    measured = [seconds for record, rows in runs
+                if (seconds := controller_seconds(inputs.dataflow, record.placement, rows)) is not None]
+    if measured:
+        efficiency = replace(efficiency, controller_seconds=statistics.fmean(measured))
+    return efficiency, comparisons
+
+
+def controller_seconds(dataflow: Dataflow, placement: Sequence[Sequence[str]], rows: Sequence[Mapping[str, Any]]
+                       ) -> float | None:
+    """The controller's own time per iteration: the median over ``rows`` of the row's ``seconds`` (the iteration)
+    minus the dataflow scheduled on ``placement``'s sets with that row's own measured node seconds (dependencies
+    and one stage at a time per set; the node times already include any core sharing). What is left is the time no
+    node covers: the driver dispatching calls and gathering results, rewards and advantages computed on the driver,
+    the ledger. None if no row has ``seconds`` and a measured node.
+    """
+    set_of_role = {role: index for index, group in enumerate(placement) for role in group}
+    names = {stage.name for stage in dataflow.stages}
+    residuals = []
+    for row in rows:
+        iteration = row.get("seconds")
+        measured = node_seconds([row])
+        if not isinstance(iteration, int | float) or not measured:
+            continue
+        seconds = dict.fromkeys(names, 0.0)
+        for node, stages in match_nodes(names, measured).items():
+            seconds[stages[0]] += measured[node][0]  # actor.generate also covers the weight sync
+        timings = schedule_dataflow(dataflow, set_of_role, seconds)
+        residuals.append(float(iteration) - max(t.end for t in timings))
+    return max(0.0, statistics.median(residuals)) if residuals else None
+
+
+def _fit_nodes(inputs: PlanInputs, runs: Sequence[tuple[PlanRecord, Sequence[Mapping[str, Any]]]], rounds: int,
+               collective_stall: float) -> tuple[Efficiency, list[list[NodeComparison]]]:
+    """:func:`fit_efficiency_to_runs`' least squares at one ``collective_stall``."""
+    prior = replace(inputs.efficiency, sync_latency_seconds=0.0, transition_overhead_seconds=0.0,
+                    collective_stall=collective_stall)
     half = prior.scaled(**{name: 0.5 for names in _KIND_FIELDS.values() for name in names})
     own = replace(inputs, cluster=replace(inputs.cluster, compute_units=None))  # every device its own compute
     kinds = list(_KIND_FIELDS)

@@ -69,6 +69,12 @@ class Efficiency:
     data-parallel weights, which gather per layer and micro batch: 0 (the default) leaves such engines to the
     bandwidth terms; on oversubscribed CPU workers it is milliseconds and dominates small models (calibration
     fits it from runs with different data-parallel sizes).
+    ``controller_seconds``: the single controller's own time on each iteration's critical path, outside every node
+    (dispatching calls, gathering their results, computing rewards and advantages on the driver, the ledger); added
+    once per iteration (:attr:`Plan.iteration_seconds`). 0 by default; calibration measures it from ledgers.
+    ``collective_stall``: on devices that share cores (:attr:`Cluster.compute_units`), a stage on more than one rank
+    synchronises them at every collective, so a rank the OS preempts stalls its group; such a stage progresses at its
+    processor share / (1 + collective_stall). 0 by default (no effect on devices with compute of their own).
     """
 
     train: float = 0.45
@@ -80,15 +86,18 @@ class Efficiency:
     usable_memory_fraction: float = 0.9
     transition_overhead_seconds: float = 0.5
     sync_latency_seconds: float = 0.0
+    controller_seconds: float = 0.0
+    collective_stall: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("train", "infer", "prefill", "decode_bandwidth", "comm", "usable_memory_fraction"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"Efficiency.{name} must be in (0, 1], got {value}.")
-        if min(self.saturation_tokens, self.transition_overhead_seconds, self.sync_latency_seconds) < 0:
-            raise ConfigError("Efficiency.saturation_tokens, transition_overhead_seconds and sync_latency_seconds "
-                              "must be >= 0.")
+        for name in ("saturation_tokens", "transition_overhead_seconds", "sync_latency_seconds",
+                     "controller_seconds", "collective_stall"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"Efficiency.{name} must be >= 0, got {getattr(self, name)}.")
 
     def scaled(self, **factors: float) -> Efficiency:
         """Return a copy with the named fractions multiplied by ``factors`` and clipped to (0, 1]."""

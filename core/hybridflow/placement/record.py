@@ -145,9 +145,12 @@ def retime_plan(planner: LayoutPlanner, record: PlanRecord, usable_bytes: float)
                                      "KV cache for one sequence under this simulator.")
             layouts[role] = layout
     seconds = {name: s for layout in layouts.values() for name, s in layout.stage_seconds.items()}
+    efficiency = planner.simulator.efficiency
     timings = schedule_dataflow(planner.dataflow, set_of_role, seconds, set_devices=record.devices,
-                                compute_units=planner.simulator.cluster.compute_units)
-    return Plan(placement=record.placement, devices=record.devices, layouts=layouts, timings=tuple(timings))
+                                compute_units=planner.simulator.cluster.compute_units,
+                                collective_stall=efficiency.collective_stall)
+    return Plan(placement=record.placement, devices=record.devices, layouts=layouts, timings=tuple(timings),
+                controller_seconds=efficiency.controller_seconds)
 
 
 def plan_inputs(algorithm: str, models: Mapping[str, ModelSpec], cluster: Cluster, workload: Workload,

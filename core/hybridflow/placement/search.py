@@ -84,14 +84,16 @@ class StageTiming:
 
 
 def schedule_dataflow(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_seconds: Mapping[str, float],
-                      *, set_devices: Sequence[int] | None = None, compute_units: float | None = None
-                      ) -> list[StageTiming]:
+                      *, set_devices: Sequence[int] | None = None, compute_units: float | None = None,
+                      collective_stall: float = 0.0) -> list[StageTiming]:
     """List-schedule stages in dispatch order: each waits for its dependencies and for its set to be free.
 
     With ``compute_units`` (devices that share fewer cores than they are, :attr:`Cluster.compute_units`) and each
     set's device count in ``set_devices``, stages that run at the same time share the compute: while the running
     stages' sets hold D devices, each progresses at min(1, compute_units / D) of its full speed (processor
-    sharing), so its seconds stretch. Without them every set computes on its own (the GPU case).
+    sharing), so its seconds stretch; a stage on more than one device also waits for its preempted ranks at every
+    collective and progresses at that share / (1 + ``collective_stall``) (:attr:`Efficiency.collective_stall`).
+    Without them every set computes on its own (the GPU case).
     """
     if compute_units is None or set_devices is None or sum(set_devices) <= compute_units:
         end: dict[str, float] = {}
@@ -105,11 +107,12 @@ def schedule_dataflow(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_
                                        seconds=seconds))
             end[stage.name] = free[index] = start + seconds
         return timings
-    return _shared_schedule(dataflow, set_of_role, stage_seconds, set_devices, compute_units)
+    return _shared_schedule(dataflow, set_of_role, stage_seconds, set_devices, compute_units, collective_stall)
 
 
 def _shared_schedule(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_seconds: Mapping[str, float],
-                     set_devices: Sequence[int], compute_units: float) -> list[StageTiming]:
+                     set_devices: Sequence[int], compute_units: float, collective_stall: float = 0.0
+                     ) -> list[StageTiming]:
     """Event simulation of :func:`schedule_dataflow` under processor sharing (same dispatch order per set)."""
     queues: dict[int, list[str]] = {}
     for stage in dataflow.stages:
@@ -129,11 +132,13 @@ def _shared_schedule(dataflow: Dataflow, set_of_role: Mapping[str, int], stage_s
         if not remaining:  # a dependency cycle cannot happen (Dataflow checks order); guard anyway
             raise PlacementError(f"Dataflow {dataflow.algorithm!r} cannot make progress at t={now:.3f} s.")
         demand = sum(set_devices[set_of_role[role[name]]] for name in remaining)
-        rate = min(1.0, compute_units / demand)
-        step = min(remaining.values()) / rate
+        share = min(1.0, compute_units / demand)
+        rate = {name: share / (1 + collective_stall) if set_devices[set_of_role[role[name]]] > 1 else share
+                for name in remaining}
+        step = min(left / rate[name] for name, left in remaining.items())
         now += step
         for name in list(remaining):
-            remaining[name] -= step * rate
+            remaining[name] -= step * rate[name]
             if remaining[name] <= 1e-12 * max(1.0, stage_seconds[name]):
                 del remaining[name]
                 done[name] = now
@@ -149,14 +154,21 @@ class Plan:
     devices: tuple[int, ...]
     layouts: dict[str, RoleLayout]
     timings: tuple[StageTiming, ...]
+    controller_seconds: float = 0.0  # the driver's own time per iteration (Efficiency.controller_seconds)
 
     @property
     def kind(self) -> str:
         return classify_placement(self.placement)
 
     @property
-    def iteration_seconds(self) -> float:
+    def schedule_seconds(self) -> float:
+        """When the last stage ends."""
         return max((t.end for t in self.timings), default=0.0)
+
+    @property
+    def iteration_seconds(self) -> float:
+        """The scheduled stages plus the controller's own time between them."""
+        return self.schedule_seconds + self.controller_seconds
 
     def describe(self) -> str:
         sets = " | ".join(f"{{{', '.join(group)}}}:{n}" for group, n in zip(self.placement, self.devices))
@@ -164,8 +176,8 @@ class Plan:
 
     @property
     def overlap_seconds(self) -> float:
-        """Stage seconds that ran while another set was busy: Σ stage seconds − iteration (0 when colocated)."""
-        return sum(t.seconds for t in self.timings) - self.iteration_seconds
+        """Stage seconds that ran while another set was busy: Σ stage seconds − schedule (0 when colocated)."""
+        return sum(t.seconds for t in self.timings) - self.schedule_seconds
 
     def idle_fraction(self) -> float:
         """Share of the plan's device-seconds that no stage uses: Σ devices·(iteration − busy) over Σ devices·it."""
@@ -254,9 +266,12 @@ def evaluate_placement(planner: LayoutPlanner, placement: Placement, devices: Se
         layouts.update(group_layouts)
         set_of_role.update({role: index for role in group})
     stage_seconds = {name: s for layout in layouts.values() for name, s in layout.stage_seconds.items()}
+    efficiency = planner.simulator.efficiency
     timings = schedule_dataflow(planner.dataflow, set_of_role, stage_seconds, set_devices=devices,
-                                compute_units=planner.simulator.cluster.compute_units)
-    return Plan(placement=placement, devices=tuple(devices), layouts=layouts, timings=tuple(timings)), ""
+                                compute_units=planner.simulator.cluster.compute_units,
+                                collective_stall=efficiency.collective_stall)
+    return Plan(placement=placement, devices=tuple(devices), layouts=layouts, timings=tuple(timings),
+                controller_seconds=efficiency.controller_seconds), ""
 
 
 def search_placements(simulator: Simulator, dataflow: Dataflow, models: Mapping[str, ModelSpec], *,

@@ -82,8 +82,9 @@ def test_two_measured_data_parallel_sizes_calibrate_a_model_that_orders_a_held_o
     inputs = _inputs()
     runs = [(_record(n), _rows(n)[1:]) for n in ("colocate", "standalone")]
     fitted, comparisons = fit_efficiency_to_runs(inputs, runs)
-    # measured: the same tiny model is slower on 4 ranks than on 1, which only the sync latency can explain
-    assert fitted.sync_latency_seconds > 1e-4
+    # measured: the same tiny model is slower on 4 ranks than on 1, which only the sync latency or the stall of
+    # collectives on shared cores can explain
+    assert fitted.sync_latency_seconds > 1e-4 or fitted.collective_stall > 0.1
     assert all(0.3 < c.ratio < 3 for run in comparisons for c in run)
     held_out = {n: _predicted(inputs, n, fitted) for n in PLACEMENTS}
     measured = {n: _measured_iteration(n) for n in PLACEMENTS}
