@@ -19,8 +19,8 @@ import time
 
 from hybridflow.errors import PlacementError
 from hybridflow.placement import LLAMA_PRESETS, Simulator, Workload, build_cluster, get_dataflow, search_placements
+from hybridflow.placement.explain import explain_choice, explain_standalone
 from hybridflow.placement.models import ModelSpec
-from hybridflow.placement.search import explain_choice, explain_standalone
 
 KINDS = ("colocate", "split", "standalone")
 

@@ -151,7 +151,7 @@ def _best_of_each_kind(size: str, devices: int, efficiency=None, profile="a100")
 
 
 def test_colocate_wins_small_clusters_and_split_wins_large_ones_for_the_papers_reason() -> None:
-    from hybridflow.placement.search import explain_choice
+    from hybridflow.placement.explain import explain_choice
 
     small, _ = _best_of_each_kind("7b", 16)
     assert small.best.kind == "colocate"
@@ -194,7 +194,8 @@ def test_standalone_loses_on_the_grid_because_its_scoring_devices_idle() -> None
 
 
 def test_merge_forward_only_sets_moves_scoring_models_onto_the_trainer_that_does_not_generate() -> None:
-    from hybridflow.placement.search import Plan, merge_forward_only_sets
+    from hybridflow.placement.explain import merge_forward_only_sets
+    from hybridflow.placement.search import Plan
 
     def plan(placement: tuple[tuple[str, ...], ...], devices: tuple[int, ...]) -> Plan:
         return Plan(placement=placement, devices=devices, layouts={}, timings=())
@@ -223,7 +224,8 @@ def test_standalone_loses_because_forward_passes_scale_with_devices() -> None:
     by side saves nothing over scoring one after another on the union, whose devices then also train the critic.
     Holds for the best standalone allocation on both networks and for the paper's own (64/32/16/16)."""
     from hybridflow.placement.autoparallel import LayoutPlanner
-    from hybridflow.placement.search import evaluate_placement, explain_standalone
+    from hybridflow.placement.explain import explain_standalone
+    from hybridflow.placement.search import evaluate_placement
 
     for size, profile in (("13b", "a100"), ("70b", "a100"), ("13b", "a100-80gb-hybridflow")):
         simulator, dataflow, models = _paper_cell(size, 128, profile)
