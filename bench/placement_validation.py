@@ -16,13 +16,14 @@ submitted behind the actor's update) is off: the simulator times one iteration's
 Simplified: medians over few steps on a shared box.
 Run:  OMP_NUM_THREADS=1 .venv/bin/python bench/placement_validation.py [--seeds 0,1 --steps 8 --warmup 2]
       ... --run-root DIR --analyse-only    (re-analyse saved runs: DIR/seed<s>/<placement>/{busy.jsonl,measured.json})
-Prints ``MEASURED`` per placement, one ``RESULT {json}`` line per placement and run, ``SPEARMAN {json}`` per run
-and ``SUMMARY {json}``.
+Prints ``MEASURED`` per placement (with the median CPU seconds per step of each pool's processes and of the
+driver), one ``RESULT {json}`` line per placement and run, ``SPEARMAN {json}`` per run and ``SUMMARY {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import psutil
 import yaml
 
 from hybridflow.placement import Workload, build_cluster, model_from_hf_config
@@ -154,21 +156,41 @@ def measure(run_dir: Path, placement: Placement, devices: tuple[int, ...], args:
     try:
         trainer.start()
         setup = time.perf_counter() - started
+        assert trainer.groups is not None
+        processes = {pool: [psutil.Process(pid) for pid in (group.local_process_ids() or {}).values()]
+                     for pool, group in trainer.groups.by_pool.items()}
+        processes["driver"] = [psutil.Process()]
         for step in range(args.warmup + args.steps):
             calls.clear()
+            before = cpu_seconds(processes)
             tick = time.perf_counter()
             trainer.train_step()
             wall = time.perf_counter() - tick
+            after = cpu_seconds(processes)
             if step >= args.warmup:
                 walls.append(wall)
                 rows.append({"iteration": step, "seconds": wall,
-                             "nodes": {n: {"busy_seconds": s} for n, s in busy_seconds(calls).items()}})
+                             "nodes": {n: {"busy_seconds": s} for n, s in busy_seconds(calls).items()},
+                             # CPU seconds each pool's processes (and the driver) used in the step, busy or not
+                             "cpu_seconds": {pool: round(after[pool] - before[pool], 4) for pool in after}})
     finally:
         trainer.close()
     (run_dir / "busy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "measured.json").write_text(json.dumps({"walls": walls, "setup_s": setup, "seed": seed,
                                                        "load": os.getloadavg()}) + "\n")
     return load_measured(run_dir)
+
+
+def cpu_seconds(processes: dict[str, list[Any]]) -> dict[str, float]:
+    """User + system CPU seconds so far of each pool's processes (psutil.Process lists), summed per pool."""
+    total: dict[str, float] = {}
+    for pool, members in processes.items():
+        total[pool] = 0.0
+        for process in members:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                total[pool] += times.user + times.system
+    return total
 
 
 def load_measured(run_dir: Path) -> dict[str, Any]:
@@ -351,7 +373,9 @@ def main() -> None:
             result = measured[seed][name]
             print("MEASURED " + json.dumps({"seed": seed, "placement": name, "steps_s": [
                 round(w, 3) for w in result["walls"]], "setup_s": round(result["setup_s"], 1),
-                "load": result["load"]}), flush=True)
+                "load": result["load"], "cpu_s_per_step_median": {
+                    pool: round(statistics.median(row["cpu_seconds"][pool] for row in result["rows"]), 4)
+                    for pool in result["rows"][0].get("cpu_seconds", {})} if result["rows"] else {}}), flush=True)
     print("SUMMARY " + json.dumps(analyse(inputs, measured)), flush=True)
     print(f"runs saved under {root}")
 
