@@ -143,10 +143,19 @@ def _key(spec: SyncGroupSpec, rank: int) -> tuple[str, int, int, int]:
     return spec.host, spec.port, spec.epoch, rank
 
 
+#: the (host, port, epoch, rank) members whose sync failed in this process: their group is out of step for good
+_FAILED: set[tuple[str, int, int, int]] = set()
+
+
 def _group(spec: SyncGroupSpec, rank: int) -> Any:
     """This process's member of ``spec``'s group at ``rank`` (built on first use; blocks until every member joins,
-    at most ``spec.timeout_s``)."""
+    at most ``spec.timeout_s``). A member whose sync failed is not built again for the same epoch: its peers are
+    out of step (or dead, and rebuilding would wait the whole timeout for them), so the call fails at once."""
     key = _key(spec, rank)
+    if key in _FAILED:
+        raise EngineError(f"the weight sync group of epoch {spec.epoch} failed in this process (rank {rank}) and its "
+                          "members are out of step; expected a sync on a fresh epoch. The driver moves to one when "
+                          "the failed step is retried (AsyncRollout.reset)")
     if key not in _GROUPS:
         for old in [old for old in _GROUPS if old[3] == rank]:  # an older epoch's member is abandoned
             del _GROUPS[old]
@@ -165,7 +174,9 @@ def _group(spec: SyncGroupSpec, rank: int) -> Any:
 
 
 def _drop(spec: SyncGroupSpec, rank: int) -> None:
+    """Forget a member whose sync failed, and refuse its epoch from now on in this process."""
     _GROUPS.pop(_key(spec, rank), None)
+    _FAILED.add(_key(spec, rank))
 
 
 _HEADER = 4  # int64: policy version, bucket index (-1: the end), payload bytes, layout bytes

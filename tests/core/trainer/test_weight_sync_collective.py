@@ -9,6 +9,7 @@ whole weight stream."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from hybridflow.engines import ModelSpec, RolloutEngineConfig
-from hybridflow.errors import VersionMismatchError
+from hybridflow.errors import EngineError, VersionMismatchError
 from hybridflow.presets import preset_model_config
 from hybridflow.workers.weight_sync import SyncRendezvous, WeightReceiver, broadcast_weights
 
@@ -191,7 +192,7 @@ def test_a_receiver_that_stops_answering_fails_the_sender_which_still_reads_its_
         engines: Any) -> None:
     """The root of a collective sync whose receiver never takes part (a rollout rank hung or dead mid-sync) fails at
     the group's timeout, and reads the rest of its weight stream first: producing it is a collective of the actor's
-    own ranks (the FSDP gather), which must not be left blocked in it."""
+    own ranks (the FSDP gather), which must not be left blocked in it. The failed epoch is refused from then on."""
     actor, _ = engines
     names = [name for name, _ in actor.model.named_parameters()]
     read: list[str] = []
@@ -211,3 +212,10 @@ def test_a_receiver_that_stops_answering_fails_the_sender_which_still_reads_its_
     error, _ = _run(lambda: broadcast_weights(spec, stream(), version=1, bucket_bytes=4096), receive_first_bucket_only)
     assert isinstance(error, RuntimeError), error
     assert read == names
+    # the next sync on that epoch (queued behind the failed one on the actor) fails at once instead of waiting the
+    # whole timeout for members that will never join it, and reads its stream too; a fresh epoch is the way on
+    read.clear()
+    started = time.perf_counter()
+    with pytest.raises(EngineError, match="epoch 0 failed"):
+        broadcast_weights(spec, stream(), version=2, bucket_bytes=4096)
+    assert time.perf_counter() - started < 1.0 and read == names
