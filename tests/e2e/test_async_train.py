@@ -3,7 +3,9 @@ rollout pool reproduces the colocated synchronous loop bit for bit (metrics and 
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
 counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
 weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests), and
-so does the same run with a rollout worker and an actor worker killed (recovery)."""
+so does the same run with a rollout worker and an actor worker killed (recovery). The rest of the async fault matrix:
+a weight load failing mid-bucket and a hung rollout worker, a rollout rank killed inside the collective broadcast,
+and the driver killed and rerun with ``trainer.resume=auto`` recover within the bound, one version per row."""
 
 from __future__ import annotations
 
