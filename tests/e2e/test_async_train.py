@@ -3,11 +3,19 @@ rollout pool reproduces the colocated synchronous loop bit for bit (metrics and 
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
 counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
 weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests), and
-so does the same run with a rollout worker and an actor worker killed (recovery)."""
+so does the same run with a rollout worker and an actor worker killed (recovery). The rest of the async fault matrix:
+a weight load failing mid-bucket and a hung rollout worker, a rollout rank killed inside the collective broadcast,
+and the driver killed and rerun with ``trainer.resume=auto`` recover within the bound, one version per row."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,7 @@ from hybridflow.ledger import read_ledger
 from hybridflow.reliability import audit_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.async_loop import STALENESS_COLUMN
+from hybridflow.trainer.progress import read_metrics
 
 POOLS = {"main": {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": 0.25},
          "gen": {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": 0.25}}
@@ -214,6 +223,190 @@ def test_killed_rollout_and_actor_workers_recover_to_the_clean_run(k1_store: K1R
     assert _consumed(rows[2]) == _consumed(read_ledger(k1_store.run_dir)[2])
     # the retried step 2 asked again for its rollout (the actor's pool restarted) and got the one it had claimed
     assert "actor.generate" in next(n for n in rows[2]["notes"] if "redone_nodes" in n)["redone_nodes"]
+
+
+def _fit(config: Any) -> list[dict[str, Any]]:
+    """Train ``config`` to the end (under the recovery policy); its metrics per step."""
+    trainer = Trainer(config, progress=False)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _check_fault_run(rows: list[dict[str, Any]], clean: K1Run | None, run_dir: Path, n: int,
+                     staleness: list[int]) -> None:
+    """What every faulty k = 1 run (no re-tagged rows) must show: the steps before the first fault are the clean
+    run's (``clean``; None for a run on other actor ranks, whose reductions differ in the last bits), each step
+    trained at the given staleness (within the bound), nothing dropped, one policy version per
+    step; at staleness 0 the rollout pool held exactly the actor's weights (its log-probs are the actor's: a pool
+    generating on a mix of two versions would differ as a stale one does); the ledger audit finds no mixed versions
+    and every sample consumed exactly once."""
+    assert [row["async/staleness_max"] for row in rows] == staleness
+    assert all(row["async/dropped_stale_samples"] == 0 and row["actor/policy_version"] == step + 1
+               for step, row in enumerate(rows))
+    for step in range(2 if clean is not None else 0):  # the faults of these runs fire at iteration 2 or later
+        assert clean is not None
+        expected = {key: value for key, value in clean.rows[step].items() if not key.startswith(UNCOMPARED)}
+        assert {key: rows[step][key] for key in expected} == expected, f"step {step}"
+    fresh = [row["training/rollout_probs_diff_max"] for row in rows if row["async/staleness_max"] == 0]
+    stale = [row["training/rollout_probs_diff_max"] for row in rows if row["async/staleness_max"] == 1]
+    assert max(fresh) < 1e-4 < max(stale), (fresh, stale)  # (step 1's rollout: version 0 = 1, the lr warming up)
+    audit = audit_ledger(read_ledger(run_dir), samples_per_prompt=n)
+    assert audit.iterations == list(range(len(rows))) and audit.mixed_versions == []
+    assert audit.samples_duplicated == 0 and audit.samples_lost == 0
+
+
+#: a weight load failing between its buckets (version 1, after bucket 0: the worker survives with its engine a mix of
+#: versions 0 and 1) and a rollout worker hanging after generating iteration 4, whose generation has a deadline of
+#: its own (reliability.deadlines["rollout.generate"], counted from its dispatch a step ahead)
+SYNC_AND_HANG = ["rollout.load_weights@1:raise", "rollout.generate@4:hang"]
+GENERATE_DEADLINE_S = 30.0  # above a queued generation's wait on the loaded box
+
+
+@pytest.mark.slow
+def test_a_load_failing_mid_bucket_and_a_hung_rollout_worker_recover_within_the_bound(
+        k1_store: K1Run, tmp_path: Path, tiny_config: Any) -> None:
+    """The k = 1 run over 5 steps with the sync of version 1 failing after its first bucket and a rollout worker
+    hung in iteration 4: each restarts the rollout pool alone (nothing restored or replayed), the hung call fails at
+    its deadline with the worker's stack dumped, and the lost generations are redone under the actor's current
+    weights (staleness 0 at steps 2 and 4, where the clean run has 1)."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, *K1, "trainer.total_steps=5", f"reliability.faults={json.dumps(SYNC_AND_HANG)}",
+                         f"reliability.deadlines={json.dumps({'rollout.generate': GENERATE_DEADLINE_S})}")
+    rows = _fit(config)
+    sync, hang = [json.loads(line) for line in (run_dir / "recovery.jsonl").open()]
+    # the failed load is found by step 2, whose rollout (iteration 2, version 1) was queued behind it
+    assert sync["what"] == "iteration 2" and sync["error"] == "WorkerError", sync
+    assert "rollout.load_weights" in sync["message"] and "InjectedFault" in sync["message"], sync
+    assert hang["what"] == "iteration 4" and hang["error"] == "DeadlineExceededError", hang
+    for event in (sync, hang):
+        assert event["pools_restarted"] == ["gen"] and event["updates_replayed"] == [], event
+    assert hang["faults_fired"] == ["rollout.load_weights@1:raise:rank=0", "rollout.generate@4:hang:rank=0"]
+    # bounded by the generation's deadline (from its dispatch), not by the hang (an hour)
+    assert hang["seconds_failed_attempt"] < GENERATE_DEADLINE_S + 10, hang
+    dumps = list((run_dir / "stacks").glob("gen.rollout.generate.rank0.*.txt"))
+    assert dumps and "maybe_fail" in dumps[0].read_text(), dumps
+    _check_fault_run(rows, k1_store, run_dir, k1_store.n, staleness=[0, 1, 0, 1, 0])
+    # the restarted pool got the actor's weights again, all of them
+    assert rows[2]["async/weight_sync_bytes"] == rows[4]["async/weight_sync_bytes"] == k1_store.rows[0][
+        "async/weight_sync_bytes"]
+
+
+#: the collective sync's rollout rank killed inside the broadcast of version 1, after receiving bucket 2 (the root
+#: has buckets left to send); a deadline above the worker start-up on this box, below what a wait for it would show
+COLLECTIVE_KILL = ["rollout.load_weights@1:kill:bucket=2"]
+COLLECTIVE_DEADLINE_S = 120.0
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_killed_inside_the_collective_broadcast_restarts_the_rollout_pool_alone(
+        k1_store: K1Run, tmp_path: Path, tiny_config: Any) -> None:
+    """``rollout.weight_sync: collective`` with two actor ranks, the rollout rank killed mid-broadcast (after
+    receiving bucket 2 of version 1): the actor's rank 0 fails its next send to the dead member at once (gloo sees
+    the peer gone) and reads the rest of its weights, so its peer rank finishes the gather behind them (without
+    that, rank 1 sat in the gather until the deadline: the actor's pool restarted too, four recoveries, 152 s); a
+    failed epoch is refused from then on (unit-tested in tests/core/trainer/test_weight_sync_collective.py). Only
+    the rollout pool restarts, the actor keeps its weights (nothing restored or replayed), and the retried step
+    syncs them over a fresh group and trains without waiting for ``trainer.deadline_s``."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, *K1, "rollout.weight_sync=collective", f"trainer.deadline_s={COLLECTIVE_DEADLINE_S}",
+                         f"reliability.faults={json.dumps(COLLECTIVE_KILL)}",
+                         "resource_pools.main.devices_per_node=[2]")  # the weights gathered over two actor ranks
+    rows = _fit(config)
+    (event,) = [json.loads(line) for line in (run_dir / "recovery.jsonl").open()]
+    assert event["what"] == "iteration 2" and event["error"] == "WorkerError", event
+    assert event["pools_restarted"] == ["gen"] and event["updates_replayed"] == [], event
+    assert event["faults_fired"] == ["rollout.load_weights@1:kill:rank=0:bucket=2"], event
+    assert event["seconds_failed_attempt"] < COLLECTIVE_DEADLINE_S / 2, event
+    # the retried step did not wait for the dead member's deadline (a sync of the actor stuck in the old group would
+    # hold every later actor call behind it until trainer.deadline_s)
+    assert rows[2]["time/step_s"] < COLLECTIVE_DEADLINE_S / 2, rows[2]["time/step_s"]
+    _check_fault_run(rows, None, run_dir, k1_store.n, staleness=[0, 1, 0, 1])  # two actor ranks
+    assert rows[2]["async/weight_sync_bytes"] == k1_store.rows[0]["async/weight_sync_bytes"]
+
+
+#: the driver-kill run: k = 1 over 5 steps, a checkpoint every 2, trainer.resume=auto (its first start is fresh); the
+#: CLI in a child process with a local Ray of its own, as a user runs it
+DRIVER = (*K1, "trainer.total_steps=5", "trainer.checkpoint_every=2", "trainer.resume=auto", "ray.num_cpus=4",
+          "ray.object_store_memory=150000000")
+
+
+def _train_command(config: Any, path: Path) -> list[str]:
+    """``hybridflow train path`` in this interpreter, ``path`` holding ``config`` spelled out in full."""
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return [sys.executable, "-m", "hybridflow.cli", "train", "--no-progress", str(path)]
+
+
+def _prompt_uids(row: dict[str, Any]) -> list[str]:
+    return list(next(note for note in row["notes"] if "prompt_uids" in note)["prompt_uids"])
+
+
+@pytest.mark.slow
+def test_a_killed_driver_reruns_from_its_checkpoint_and_resyncs_the_rollout_pool(
+        tmp_path: Path, tiny_config: Any, preset_weight_bytes: Any) -> None:
+    """``hybridflow train`` of the k = 1 run SIGKILLed once its checkpoint of step 2 is published, then run again
+    (``trainer.resume=auto``): the rerun continues at the checkpoint's step S, syncs the restored weights to its
+    fresh rollout pool (whose log-probs are then the actor's), trains each remaining prompt once (the prompts the
+    killed run drew for those steps, none consumed twice over the run) and holds the bound; its first k steps train
+    at staleness 0 (the queue refilled under the restored weights, docs/async.md), the uninterrupted run's at 1."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, *DRIVER)
+    command = _train_command(config, tmp_path / "run.yaml")
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        published = run_dir / "checkpoints" / "step-2" / "checksums.json"
+        deadline = time.monotonic() + 900
+        while not published.exists():
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 2 within 900 s"
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+        assert first.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log.close()
+    steps = sorted(int(path.name.removeprefix("step-")) for path in (run_dir / "checkpoints").glob("step-*")
+                   if (path / "checksums.json").exists())
+    resumed_at = steps[-1]  # 2, unless the killed run published step 4 in the meantime
+    killed_ledger = read_ledger(run_dir)
+    killed_metrics = read_metrics(run_dir)
+    try:
+        rerun = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False,
+                               start_new_session=True)
+    finally:
+        _end_session(first.pid)  # what is left of the killed driver's own Ray (its reaper normally ends it)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(5)), [row["step"] for row in rows]
+    assert rows[:resumed_at] == [row for row in killed_metrics if row["step"] < resumed_at]
+    assert [row["actor/policy_version"] for row in rows] == [1, 2, 3, 4, 5]  # the restored actor went on at S
+    # the rollout pool of the rerun started with the restored weights (synced at step S, all of them), so step S
+    # trained at staleness 0 on rollouts of exactly the actor's weights; later steps at the bound again
+    expected = [0] + [1] * (resumed_at - 1) + [0] + [1] * (4 - resumed_at)
+    assert [row["async/staleness_max"] for row in rows] == expected
+    assert all(row["async/dropped_stale_samples"] == 0 for row in rows)
+    total, _ = preset_weight_bytes(config.model.preset)
+    assert rows[resumed_at]["async/weight_sync_bytes"] >= total
+    stale = [row["training/rollout_probs_diff_max"] for row in rows[2:] if row["async/staleness_max"] == 1]
+    assert rows[resumed_at]["training/rollout_probs_diff_max"] < 1e-4 < max(stale), rows[resumed_at]
+    ledger = read_ledger(run_dir)
+    audit = audit_ledger(ledger, samples_per_prompt=config.rollout.n)
+    assert audit.iterations == list(range(5)) and audit.recoveries == 0 and audit.mixed_versions == []
+    assert audit.samples_duplicated == 0 and audit.samples_lost == 0
+    # the rerun drew, for the steps the killed run had trained past its checkpoint, the same prompts
+    redone = [row for row in killed_ledger if row["iteration"] >= resumed_at]
+    for row in redone:
+        assert _prompt_uids(ledger[row["iteration"]]) == _prompt_uids(row), row["iteration"]
+
+
+def _end_session(pid: int) -> None:
+    """SIGKILL what is left of the process group of our child ``pid`` (started with ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 #: streaming at k = 0: a step of 4 prompts × n = 4 in two chunks of 2 prompt groups (actor.mini_batch_size = 8 rows)

@@ -78,10 +78,28 @@ def test_parse_specs() -> None:
     assert parse_fault_specs("") == ()
 
 
+def test_a_weight_load_fault_fires_before_its_bucket(tmp_path: Path) -> None:
+    """``rollout.load_weights@V[:bucket=B]``: fires in the load of version V before bucket B (default 1), once."""
+    default, second = parse_fault_specs("rollout.load_weights@2:raise,rollout.load_weights@3:raise:bucket=2")
+    assert (default.bucket, default.fires_at_bucket, second.fires_at_bucket) == (None, 1, 2)
+    assert second.label == "rollout.load_weights@3:raise:rank=0:bucket=2"
+    plan = FaultPlan.from_sources([default.label, second.label], tmp_path, environ={})
+    assert FaultPlan.from_json(plan.to_json()) == plan
+    assert maybe_fail("rollout.load_weights", iteration=3, rank=0, bucket=1, plan=plan) is None
+    with pytest.raises(InjectedFault, match="bucket=2"):
+        maybe_fail("rollout.load_weights", iteration=3, rank=0, bucket=2, plan=plan)
+    assert maybe_fail("rollout.load_weights", iteration=2, rank=0, bucket=0, plan=plan) is None
+    with pytest.raises(InjectedFault):
+        maybe_fail("rollout.load_weights", iteration=2, rank=0, bucket=1, plan=plan)
+    assert sorted(plan.fired()) == sorted([default.label, second.label])
+
+
 @pytest.mark.parametrize("text, named", [
     ("actor.updat@2", 'Did you mean "actor.update"'),
     ("actor.update", "POINT@ITERATION"),
     ("actor.update@2:explode", "kill, hang or raise"),
+    ("actor.update@2:bucket=1", "bucket=B"),
+    ("rollout.load_weights@1:bucket=x", "takes a number"),
 ])
 def test_bad_specs_are_typed_errors_naming_the_spec(text: str, named: str) -> None:
     with pytest.raises(ConfigError) as info:

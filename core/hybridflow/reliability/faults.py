@@ -17,8 +17,8 @@ from typing import Literal, cast
 
 from hybridflow.errors import ConfigError, HybridflowError
 
-__all__ = ["FAULT_POINTS", "ENV_VAR", "FaultSpec", "FaultPlan", "InjectedFault", "parse_fault_specs", "maybe_fail",
-           "iteration_of_checkpoint"]
+__all__ = ["FAULT_POINTS", "BUCKET_POINTS", "ENV_VAR", "FaultSpec", "FaultPlan", "InjectedFault", "parse_fault_specs",
+           "maybe_fail", "iteration_of_checkpoint"]
 
 #: the environment variable read by the driver (never needed in workers: the plan travels in the role specs)
 ENV_VAR = "HYBRIDFLOW_FAULTS"
@@ -33,6 +33,9 @@ FAULT_POINTS: dict[str, tuple[Side, str]] = {
     "actor.update": ("worker", "inside ActorRolloutWorker.update_policy, after the first optimizer step"),
     "rollout.generate": ("worker", "inside RolloutWorker.generate (a split rollout pool, rollout.pool), after the "
                                    "rollout, before returning"),
+    "rollout.load_weights": ("worker", "inside a split rollout pool's weight load (load_weights, or receive_weights "
+                                       "with rollout.weight_sync: collective) of policy version ITERATION, buckets "
+                                       "0..B-1 in the engine, bucket B (option bucket=B, default 1) not yet"),
     "reference.log_probs": ("worker", "inside ReferenceWorker.compute_ref_log_probs"),
     "critic.values": ("worker", "inside CriticWorker.compute_values"),
     "critic.update": ("worker", "inside CriticWorker.update_critic, after the first optimizer step"),
@@ -47,6 +50,8 @@ FAULT_POINTS: dict[str, tuple[Side, str]] = {
 }
 
 Action = Literal["kill", "hang", "raise"]
+#: points that fire between two buckets of a weight load (option ``bucket=B``: after buckets 0..B-1, before B)
+BUCKET_POINTS = {"rollout.load_weights": 1}
 _SPEC = re.compile(r"^(?P<point>[a-z_.]+)@(?P<iteration>\d+)(?P<options>(:[a-z=0-9_]+)*)$")
 
 
@@ -56,12 +61,14 @@ class InjectedFault(HybridflowError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FaultSpec:
-    """One fault: ``point`` fires at ``iteration`` on ``rank`` (workers) doing ``action``."""
+    """One fault: ``point`` fires at ``iteration`` on ``rank`` (workers) doing ``action``; a point of
+    :data:`BUCKET_POINTS` fires before loading bucket ``bucket`` (None: the point's default)."""
 
     point: str
     iteration: int
     action: Action = "kill"
     rank: int = 0
+    bucket: int | None = None
 
     def __post_init__(self) -> None:
         if self.point not in FAULT_POINTS:
@@ -74,14 +81,24 @@ class FaultSpec:
             raise ConfigError(f'fault action must be kill, hang or raise; got "{self.action}" for {self.point}')
         if self.iteration < 0 or self.rank < 0:
             raise ConfigError(f"fault {self.point}: iteration and rank must be >= 0, got {self.iteration}, {self.rank}")
+        if self.bucket is not None and (self.point not in BUCKET_POINTS or self.bucket < 0):
+            raise ConfigError(f"fault {self.point}: option bucket=B (B >= 0) is for the points "
+                              f"{', '.join(BUCKET_POINTS)}; got bucket={self.bucket}. Fix: remove it")
+
+    @property
+    def fires_at_bucket(self) -> int | None:
+        """The bucket a point of :data:`BUCKET_POINTS` fires before (None for the other points)."""
+        return self.bucket if self.bucket is not None else BUCKET_POINTS.get(self.point)
 
     @property
     def label(self) -> str:
-        return f"{self.point}@{self.iteration}:{self.action}:rank={self.rank}"
+        bucket = "" if self.bucket is None else f":bucket={self.bucket}"
+        return f"{self.point}@{self.iteration}:{self.action}:rank={self.rank}{bucket}"
 
 
 def parse_fault_specs(text: str | list[str] | tuple[str, ...]) -> tuple[FaultSpec, ...]:
-    """``"actor.update@2,actor.generate@1:hang:rank=1"`` → specs. Raises :class:`ConfigError` naming the bad one."""
+    """``"actor.update@2,actor.generate@1:hang:rank=1,rollout.load_weights@1:raise:bucket=2"`` → specs. Raises
+    :class:`ConfigError` naming the bad one."""
     items = text.split(",") if isinstance(text, str) else list(text)
     specs = []
     for raw in (item.strip() for item in items):
@@ -89,18 +106,24 @@ def parse_fault_specs(text: str | list[str] | tuple[str, ...]) -> tuple[FaultSpe
             continue
         match = _SPEC.match(raw)
         if match is None:
-            raise ConfigError(f'fault "{raw}" is not of the form POINT@ITERATION[:kill|:hang|:raise][:rank=R] '
-                              f'(e.g. "actor.update@2:kill"); points: {", ".join(FAULT_POINTS)}')
+            raise ConfigError(f'fault "{raw}" is not of the form POINT@ITERATION[:kill|:hang|:raise][:rank=R]'
+                              f'[:bucket=B] (e.g. "actor.update@2:kill"); points: {", ".join(FAULT_POINTS)}')
         action: str = "kill"
         rank = 0
+        bucket: int | None = None
         for option in filter(None, match["options"].split(":")):
-            if option.startswith("rank="):
-                rank = int(option.removeprefix("rank="))
+            key, _, value = option.partition("=")
+            if key in ("rank", "bucket") and not value.isdigit():
+                raise ConfigError(f'fault "{raw}": option {key}= takes a number >= 0, got "{value}"')
+            if key == "rank":
+                rank = int(value)
+            elif key == "bucket":
+                bucket = int(value)
             else:
                 action = option
         # FaultSpec.__post_init__ rejects an unknown action with the valid ones
         specs.append(FaultSpec(point=match["point"], iteration=int(match["iteration"]), action=cast(Action, action),
-                               rank=rank))
+                               rank=rank, bucket=bucket))
     return tuple(specs)
 
 
@@ -125,21 +148,24 @@ class FaultPlan:
         return bool(self.specs)
 
     def to_json(self) -> str:
-        return json.dumps({"specs": [[s.point, s.iteration, s.action, s.rank] for s in self.specs],
+        return json.dumps({"specs": [[s.point, s.iteration, s.action, s.rank, s.bucket] for s in self.specs],
                            "marker_dir": self.marker_dir, "hang_seconds": self.hang_seconds})
 
     @classmethod
     def from_json(cls, text: str) -> FaultPlan:
         data = json.loads(text)
-        specs = tuple(FaultSpec(point=p, iteration=i, action=a, rank=r) for p, i, a, r in data["specs"])
+        specs = tuple(FaultSpec(point=p, iteration=i, action=a, rank=r, bucket=b) for p, i, a, r, b in data["specs"])
         return cls(specs=specs, marker_dir=data["marker_dir"], hang_seconds=float(data["hang_seconds"]))
 
-    def due(self, point: str, *, iteration: int, rank: int | None = None) -> FaultSpec | None:
-        """The spec firing now at ``point`` (not fired before), else None."""
+    def due(self, point: str, *, iteration: int, rank: int | None = None, bucket: int | None = None
+            ) -> FaultSpec | None:
+        """The spec firing now at ``point`` (not fired before; ``bucket``: before loading that bucket), else None."""
         for spec in self.specs:
             if spec.point != point or spec.iteration != iteration:
                 continue
             if rank is not None and spec.rank != rank:
+                continue
+            if bucket is not None and spec.fires_at_bucket != bucket:
                 continue
             if not self._marker(spec).exists():
                 return spec
@@ -150,7 +176,8 @@ class FaultPlan:
         return [spec.label for spec in self.specs if self._marker(spec).exists()]
 
     def _marker(self, spec: FaultSpec) -> Path:
-        return Path(self.marker_dir) / f"{spec.point}@{spec.iteration}.{spec.action}.rank{spec.rank}.fired"
+        bucket = "" if spec.bucket is None else f".bucket{spec.bucket}"
+        return Path(self.marker_dir) / f"{spec.point}@{spec.iteration}.{spec.action}.rank{spec.rank}{bucket}.fired"
 
     def mark(self, spec: FaultSpec) -> None:
         marker = self._marker(spec)
@@ -161,9 +188,10 @@ class FaultPlan:
             os.fsync(handle.fileno())
 
 
-def maybe_fail(point: str, *, iteration: int | None, plan: FaultPlan, rank: int | None = None) -> FaultSpec | None:
-    """Fire ``point`` if ``plan`` has a fault due there: ``kill`` exits this process at once, ``hang`` sleeps,
-    ``raise`` raises.
+def maybe_fail(point: str, *, iteration: int | None, plan: FaultPlan, rank: int | None = None,
+               bucket: int | None = None) -> FaultSpec | None:
+    """Fire ``point`` if ``plan`` has a fault due there (``bucket``: the bucket about to be loaded, for the points
+    of :data:`BUCKET_POINTS`): ``kill`` exits this process at once, ``hang`` sleeps, ``raise`` raises.
 
     ``plan`` is its owner's (a worker role's, from its spec; the supervisor's, in the driver): there is no
     process-wide plan, so two runs in one process never fire each other's faults. Returns the spec only for driver
@@ -171,7 +199,7 @@ def maybe_fail(point: str, *, iteration: int | None, plan: FaultPlan, rank: int 
     """
     if not plan.active or iteration is None:
         return None
-    spec = plan.due(point, iteration=iteration, rank=rank)
+    spec = plan.due(point, iteration=iteration, rank=rank, bucket=bucket)
     if spec is None:
         return None
     plan.mark(spec)

@@ -73,6 +73,10 @@ class AsyncRollout:
         self.max_staleness = config.trainer.max_staleness
         self.total_steps = config.trainer.total_steps
         self.timeout_s = config.trainer.deadline_s
+        #: per-node deadlines of the rollout pool's calls (reliability.deadlines["rollout.generate"], ...), counted
+        #: from dispatch: a generation queued ahead waits inside its deadline
+        self.deadlines = {node: float(seconds) for node, seconds in config.reliability.deadlines.items()
+                          if node.startswith("rollout.")}
         self.bucket_bytes = config.rollout.weight_sync_bucket_bytes
         self.weight_sync = config.rollout.weight_sync
         self._rendezvous: Any = None  # the collective sync group's store (built at the first collective sync)
@@ -394,12 +398,12 @@ class AsyncRollout:
         if self.weight_sync == "collective":  # the actor's rank 0 broadcasts, the rollout ranks receive
             group = self._sync_group()
             export = actor.broadcast_generation_weights.submit(group, self.bucket_bytes)
-            load = self.group.rollout.receive_weights(group, version)
+            load = self._rollout_call("receive_weights")(group, version)
         else:  # the rollout worker fetches the export from the actor's output in the object store
             export = actor.export_generation_weights.submit(self.bucket_bytes)
             if self._mailbox is not None:  # a generation in flight may load it between two segments
                 self._mailbox.post.remote(version, [export.output_ref(0)])
-            load = self.group.rollout.load_weights(WeightsRef(export.output_ref(0)), version)
+            load = self._rollout_call("load_weights")(WeightsRef(export.output_ref(0)), version)
         self._syncs.append((version, export, load))
         self._stats["async/weight_sync_driver_s"] += time.perf_counter() - started
         self.synced_version = version
@@ -416,14 +420,22 @@ class AsyncRollout:
                                               backend="nccl" if cuda else "gloo", timeout_s=self.timeout_s)
         return self._rendezvous.spec()
 
+    def _rollout_call(self, method: str) -> Any:
+        """The rollout pool's ``method``, with its ``reliability.deadlines["rollout.<method>"]`` when one is set
+        (else the pool's deadline, ``trainer.deadline_s``)."""
+        bound = getattr(self.group.rollout, method)
+        deadline = self.deadlines.get(f"rollout.{method}")
+        return bound if deadline is None else bound.with_deadline(deadline)
+
     def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
         assert self.synced_version is not None
         tagged = prompts.with_meta(iteration=iteration, policy_version=self.synced_version)
         source: Any  # one call, or one per chunk (streamed; queued in order, so the first is done first)
+        generate = self._rollout_call("generate")
         if self.chunks > 1:
-            source = [self.group.rollout.generate(part) for part in split_prompt_chunks(tagged, self.chunks)]
+            source = [generate(part) for part in split_prompt_chunks(tagged, self.chunks)]
         else:
-            source = self.group.rollout.generate(tagged)
+            source = generate(tagged)
         entry = PendingRollout(iteration=iteration, prompts=prompts, version=self.synced_version, source=source)
         if queue:
             self.pending.append(entry)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -163,13 +164,25 @@ class RolloutWorker(Worker):
         if expected_version is not None and int(version) != int(expected_version):
             raise VersionMismatchError(f"the actor exported weights of version {version}; the rollout pool expects "
                                        f"version {expected_version} (did the update before the export fail?)")
-        self.rollout.update_weights(unpack_weight_buckets(buckets), version=int(version))
+        self.synced = False  # until every bucket is in: a load failing part way leaves no weights to generate with
+        self.rollout.update_weights(self._bucket_stream(buckets, int(version)), version=int(version))
         nbytes = sum(bucket.nbytes for bucket in buckets)
         self.bytes_received += nbytes
         self.synced = True
         return {"version": float(version), "bytes": float(nbytes), "buckets": float(len(buckets)),
                 "peak_bucket_bytes": float(max((bucket.nbytes for bucket in buckets), default=0)),
                 "wait_s": waited, "load_s": time.perf_counter() - started - waited}
+
+    def _bucket_stream(self, buckets: list[WeightBucket], version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buckets' named tensors, streamed; the ``rollout.load_weights`` fault point between two buckets."""
+        for index, bucket in enumerate(buckets):
+            self._before_bucket(index, version)
+            yield from unpack_weight_buckets([bucket])
+
+    def _before_bucket(self, index: int, version: int) -> None:
+        """Buckets 0..index-1 of the weights of ``version`` are in the engine, bucket ``index`` not yet."""
+        if self.faults.active:
+            maybe_fail("rollout.load_weights", iteration=version, rank=self.rank, bucket=index, plan=self.faults)
 
     def _loaded_ahead(self, exported: WeightsRef, expected_version: int) -> dict[str, float] | None:
         """The report of a queued load that a partial rollout made already (this very export, loaded between two
@@ -215,7 +228,9 @@ class RolloutWorker(Worker):
         stream them into the engine bucket by bucket; every bucket's version tag must be ``expected_version``
         (:class:`VersionMismatchError` otherwise, nothing loaded). Returns what :meth:`load_weights` does, plus the
         largest bucket's bytes."""
-        receiver = WeightReceiver(group, 1 + self.rank, expected_version=expected_version)
+        receiver = WeightReceiver(group, 1 + self.rank, expected_version=expected_version,
+                                  before_bucket=lambda index: self._before_bucket(index, int(expected_version)))
+        self.synced = False  # until every bucket is in (a sync failing part way leaves no weights to generate with)
         try:
             self.rollout.update_weights(receiver.named_tensors(), version=int(expected_version))
         finally:
@@ -237,9 +252,10 @@ class RolloutWorker(Worker):
         behind = expected is not None and (int(expected) > held if self.segment_tokens is not None
                                            else int(expected) != held)
         if not self.synced or behind:
-            raise VersionMismatchError(
-                f"rollout worker asked to generate at policy_version {expected} but holds weights version "
-                f"{self.rollout.weights_version if self.synced else 'none (never synced)'}; sync the weights first")
+            held_text = (f"weights version {held}" if self.synced else
+                         "no complete weights (never synced, or its last load failed part way)")
+            raise VersionMismatchError(f"rollout worker asked to generate at policy_version {expected} but holds "
+                                       f"{held_text}; sync the weights first")
         sampling = self.spec.sampling
         assert sampling is not None
         if not self._seeded:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -143,10 +143,19 @@ def _key(spec: SyncGroupSpec, rank: int) -> tuple[str, int, int, int]:
     return spec.host, spec.port, spec.epoch, rank
 
 
+#: the (host, port, epoch, rank) members whose sync failed in this process: their group is out of step for good
+_FAILED: set[tuple[str, int, int, int]] = set()
+
+
 def _group(spec: SyncGroupSpec, rank: int) -> Any:
     """This process's member of ``spec``'s group at ``rank`` (built on first use; blocks until every member joins,
-    at most ``spec.timeout_s``)."""
+    at most ``spec.timeout_s``). A member whose sync failed is not built again for the same epoch: its peers are
+    out of step (or dead, and rebuilding would wait the whole timeout for them), so the call fails at once."""
     key = _key(spec, rank)
+    if key in _FAILED:
+        raise EngineError(f"the weight sync group of epoch {spec.epoch} failed in this process (rank {rank}) and its "
+                          "members are out of step; expected a sync on a fresh epoch. The driver moves to one when "
+                          "the failed step is retried (AsyncRollout.reset)")
     if key not in _GROUPS:
         for old in [old for old in _GROUPS if old[3] == rank]:  # an older epoch's member is abandoned
             del _GROUPS[old]
@@ -165,7 +174,9 @@ def _group(spec: SyncGroupSpec, rank: int) -> Any:
 
 
 def _drop(spec: SyncGroupSpec, rank: int) -> None:
+    """Forget a member whose sync failed, and refuse its epoch from now on in this process."""
     _GROUPS.pop(_key(spec, rank), None)
+    _FAILED.add(_key(spec, rank))
 
 
 _HEADER = 4  # int64: policy version, bucket index (-1: the end), payload bytes, layout bytes
@@ -178,12 +189,15 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
 def broadcast_weights(spec: SyncGroupSpec, weights: Iterable[tuple[str, torch.Tensor]], *, version: int,
                       bucket_bytes: int) -> dict[str, float]:
     """Send ``weights`` (a stream) as the root of ``spec``'s group, bucket by bucket, each tagged with ``version``.
-    Returns bytes, buckets, the largest bucket's bytes and the seconds taken (waiting for the receivers included)."""
+    Returns bytes, buckets, the largest bucket's bytes and the seconds taken (waiting for the receivers included).
+    When the group fails (a receiver died, or hung past the timeout) the stream is read to its end before the error
+    is raised: producing it may be a collective of the sender's own group."""
     started = time.perf_counter()
-    group = _group(spec, 0)
+    stream = iter(weights)
     sent = buckets = peak = 0
     try:
-        for index, bucket in enumerate(iter_weight_buckets(weights, bucket_bytes=bucket_bytes, device=spec.device)):
+        group = _group(spec, 0)
+        for index, bucket in enumerate(iter_weight_buckets(stream, bucket_bytes=bucket_bytes, device=spec.device)):
             layout = json.dumps({"dtype": str(bucket.buffer.dtype).removeprefix("torch."),
                                  "entries": [[name, list(shape)] for name, _, shape, _, _ in bucket.entries]})
             encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8).to(spec.device)
@@ -194,6 +208,10 @@ def broadcast_weights(spec: SyncGroupSpec, weights: Iterable[tuple[str, torch.Te
         _broadcast(group, torch.tensor([version, -1, 0, 0], device=spec.device))
     except BaseException:
         _drop(spec, 0)  # a half-done sync leaves the group out of step: the next epoch builds a new one
+        # a receiver died or hung: the rest of the stream is still read, since producing it may be a collective of
+        # the actor's ranks (the FSDP gather), which must not be left blocked in it while this rank moves on
+        for _ in stream:
+            pass
         raise
     return {"bytes": float(sent), "buckets": float(buckets), "peak_bucket_bytes": float(peak),
             "send_s": time.perf_counter() - started}
@@ -204,8 +222,10 @@ class WeightReceiver:
     into the bucket just received), checking each bucket's version tag against ``expected_version``; :meth:`drain`
     receives whatever the root still sends (after a mismatch, or when the loader stopped early)."""
 
-    def __init__(self, spec: SyncGroupSpec, rank: int, *, expected_version: int) -> None:
+    def __init__(self, spec: SyncGroupSpec, rank: int, *, expected_version: int,
+                 before_bucket: Callable[[int], None] | None = None) -> None:
         self.spec, self.expected_version = spec, int(expected_version)
+        self.before_bucket = before_bucket  # called with a bucket's index once received, before its tensors yield
         self.rank = rank
         self.group = _group(spec, rank)
         self.bytes = self.buckets = self.peak_bucket_bytes = 0
@@ -250,6 +270,8 @@ class WeightReceiver:
                 self.drain()
                 raise EngineError(f"weight sync bucket {index} arrived, bucket {expected_index} was expected")
             expected_index += 1
+            if self.before_bucket is not None:
+                self.before_bucket(index)
             dtype = getattr(torch, layout["dtype"], None)
             if not isinstance(dtype, torch.dtype):
                 raise EngineError(f"weight sync bucket of unknown dtype {layout['dtype']!r}")
