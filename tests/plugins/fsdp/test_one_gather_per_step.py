@@ -8,15 +8,13 @@ same rollouts and the same weights bit for bit, and generation holds every weigh
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
+from hybridflow.testing.collectives import CollectiveCounter, gathered_bytes
 from hybridflow.testing.contracts.rollout import build_prompt_batch
 from hybridflow.testing.contracts.spawn import run_rank_groups
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
@@ -24,66 +22,6 @@ from hybridflow.testing.fixtures import EOS_ID, PAD_ID, tiny_model_config
 
 SAMPLING = SamplingParams(n=2, max_new_tokens=6, seed=5)
 STEPS = 3
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _received_bytes(name: str, args: list[Any]) -> int:
-    """Bytes this rank receives in one call of collective ``name`` (positional arguments in signature order; 2 ranks:
-    all-gather = output − input, reduce-scatter = input − output, all-reduce = the tensor, point-to-point = the irecv
-    buffers)."""
-    if name in ("all_gather_single", "all_gather_into_tensor"):
-        return _nbytes(args[0]) - _nbytes(args[1])
-    if name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        return _nbytes(args[1]) - _nbytes(args[0])
-    if name == "all_gather":
-        return sum(_nbytes(t) for t in args[0]) - _nbytes(args[1])
-    if name in ("all_reduce", "broadcast"):
-        return _nbytes(args[0])
-    if name == "batch_isend_irecv":
-        return sum(_nbytes(op.tensor) for op in args[0] if op.op.__name__ == "irecv")
-    return 0  # all_gather_object: pickled Python values (a row count), counted by calls only
-
-
-class CollectiveCounter:
-    """Wraps the ``torch.distributed`` functions FSDP2, the reshard executor and the engine call; ``phase`` labels
-    what is counted (calls and received bytes per collective name), nested calls (all_gather_object's all_gather)
-    count once."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-             "all_gather", "all_reduce", "broadcast", "batch_isend_irecv", "all_gather_object")
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.phase = "other"
-        self.counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-        self._depth = 0
-        for name in self.NAMES:
-            setattr(dist, name, self._wrap(name, getattr(dist, name)))
-
-    def _wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(function)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._depth == 0:
-                entry = self.counts[self.phase][name]
-                entry[0] += 1
-                entry[1] += _received_bytes(name, list(signature.bind(*args, **kwargs).arguments.values()))
-            self._depth += 1
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def take(self) -> dict[str, dict[str, tuple[int, int]]]:
-        out = {phase: {name: (c[0], c[1]) for name, c in names.items()} for phase, names in self.counts.items()}
-        self.counts.clear()
-        return out
 
 
 def _step_rank(rank: int, world_size: int, out_file: str) -> None:
@@ -125,16 +63,10 @@ def _step_rank(rank: int, world_size: int, out_file: str) -> None:
         weights = {name: tensor.clone() for name, tensor in actor.generation_weights()}
         results[f"unshard={unshard}"] = {
             "steps": steps, "rollouts": rollouts, "generation_bytes": generation_bytes, "parked": parked,
-            "weights": weights, "model_bytes": sum(_nbytes(t) for t in weights.values()),
+            "weights": weights, "model_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
             "unshard_handover": actor.unshard_handover,
         }
     torch.save(results, f"{out_file}.{rank}")
-
-
-def _gathered(counts: dict[str, dict[str, tuple[int, int]]], phase: str) -> int:
-    """Bytes received by all-gathers in ``phase`` (FSDP's and the executor's)."""
-    names = ("all_gather_single", "all_gather_into_tensor", "all_gather", "batch_isend_irecv")
-    return sum(counts.get(phase, {}).get(name, (0, 0))[1] for name in names)
 
 
 def test_two_rank_step_gathers_the_weights_once(tmp_path: Path) -> None:
@@ -150,13 +82,14 @@ def test_two_rank_step_gathers_the_weights_once(tmp_path: Path) -> None:
             counts, stats = now["counts"], now["stats"]
             # the handover: FSDP's all-gather of the other rank's half, = the planner's lower bound
             assert stats.via == "fsdp_all_gather" and stats.bytes_received == stats.lower_bound_bytes == half, stats
-            assert _gathered(counts, "handover") == half, counts
+            assert gathered_bytes(counts, "handover") == half, counts
             # the update (and a log-prob pass) reuse the gathered weights: no second all-gather in the step
-            assert _gathered(counts, "update") == 0 and _gathered(counts, "log_probs") == 0, (step, counts)
+            assert gathered_bytes(counts, "update") == 0 and gathered_bytes(counts, "log_probs") == 0, (step, counts)
             assert counts["update"]["reduce_scatter_single"] == (1, half), counts
             # the path before: the executor gathers in the handover, FSDP again in the update
-            assert before["stats"].via == "executor" and _gathered(before["counts"], "handover") == half
-            assert _gathered(before["counts"], "update") + _gathered(before["counts"], "log_probs") == half, before
+            assert before["stats"].via == "executor" and gathered_bytes(before["counts"], "handover") == half
+            again = gathered_bytes(before["counts"], "update") + gathered_bytes(before["counts"], "log_probs")
+            assert again == half, before
         # generation holds every weight once: FSDP's gathered weights, bound by the rollout engine, the shards parked
         assert new["generation_bytes"] == [model_bytes] * STEPS, (new["generation_bytes"], model_bytes)
         assert new["parked"] == [half] * STEPS, new["parked"]
