@@ -65,7 +65,8 @@ class HandoverStats:
     ``bytes_received`` is computed (full tensor − own shard per parameter), ``peak_gathered_bytes`` the largest full
     tensor alive at once. ``via``: what moved the bytes of a ``reshard``: ``"executor"`` (the planner's executor) or
     ``"fsdp_all_gather"`` (:func:`unshard_generation_weights`: FSDP's own all-gather, bytes counted from its buffers,
-    0 when the unit was already gathered; every generation weight a view of FSDP's unsharded parameters).
+    0 when the unit was already gathered; every generation weight a view of FSDP's unsharded parameters;
+    ``peak_gathered_bytes`` its shards + its flat all-gather buffer, alive with the gathered weights at its peak).
     """
 
     rank: int
@@ -302,7 +303,10 @@ def unshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
     total = sum(_nbytes(tensor) for tensor in weights.values())
     engine.last_handover_stats = HandoverStats(
         rank=engine.rank, world_size=engine.world_size, parameters=len(weights), bytes_total=total,
-        bytes_local=shard_bytes, bytes_received=received, peak_gathered_bytes=0 if gathered else output_bytes,
+        bytes_local=shard_bytes, bytes_received=received,
+        # as the executor's: live bytes at the high-water mark (the shards, FSDP's flat all-gather buffer and the
+        # gathered parameters it copies out into) minus the larger footprint (the gathered parameters)
+        peak_gathered_bytes=0 if gathered else shard_bytes + output_bytes,
         seconds=time.perf_counter() - started, path="reshard",
         bytes_sent=0 if gathered else shard_bytes * (engine.world_size - 1), lower_bound_bytes=lower_bound,
         aliased_bytes=total, parked_bytes=0 if parking is None else parking.parked_bytes, via="fsdp_all_gather",
