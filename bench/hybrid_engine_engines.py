@@ -42,7 +42,7 @@ _HANDOVER_TRANSIENT = (
 _FSDP_ONE_UNIT = (
     "at tg = 1 the handover of the one-unit FSDP actor is FSDP's own all-gather (the update's forward then reuses the "
     "gathered weights instead of all-gathering again: one all-gather a step instead of two, docs/fsdp.md), whose "
-    "transient is FSDP's: its shards + its flat all-gather buffer + the gathered parameters, 2.5 M — the peak the "
+    "transient is FSDP's: its shards + its flat all-gather buffer + the gathered parameters, M/d + 2 M — the peak the "
     "update's forward reached with the planner's handover too; while generating every weight is held once (M)")
 KNOWN_MISSES: dict[str, str] = {
     "megatron p=2 t=2 d=1 -> pg=1 tg=4": _HANDOVER_TRANSIENT,
