@@ -80,6 +80,12 @@ def peak_rss_bytes(pid: int | None = None) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has run (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # --- one run of each system (in a fresh subprocess) -----------------------------------------------------------
 def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[str, Any]:
     import torch
@@ -113,11 +119,14 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
     started = time.perf_counter()
     trainer.start()
     startup_s = time.perf_counter() - started
-    ends, tokens, rewards = [time.perf_counter()], [], []
+    assert trainer.groups is not None
+    pids = [pid for group in trainer.groups.by_pool.values() for pid in (group.local_process_ids() or {}).values()]
+    ends, tokens, rewards, cpu = [time.perf_counter()], [], [], [[cpu_seconds(pid) for pid in pids]]
     try:
         for _ in range(args.steps):
             metrics = trainer.train_step()
             ends.append(time.perf_counter())
+            cpu.append([cpu_seconds(pid) for pid in pids])
             tokens.append(metrics["tokens/prompt_and_response"])
             rewards.append(metrics["reward/mean"])
         assert trainer.groups is not None
@@ -130,6 +139,9 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
             shutil.rmtree(run_dir, ignore_errors=True)
     return {"system": "hybridflow" if engine == "fsdp" else engine, "startup_s": startup_s,
             "step_s": [b - a for a, b in itertools.pairwise(ends)],
+            # process CPU seconds (user + system) of each worker per step: robust to load, unlike wall time
+            "worker_cpu_s": [[b - a for a, b in zip(before, after)] for before, after in itertools.pairwise(cpu)],
+            "run_dir": run_dir if args.keep_run_dirs else None,
             "tokens": tokens, "rewards": rewards,
             "peak_rss_bytes": {"driver": peak_rss_bytes(), "workers": workers},
             "config": {"workers": args.workers, "threads_per_worker": args.threads, "size": args.size,
@@ -211,8 +223,14 @@ def summarize_run(run: dict[str, Any], warmup: int) -> dict[str, Any]:
     steps = run["step_s"][warmup:] or run["step_s"]
     tokens = run["tokens"][warmup:] or run["tokens"]
     rates = [t / s for t, s in zip(tokens, steps)]
-    return {"step_s_median": statistics.median(steps), "prompt_response_tokens_per_s": statistics.median(rates),
-            "tokens_per_step_median": statistics.median(tokens)}
+    summary = {"step_s_median": statistics.median(steps), "prompt_response_tokens_per_s": statistics.median(rates),
+               "tokens_per_step_median": statistics.median(tokens)}
+    cpu = run.get("worker_cpu_s")
+    if cpu:  # hybridflow: each worker's median CPU seconds per step
+        kept = cpu[warmup:] or cpu
+        summary["worker_cpu_s_per_step_median"] = [round(statistics.median(step[w] for step in kept), 4)
+                                                   for w in range(len(kept[0]))]
+    return summary
 
 
 def launch(system: str, args: argparse.Namespace) -> dict[str, Any] | str:
@@ -355,6 +373,11 @@ def main() -> None:
         result[f"{key}reward_per_step"] = median_trajectory(system_runs)
         result[f"{key}startup_s_median"] = statistics.median(r["startup_s"] for r in system_runs)
         result[f"{key}config"] = system_runs[0]["config"]
+        if "worker_cpu_s_per_step_median" in system_runs[0]["summary"]:
+            result[f"{key}worker_cpu_s_per_step_per_run"] = [r["summary"]["worker_cpu_s_per_step_median"]
+                                                             for r in system_runs]
+        if system_runs[0].get("run_dir"):
+            result[f"{key}run_dirs"] = [r["run_dir"] for r in system_runs]
     if runs.get("hybridflow") and runs.get("deepspeed"):
         result["deepspeed_ratio_vs_fsdp"] = (result["deepspeed_prompt_response_tokens_per_s"]
                                              / result["prompt_response_tokens_per_s"])

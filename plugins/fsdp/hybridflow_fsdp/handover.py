@@ -14,6 +14,11 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   rank holds its weights once (M/(tg·pg) plus what its micro-DP group sent). :func:`restore_training_shards` (the
   engine's ``end_generation()``) gives each FSDP shard its storage back from that generation shard, parameter by
   parameter, bit for bit; a forward or a state_dict call on the model does it first too.
+  At tg = 1, when the engine is one FSDP unit that keeps its weights gathered from its forward into its backward
+  (the trainable fp32 actor without LoRA: ``engine.unshard_handover``), the handover instead *is* FSDP's own
+  all-gather (:func:`unshard_generation_weights`): generation binds views of FSDP's unsharded parameters, and the
+  update's forward that follows finds them gathered and does not gather again — one all-gather of the weights per
+  step instead of two, the same bytes on the wire as the planner's (the lower bound, Shard(0) without padding).
 - ``"stream"`` (tg = 1 only): one ``DTensor.full_tensor`` per parameter, so only one gathered parameter is alive at a
   time; bytes received are computed as the payload each rank lacked (full − shard), not counted from buffers.
 
@@ -27,7 +32,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HandoverStats", "generation_parameters", "stream_generation_weights", "reshard_generation_weights",
            "handover_plan", "fsdp_shard_dims", "restore_training_shards", "parked_bytes", "TARGETS", "PATHS",
-           "DEFAULT_PATH"]
+           "DEFAULT_PATH", "unshard_generation_weights", "unshard_handover_unsupported_reason", "fsdp_params"]
 
 TARGETS = ("hf",)
 PATHS = ("reshard", "stream")
@@ -58,7 +63,10 @@ class HandoverStats:
     the executor's memory high-water mark above max(source, target) footprint, ``parked_bytes`` the FSDP storage
     released while generating (``park=True``: those shards live on in their generation shards). ``path="stream"``:
     ``bytes_received`` is computed (full tensor − own shard per parameter), ``peak_gathered_bytes`` the largest full
-    tensor alive at once.
+    tensor alive at once. ``via``: what moved the bytes of a ``reshard``: ``"executor"`` (the planner's executor) or
+    ``"fsdp_all_gather"`` (:func:`unshard_generation_weights`: FSDP's own all-gather, bytes counted from its buffers,
+    0 when the unit was already gathered; every generation weight a view of FSDP's unsharded parameters;
+    ``peak_gathered_bytes`` its shards + its flat all-gather buffer, alive with the gathered weights at its peak).
     """
 
     rank: int
@@ -75,6 +83,7 @@ class HandoverStats:
     aliased_bytes: int = 0
     tensor_parallel_size: int = 1
     parked_bytes: int = 0
+    via: str = "executor"
 
 
 def _base_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
@@ -206,8 +215,108 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
         yield name, shards.pop(name)
 
 
+def fsdp_params(engine: FSDPTrainingEngine) -> list[Any]:
+    """FSDP2's per-parameter states (``FSDPParam``) of the engine's FSDP units: torch's private ``fully_shard``
+    internals, which :func:`unshard_handover_unsupported_reason` checks before the unshard handover relies on them."""
+    state = engine.model._get_fsdp_state()  # type: ignore[operator]
+    return [param for group in state._fsdp_param_groups for param in group.fsdp_params]
+
+
+def unshard_handover_unsupported_reason(engine: FSDPTrainingEngine) -> str | None:
+    """Why FSDP's own all-gather cannot be the handover of this engine (None: it can): it needs one FSDP unit, every
+    parameter sharded along dim 0 in its own padded storage (what :class:`_ShardParking` releases and restores)."""
+    from torch.distributed.tensor import Shard
+
+    if not hasattr(engine.model, "_get_fsdp_state"):
+        return "the model is not sharded by FSDP2"
+    state = engine.model._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None or len(groups) != 1:
+        return f"it needs exactly one FSDP unit, the model has {0 if groups is None else len(groups)}"
+    for param in fsdp_params(engine):
+        data = getattr(param, "_sharded_param_data", None)
+        placement = getattr(param, "fsdp_placement", None)
+        if not isinstance(data, torch.Tensor) or not isinstance(placement, Shard) or placement.dim != 0:
+            return f"parameter {getattr(param, '_param_fqn', '?')} is not sharded along dim 0 in a flat buffer"
+        if data.storage_offset() != 0 or data.untyped_storage().nbytes() != _nbytes(data):
+            return f"parameter {getattr(param, '_param_fqn', '?')} shares its shard's storage"
+    return None
+
+
+class _ShardParking:
+    """The FSDP shards of a one-unit engine, released while generation reads the weights FSDP gathered: rank r's
+    padded shard of each parameter is row r of FSDP's all-gather output, from which :meth:`restore` copies it back
+    (bit for bit, padding included) as long as the unit stays gathered — :func:`restore_training_shards` runs before
+    anything reshards it (``engine._ensure_sharded``) or reads the shards (a forward, a state_dict)."""
+
+    def __init__(self, params: list[Any], *, rank: int, world_size: int) -> None:
+        self._params = params
+        self._rank, self._world_size = rank, world_size
+        self._sizes: list[int] = [int(param._sharded_param_data.untyped_storage().nbytes()) for param in params]
+        for param in params:
+            param._sharded_param_data.untyped_storage().resize_(0)
+        self.parked_bytes: int = sum(self._sizes)
+
+    def restore(self) -> int:
+        with torch.no_grad():
+            for param, size in zip(self._params, self._sizes, strict=True):
+                data = param._sharded_param_data
+                data.untyped_storage().resize_(size)
+                data.copy_(param.all_gather_outputs[0].view(self._world_size, -1)[self._rank])
+        restored, self.parked_bytes = self.parked_bytes, 0
+        return restored
+
+
+def unshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf",
+                               park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf name, full tensor)`` for every parameter at tg = 1, gathered by FSDP's own all-gather
+    (``FSDPModule.unshard``; nothing moves when a no-grad forward left the unit gathered): each tensor is a view of
+    FSDP's unsharded parameter, which the next forward (the update's) uses without gathering again, as FSDP keeps a
+    one-unit trainable model gathered (``reshard_after_forward=False``). The views stay valid until the unit is
+    resharded (after the next update's last backward, a checkpoint, an export); the consumer must not write into
+    them. With ``park`` the FSDP shards give their storage up while generating (the weights are held once) and
+    :func:`restore_training_shards` copies them back from the gathered weights. A collective: every rank must
+    consume the whole iterator. ``last_handover_stats``: ``path="reshard"``, ``via="fsdp_all_gather"``, bytes
+    received counted from FSDP's buffers next to the planner's lower bound (0 and 0 when nothing moved)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if target not in TARGETS:
+        raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
+    restore_training_shards(engine)  # a previous handover's parked shards come home before anything reads them
+    started = time.perf_counter()
+    engine.last_handover_stats = None
+    params = fsdp_params(engine)
+    groups = engine.model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    gathered = all(group.is_unsharded for group in groups)
+    shard_bytes = sum(_nbytes(param._sharded_param_data) for param in params)
+    with torch.no_grad():
+        cast("FSDPModule", engine.model).unshard()
+    output_bytes = sum(_nbytes(param.all_gather_outputs[0]) for param in params)
+    received = 0 if gathered else output_bytes - shard_bytes
+    lower_bound = 0 if gathered else handover_plan(engine, tensor=1).lower_bound_bytes(engine.rank)
+    weights = {name: parameter.detach() for name, parameter in engine.model.named_parameters()}
+    parking = None
+    if park:
+        _install_restore_hooks(engine)
+        parking = _ShardParking(params, rank=engine.rank, world_size=engine.world_size)
+        _PARKED[engine] = parking
+    total = sum(_nbytes(tensor) for tensor in weights.values())
+    engine.last_handover_stats = HandoverStats(
+        rank=engine.rank, world_size=engine.world_size, parameters=len(weights), bytes_total=total,
+        bytes_local=shard_bytes, bytes_received=received,
+        # as the executor's: live bytes at the high-water mark (the shards, FSDP's flat all-gather buffer and the
+        # gathered parameters it copies out into) minus the larger footprint (the gathered parameters)
+        peak_gathered_bytes=0 if gathered else shard_bytes + output_bytes,
+        seconds=time.perf_counter() - started, path="reshard",
+        bytes_sent=0 if gathered else shard_bytes * (engine.world_size - 1), lower_bound_bytes=lower_bound,
+        aliased_bytes=total, parked_bytes=0 if parking is None else parking.parked_bytes, via="fsdp_all_gather",
+    )
+    for name in list(weights):
+        yield name, weights.pop(name)
+
+
 #: engine → its parked FSDP storages (absent: nothing parked)
-_PARKED: weakref.WeakKeyDictionary[Any, StorageParking] = weakref.WeakKeyDictionary()
+_PARKED: weakref.WeakKeyDictionary[Any, StorageParking | _ShardParking] = weakref.WeakKeyDictionary()
 _HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 

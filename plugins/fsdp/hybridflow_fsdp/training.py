@@ -119,6 +119,12 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                                  reshard_after_forward=not (self._one_unit and self.trainable))
                       if self.sharded else model)
         self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
+        # the tg = 1 handover of a one-unit trainable actor (fp32, no LoRA) is FSDP's own all-gather, whose gathered
+        # weights generation binds and the update's forward then uses: one all-gather a step instead of two
+        self.unshard_handover = (self._one_unit and self.trainable and role == "actor" and config.lora is None
+                                 and config.mixed_precision == "none"
+                                 and bool(config.extra.get("handover_unshard", True))
+                                 and handover.unshard_handover_unsupported_reason(self) is None)
         self.lean = None
         if lean_possible and (not self.sharded or self.fsdp_units == "model"):
             self.lean = build_lean_decoder(self.model)
@@ -177,6 +183,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         """Free the gathered weights a no-grad forward of the one-unit model left (they are gathered again by the
         next forward): what reads the parameters as shards (handover, checkpoints) must find shards."""
         if self._one_unit and self.trainable:
+            handover.restore_training_shards(self)  # shards parked in the gathered weights come home before those go
             cast("FSDPModule", self.model).reshard()
 
     def _inference_context(self) -> AbstractContextManager[Any]:
@@ -233,15 +240,22 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         rank must consume the whole iterator. Default path ``reshard`` (the planner; shards that coincide with the
         FSDP shard are views of it; ``park``: every other FSDP shard's storage is released once copied into its
         generation shard, until :meth:`end_generation`); ``extra.handover=stream`` gathers full tensors one by one
-        (tg = 1 only, never parks). Bytes are in ``last_handover_stats`` once it is exhausted."""
+        (tg = 1 only, never parks). At tg = 1 with ``park`` on a one-unit trainable actor (``unshard_handover``;
+        ``extra.handover_unshard=false`` turns it off) the handover is FSDP's own all-gather instead
+        (:func:`handover.unshard_generation_weights`): the tensors are views of FSDP's unsharded parameters, valid
+        until the unit is resharded (after the next update's backward), and the update does not gather again. Bytes
+        are in ``last_handover_stats`` once it is exhausted."""
         self._check_role("generation_weights", ("actor", "reference"))
-        self._ensure_sharded()
         path = self.config.extra.get("handover", handover.DEFAULT_PATH)
         if path not in handover.PATHS:
             raise ConfigError(f"actor.extra.handover must be one of {handover.PATHS}, got {path!r}")
         if self.world_size % tensor_parallel_size:
             raise ConfigError(f"generation tensor_parallel_size {tensor_parallel_size} must divide the fsdp engine's "
                               f"{self.world_size} ranks; pick one of the divisors of {self.world_size}")
+        if path == "reshard" and tensor_parallel_size == 1 and park and self.unshard_handover:
+            # FSDP's all-gather is the handover; the update's forward finds the weights gathered (not resharded here)
+            return handover.unshard_generation_weights(self, target=target, park=park)
+        self._ensure_sharded()
         if path == "stream":
             if tensor_parallel_size != 1:
                 raise ConfigError(f"actor.extra.handover=stream gathers full weights (tg = 1) but generation asks "
