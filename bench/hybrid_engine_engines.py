@@ -39,15 +39,8 @@ _HANDOVER_TRANSIENT = (
     "accounting; megatron's flat param buffer really goes only at the handover's end)")
 #: Layouts whose generation-phase peak exceeds M/(tg·pg) + one bucket, and why; the bench prints their measured
 #: ratio and fails when a miss is not listed here or a listed one stops missing.
-_FSDP_ONE_UNIT = (
-    "at tg = 1 the handover of the one-unit FSDP actor is FSDP's own all-gather (the update's forward then reuses the "
-    "gathered weights instead of all-gathering again: one all-gather a step instead of two, docs/fsdp.md), whose "
-    "transient is FSDP's: its shards + its flat all-gather buffer + the gathered parameters, M/d + 2 M — the peak the "
-    "update's forward reached with the planner's handover too; while generating every weight is held once (M)")
 KNOWN_MISSES: dict[str, str] = {
     "megatron p=2 t=2 d=1 -> pg=1 tg=4": _HANDOVER_TRANSIENT,
-    "fsdp d=2 -> pg=1 tg=1": _FSDP_ONE_UNIT,
-    "fsdp d=4 -> pg=1 tg=1": _FSDP_ONE_UNIT,
 }
 
 

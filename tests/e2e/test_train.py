@@ -53,12 +53,8 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
     # half of the fp32 weights it does not hold (77,184 parameters; FSDP pads dim-0 shards, so ≥ half)
     assert all(len(h["bytes_per_rank"]) == 2 and min(h["bytes_per_rank"]) >= 77_184 * 4 // 2 - 4096 for h in handovers)
     assert len({h["bytes"] for h in handovers}) == 1
-    # the default handover at tg = 1 is FSDP's own all-gather (the update then does not gather again), its bytes
-    # counted from FSDP's buffers: the lower bound plus FSDP's dim-0 padding, which here is one row of the 45-row
-    # vocabulary (46 rows over 2 ranks: one rank receives a padding row of 64 fp32 it does not need)
-    pad_row = 64 * 4
-    assert all(0 <= b - lb <= pad_row for h in handovers
-               for b, lb in zip(h["bytes_per_rank"], h["lower_bound_bytes_per_rank"], strict=True)), handovers[0]
+    # the default handover is the reshard planner's: bytes counted from the executor's buffers = the lower bound
+    assert all(h["bytes_per_rank"] == h["lower_bound_bytes_per_rank"] for h in handovers), handovers[0]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "generation_mesh"
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}

@@ -123,7 +123,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         # weights generation binds and the update's forward then uses: one all-gather a step instead of two
         self.unshard_handover = (self._one_unit and self.trainable and role == "actor" and config.lora is None
                                  and config.mixed_precision == "none"
-                                 and bool(config.extra.get("handover_unshard", True))
+                                 and bool(config.extra.get("handover_unshard", False))
                                  and handover.unshard_handover_unsupported_reason(self) is None)
         self.lean = None
         if lean_possible and (not self.sharded or self.fsdp_units == "model"):
