@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import statistics
@@ -39,30 +38,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import psutil
 import yaml
 
-from hybridflow.placement import Workload, build_cluster, model_from_hf_config
 from hybridflow.placement.autoparallel import LayoutPlanner
 from hybridflow.placement.calibration import compare_nodes, fit_efficiency, fit_efficiency_to_runs
 from hybridflow.placement.dataflow import Dataflow, Stage, get_dataflow
-from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
 from hybridflow.placement.profiles import Efficiency
-from hybridflow.placement.record import PlanInputs, PlanRecord, plan_inputs, retime_plan
+from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan
 from hybridflow.placement.search import Plan
-
-ROLES = ("actor", "critic", "reference", "reward")
-SLOTS = 4
-Placement = tuple[tuple[str, ...], ...]
-A, C, R, W = ROLES
-#: name → (sets, slots per set); every set's data-parallel size divides the 24 prompts and 96 rows
-PLACEMENTS: dict[str, tuple[Placement, tuple[int, ...]]] = {
-    "colocate": ((ROLES,), (4,)),
-    "standalone": (((A,), (C,), (R,), (W,)), (1, 1, 1, 1)),
-    "split-ar|cw": (((A, R), (C, W)), (2, 2)),
-    "split-a|crw": (((A,), (C, R, W)), (2, 2)),
-    "split-acr|w": (((A, C, R), (W,)), (3, 1)),
-    "split-a|cr|w": (((A,), (C, R), (W,)), (1, 1, 2)),
-    "split-aw|c|r": (((A, W), (C,), (R,)), (2, 1, 1)),
-}
-CALIBRATION = ("colocate", "standalone")
+from hybridflow.testing.placement_runs import (
+    CALIBRATION,
+    PLACEMENTS,
+    ROLES,
+    SLOTS,
+    Placement,
+    data_parallel_record,
+    kendall,
+    spearman,
+    tiny_ppo_inputs,
+)
 
 
 def serialised_ppo() -> Dataflow:
@@ -84,20 +76,8 @@ def serialised_ppo() -> Dataflow:
 def build_inputs(batch: int, samples: int, prompt_length: int, response_length: int,
                  cores: int | None = None) -> PlanInputs:
     """The bench's search inputs: four tiny Qwen2 models, 4 CPU slots sharing ``cores`` cores (the box's)."""
-    from hybridflow.testing.fixtures import tiny_model_config
-
-    model = model_from_hf_config({**tiny_model_config(), "torch_dtype": "float32"}, name="tiny-qwen2")
-    workload = Workload(prompts=batch, samples_per_prompt=samples, prompt_length=prompt_length,
-                        response_length=response_length, mini_batches=1, micro_batch_size=32)
-    cluster = replace(build_cluster("cpu", SLOTS, SLOTS), compute_units=cores or os.cpu_count() or SLOTS)
-    return plan_inputs("ppo", {r: model for r in ROLES}, cluster, workload)
-
-
-def data_parallel_record(placement: Placement, devices: tuple[int, ...]) -> PlanRecord:
-    parallel = {role: ParallelConfig(pipeline=1, tensor=1, data=n) for group, n in zip(placement, devices)
-                for role in group}
-    return PlanRecord(placement=placement, devices=devices, parallel=parallel,
-                      generation={"actor": GenerationConfig(pipeline=1, tensor=1)})
+    return tiny_ppo_inputs(cores=cores or os.cpu_count() or SLOTS, batch=batch, samples=samples,
+                           prompt_length=prompt_length, response_length=response_length)
 
 
 def name_of(placement: Placement, devices: tuple[int, ...]) -> str:
@@ -198,41 +178,6 @@ def load_measured(run_dir: Path) -> dict[str, Any]:
     saved = json.loads((run_dir / "measured.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "busy.jsonl").read_text().splitlines() if line.strip()]
     return {**saved, "rows": rows, "run_dir": run_dir}
-
-
-# --- ranking statistics ---------------------------------------------------------------------------------------
-def ranks(values: list[float]) -> list[float]:
-    """Ranks from 0; tied values share the mean of their ranks (two placements predicted equal are not ordered)."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for position in range(start, end + 1):
-            out[order[position]] = (start + end) / 2
-        start = end + 1
-    return out
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Pearson correlation of the (tie-averaged) ranks; 1 − 6Σd²/(n(n²−1)) when there are no ties."""
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    if n < 2:
-        return float("nan")
-    ma, mb = sum(ra) / n, sum(rb) / n
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var > 0 else float("nan")
-
-
-def kendall(a: list[float], b: list[float]) -> float:
-    pairs = list(itertools.combinations(range(len(a)), 2))
-    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
-        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
-    return score / len(pairs) if pairs else float("nan")
 
 
 def replay(dataflow: Dataflow, placement: Placement, rows: list[dict[str, Any]]) -> float:

@@ -11,45 +11,29 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from hybridflow.placement import Workload, build_cluster, model_from_hf_config
 from hybridflow.placement.autoparallel import LayoutPlanner
 from hybridflow.placement.calibration import controller_seconds, fit_efficiency_to_runs
 from hybridflow.placement.dataflow import get_dataflow
-from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
 from hybridflow.placement.profiles import Efficiency
-from hybridflow.placement.record import PlanInputs, PlanRecord, plan_inputs, retime_plan
-from hybridflow.placement.search import Placement, Plan, schedule_dataflow
-from hybridflow.testing.fixtures import tiny_model_config
+from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan
+from hybridflow.placement.search import Plan, schedule_dataflow
+from hybridflow.testing.placement_runs import PLACEMENTS, ROLES, data_parallel_record, tiny_ppo_inputs
 
 DATA = Path(__file__).parent / "data" / "measured_ppo_run8_seed0"
-ROLES = ("actor", "critic", "reference", "reward")
 A, C, R, W = ROLES
-PLACEMENTS: dict[str, tuple[Placement, tuple[int, ...]]] = {
-    "colocate": ((ROLES,), (4,)),
-    "standalone": (((A,), (C,), (R,), (W,)), (1, 1, 1, 1)),
-    "split-ar_cw": (((A, R), (C, W)), (2, 2)),
-}
 
 
 def _inputs() -> PlanInputs:
-    model = model_from_hf_config({**tiny_model_config(), "torch_dtype": "float32"}, name="tiny-qwen2")
-    workload = Workload(prompts=24, samples_per_prompt=4, prompt_length=8, response_length=16, mini_batches=1,
-                        micro_batch_size=32)
-    return plan_inputs("ppo", {r: model for r in ROLES}, replace(build_cluster("cpu", 4, 4), compute_units=2),
-                       workload)
+    return tiny_ppo_inputs()
 
 
 def _record(name: str) -> PlanRecord:
-    placement, devices = PLACEMENTS[name]
-    return PlanRecord(placement=placement, devices=devices,
-                      parallel={r: ParallelConfig(pipeline=1, tensor=1, data=n)
-                                for group, n in zip(placement, devices) for r in group},
-                      generation={"actor": GenerationConfig(pipeline=1, tensor=1)})
+    """The saved rows' file name (``split-a_crw``) → the bench's placement (``split-a|crw``), data-parallel only."""
+    return data_parallel_record(*PLACEMENTS[name.replace("_", "|")])
 
 
 def _rows(name: str) -> list[dict]:  # type: ignore[type-arg]

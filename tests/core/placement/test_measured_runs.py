@@ -11,45 +11,29 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from hybridflow.errors import ConfigError
-from hybridflow.placement import Workload, build_cluster, model_from_hf_config
 from hybridflow.placement.advisor import RemapCosts, RunAdvisor, advise_remap, decide_remap
 from hybridflow.placement.autoparallel import LayoutPlanner
 from hybridflow.placement.calibration import fit_efficiency_to_runs, read_ledger
-from hybridflow.placement.parallel import GenerationConfig, ParallelConfig
-from hybridflow.placement.record import PlanInputs, PlanRecord, plan_inputs, retime_plan, save_plan_record
-from hybridflow.testing.fixtures import tiny_model_config
+from hybridflow.placement.record import PlanInputs, PlanRecord, retime_plan, save_plan_record
+from hybridflow.testing.placement_runs import PLACEMENTS, data_parallel_record, tiny_ppo_inputs
 
 DATA = Path(__file__).parent / "data" / "measured_ppo_seed0"
-ROLES = ("actor", "critic", "reference", "reward")
-A, C, R, W = ROLES
-PLACEMENTS = {
-    "colocate": ((ROLES,), (4,)),
-    "standalone": (((A,), (C,), (R,), (W,)), (1, 1, 1, 1)),
-    "split-a_crw": (((A,), (C, R, W)), (2, 2)),
-}
+MEASURED = ("colocate", "standalone", "split-a_crw")  # the saved runs (file names: "_" for the bench's "|")
 SETUP_SECONDS = {"colocate": 134.6, "standalone": 144.2}  # the runs' measured start-up (measured.json)
 
 
 def _inputs(cores: float | None = 2) -> PlanInputs:
-    model = model_from_hf_config({**tiny_model_config(), "torch_dtype": "float32"}, name="tiny-qwen2")
-    workload = Workload(prompts=24, samples_per_prompt=4, prompt_length=8, response_length=16, mini_batches=1,
-                        micro_batch_size=32)
-    return plan_inputs("ppo", {r: model for r in ROLES},
-                       replace(build_cluster("cpu", 4, 4), compute_units=cores), workload)
+    return tiny_ppo_inputs(cores=cores)
 
 
 def _record(name: str) -> PlanRecord:
-    placement, devices = PLACEMENTS[name]
-    return PlanRecord(placement=placement, devices=devices,
-                      parallel={r: ParallelConfig(pipeline=1, tensor=1, data=n)
-                                for group, n in zip(placement, devices) for r in group},
-                      generation={"actor": GenerationConfig(pipeline=1, tensor=1)})
+    """The saved rows' file name (``split-a_crw``) → the bench's placement (``split-a|crw``), data-parallel only."""
+    return data_parallel_record(*PLACEMENTS[name.replace("_", "|")])
 
 
 def _rows(name: str) -> list[dict]:
@@ -86,8 +70,8 @@ def test_two_measured_data_parallel_sizes_calibrate_a_model_that_orders_a_held_o
     # collectives on shared cores can explain
     assert fitted.sync_latency_seconds > 1e-4 or fitted.collective_stall > 0.1
     assert all(0.3 < c.ratio < 3 for run in comparisons for c in run)
-    held_out = {n: _predicted(inputs, n, fitted) for n in PLACEMENTS}
-    measured = {n: _measured_iteration(n) for n in PLACEMENTS}
+    held_out = {n: _predicted(inputs, n, fitted) for n in MEASURED}
+    measured = {n: _measured_iteration(n) for n in MEASURED}
     assert sorted(held_out, key=held_out.__getitem__) == sorted(measured, key=measured.__getitem__)
     # the 4 slots share 2 cores: modelling it brings the colocated iteration (4 ranks on 2 cores) closer
     own_cores, _ = fit_efficiency_to_runs(_inputs(cores=None), runs)
