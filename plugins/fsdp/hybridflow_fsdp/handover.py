@@ -170,6 +170,16 @@ def handover_plan(engine: FSDPTrainingEngine, *, tensor: int = 1) -> ReshardPlan
     return plans[tensor]
 
 
+def _begin_handover(engine: FSDPTrainingEngine, target: str) -> float:
+    """Check ``target``, bring a previous handover's parked shards home before anything reads them, clear the last
+    stats; the start time."""
+    if target not in TARGETS:
+        raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
+    restore_training_shards(engine)
+    engine.last_handover_stats = None
+    return time.perf_counter()
+
+
 def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf", tensor: int = 1,
                                park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf name, this rank's generation shard)`` for generation layout (pg = 1, tg = ``tensor``), moved by the
@@ -187,11 +197,7 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
 
     from hybridflow.resharding import execute_reshard
 
-    if target not in TARGETS:
-        raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
-    restore_training_shards(engine)  # a previous handover's parked shards come home before anything reads them
-    started = time.perf_counter()
-    engine.last_handover_stats = None
+    started = _begin_handover(engine, target)
     parameters = generation_parameters(engine)
     plan = handover_plan(engine, tensor=tensor)
     parking = None
@@ -280,11 +286,7 @@ def unshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
     received counted from FSDP's buffers next to the planner's lower bound (0 and 0 when nothing moved)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if target not in TARGETS:
-        raise EngineError(f"generation weight target {target!r} is not supported by the fsdp engine; known: {TARGETS}")
-    restore_training_shards(engine)  # a previous handover's parked shards come home before anything reads them
-    started = time.perf_counter()
-    engine.last_handover_stats = None
+    started = _begin_handover(engine, target)
     params = fsdp_params(engine)
     groups = engine.model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
     gathered = all(group.is_unsharded for group in groups)
