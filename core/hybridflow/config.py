@@ -149,6 +149,9 @@ class AlgorithmConfig(_Section):
     # at the threshold) or mis (tokens outside [1/threshold, threshold] masked)
     rollout_correction: Literal["none", "tis", "mis"] = "none"
     rollout_correction_threshold: float = Field(default=2.0, gt=1)
+    # what the ratio is taken over: token (each token's), sequence (the product over the response's tokens, one
+    # weight per row) or geometric (exp of the mean per-token log-ratio, one weight per row)
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = "token"
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
     extra: dict[str, Any] = Field(default_factory=dict)  # options of a third-party algorithm, passed through unchanged
 

@@ -35,6 +35,12 @@ def check_async(config: Any) -> None:
     if config.trainer.stream_mini_batches:
         check_streaming(config)
     check_partial_rollout(config)
+    algorithm = config.algorithm
+    if algorithm.rollout_correction == "none" and algorithm.rollout_correction_level != "token":
+        raise ValueError(f"algorithm.rollout_correction_level = {algorithm.rollout_correction_level} sets the level "
+                         "of the off-policy correction's ratio, but algorithm.rollout_correction is none (no weight "
+                         "at any level). Fix: set algorithm.rollout_correction=tis or mis, or remove "
+                         "algorithm.rollout_correction_level")
     if config.algorithm.rollout_correction != "none" and not config.actor.recompute_log_probs:
         raise ValueError(f"algorithm.rollout_correction = {config.algorithm.rollout_correction} weighs tokens by "
                          "π_old / π_rollout, but with actor.recompute_log_probs=false π_old is the rollout's own "

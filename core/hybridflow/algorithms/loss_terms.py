@@ -19,7 +19,8 @@ __all__ = [
     "ENTROPY_COEF_KEY", "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation",
     "KLKind",
     "LossResult", "ROLLOUT_CORRECTIONS", "RolloutCorrection", "aggregate_loss", "ppo_policy_loss",
-    "compute_rollout_correction_weights", "value_loss", "kl_penalty", "entropy_bonus",
+    "ROLLOUT_CORRECTION_LEVELS", "RolloutCorrectionLevel", "compute_rollout_correction_weights", "value_loss",
+    "kl_penalty", "entropy_bonus",
 ]
 
 #: batch meta key carrying the entropy bonus coefficient of the update the batch feeds (adaptive entropy control)
@@ -33,6 +34,11 @@ KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 LossResult = tuple[torch.Tensor, dict[str, float]]
 RolloutCorrection = Literal["none", "tis", "mis"]
 ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
+RolloutCorrectionLevel = Literal["token", "sequence", "geometric"]
+ROLLOUT_CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+#: bound of a log importance ratio (per token, or per sequence at the sequence levels) before exp: ratios stay in
+#: [e^-20, e^20] (verl's safety bound)
+_LOG_RATIO_BOUND = 20.0
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -150,33 +156,49 @@ def compute_rollout_correction_weights(
     *,
     mode: str,
     threshold: float,
+    level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token importance weights ρ = π_old / π_rollout for samples the rollout engine drew (its own log-probs)
-    under another policy or numerics than the actor's, and their metrics.
+    """Importance weights ρ = π_old / π_rollout for samples the rollout engine drew (its own log-probs) under another
+    policy or numerics than the actor's, and their metrics.
 
-    ``tis`` (truncated IS): min(ρ, threshold). ``mis`` (masked IS): ρ inside [1/threshold, threshold], 0 outside (the
-    token leaves the loss). ``none``: all ones. Metrics (local means over valid tokens): ``rollout_is_weight_mean``,
-    ``rollout_is_masked_fraction`` (mis) / ``rollout_is_truncated_fraction`` (tis).
+    ``level`` says what ρ is (verl's ``rollout_is`` / ``rollout_rs`` levels), computed over the valid tokens only:
+    ``token``: per token, ρ_t = exp(log π_old − log π_rollout); ``sequence``: per row, ρ = Π_t ρ_t = exp(Σ_t log ρ_t)
+    (the exact importance ratio of the whole response); ``geometric``: per row, exp(mean_t log ρ_t) (the
+    length-normalised ratio, GSPO's sequence ratio). A row's ρ weighs every one of its valid tokens. The log-ratio
+    (the token's, or the row's sum / mean) is bounded to ±20 before exp.
+
+    ``mode``: ``tis`` (truncated IS): min(ρ, threshold). ``mis`` (masked IS): ρ inside [1/threshold, threshold], 0
+    outside (the token, or at the sequence levels the whole row, leaves the loss). ``none``: all ones. Metrics (local
+    means over valid tokens at ``token``, over rows with a valid token at ``sequence`` / ``geometric``):
+    ``rollout_is_weight_mean``, ``rollout_is_masked_fraction`` (mis) / ``rollout_is_truncated_fraction`` (tis).
     """
     _check_choice("rollout_correction", mode, ROLLOUT_CORRECTIONS)
+    _check_choice("rollout_correction_level", level, ROLLOUT_CORRECTION_LEVELS)
     if not threshold > 1.0:
         raise ConfigError(f"rollout_correction_threshold must be > 1 (weights are cut at it), got {threshold}")
     valid = _valid(response_mask)
     log_ratio = _fill_padding(old_log_probs.detach(), valid) - _fill_padding(rollout_log_probs.detach(), valid)
-    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    if level == "token":
+        counted = valid  # what a metric averages over: tokens
+        ratio = torch.exp(torch.clamp(log_ratio, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND))
+    else:
+        counted = valid.any(dim=1, keepdim=True)  # rows with a valid token
+        row_log_ratio = log_ratio.sum(dim=1, keepdim=True)  # padding is 0 here
+        if level == "geometric":
+            row_log_ratio = row_log_ratio / valid.sum(dim=1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        ratio = torch.exp(torch.clamp(row_log_ratio, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND))  # [B, 1]
     metrics: dict[str, float] = {}
     if mode == "none":
         weights = torch.ones_like(ratio)
     elif mode == "tis":
         weights = torch.clamp(ratio, max=threshold)
-        metrics["rollout_is_truncated_fraction"] = float(masked_mean((ratio > threshold).to(ratio.dtype), valid))
+        metrics["rollout_is_truncated_fraction"] = float(masked_mean((ratio > threshold).to(ratio.dtype), counted))
     else:
         inside = (ratio <= threshold) & (ratio >= 1.0 / threshold)
         weights = torch.where(inside, ratio, torch.zeros_like(ratio))
-        metrics["rollout_is_masked_fraction"] = float(masked_mean((~inside).to(ratio.dtype), valid))
-    weights = _fill_padding(weights, valid)
-    metrics["rollout_is_weight_mean"] = float(masked_mean(weights, valid))
-    return weights, metrics
+        metrics["rollout_is_masked_fraction"] = float(masked_mean((~inside).to(ratio.dtype), counted))
+    metrics["rollout_is_weight_mean"] = float(masked_mean(weights, counted))
+    return _fill_padding(weights.expand_as(log_ratio), valid), metrics
 
 
 def value_loss(

@@ -45,11 +45,13 @@ from hybridflow.algorithms.loss_terms import (
     LOSS_AGGREGATIONS,
     LOSS_SCALE_ROWS,
     LOSS_SCALE_TOKENS,
+    ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTIONS,
     KLKind,
     LossAggregation,
     LossResult,
     RolloutCorrection,
+    RolloutCorrectionLevel,
     _check_choice,
     _valid,
     aggregate_loss,
@@ -68,7 +70,7 @@ __all__ = [
     "compute_loss_scale", "aggregate_loss", "ppo_policy_loss", "value_loss", "kl_penalty", "entropy_bonus",
     "make_actor_loss_fn",
     "make_critic_loss_fn", "VERL_ACTOR_METRICS", "ROLLOUT_CORRECTIONS", "RolloutCorrection",
-    "compute_rollout_correction_weights",
+    "ROLLOUT_CORRECTION_LEVELS", "RolloutCorrectionLevel", "compute_rollout_correction_weights",
 ]
 
 #: :func:`ppo_policy_loss`'s metric names → the ``actor/`` names verl logs them under
@@ -100,9 +102,17 @@ class PolicyLossConfig:
     loss_agg: LossAggregation = "token-mean"
     rollout_correction: RolloutCorrection = "none"
     rollout_correction_threshold: float = 2.0
+    #: what the correction's ratio is taken over: each token, or each sequence (product / geometric mean of its
+    #: tokens' ratios, one weight for the whole row); see compute_rollout_correction_weights
+    rollout_correction_level: RolloutCorrectionLevel = "token"
 
     def __post_init__(self) -> None:
         _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        _check_choice("rollout_correction_level", self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS)
+        if self.rollout_correction == "none" and self.rollout_correction_level != "token":
+            raise ConfigError(f"rollout_correction_level = {self.rollout_correction_level} sets the level of a "
+                              "rollout correction, but rollout_correction is none (no weight at any level). Fix: "
+                              "set rollout_correction to tis or mis, or rollout_correction_level to token")
         if not self.rollout_correction_threshold > 1.0:
             raise ConfigError(f"rollout_correction_threshold must be > 1, got {self.rollout_correction_threshold}")
         if not 0.0 <= self.clip_ratio_low < 1.0:
@@ -174,7 +184,8 @@ class ActorLoss:
     is non-zero). Metric keys are verl's (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
     ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean`` (and with
     ``rollout_correction``, ``actor/rollout_is_*``: each token's loss weighted by π_old / π_rollout, truncated or
-    masked, from the ``rollout_log_probs`` column). An ``entropy`` output given
+    masked, from the ``rollout_log_probs`` column; at ``rollout_correction_level`` sequence / geometric the ratio is
+    the row's, so a masked row leaves the loss whole). An ``entropy`` output given
     without gradients is logged as ``actor/entropy`` (mean token entropy of the policy over response tokens) and
     left out of the loss. Columns read: ``old_log_probs``, ``advantages``, ``response_mask``, ``ref_log_probs``
     (when ``kl_loss_coef`` > 0), ``is_padding`` (optional).
@@ -199,7 +210,8 @@ class ActorLoss:
             weights, correction = compute_rollout_correction_weights(
                 old_log_probs, _column(micro_batch, "rollout_log_probs", "rollout_correction weighs by the rollout "
                                        "engine's own log-probs"),
-                valid, mode=config.rollout_correction, threshold=config.rollout_correction_threshold)
+                valid, mode=config.rollout_correction, threshold=config.rollout_correction_threshold,
+                level=config.rollout_correction_level)
         loss, metrics = ppo_policy_loss(
             log_probs,
             old_log_probs,

@@ -218,7 +218,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                     kl_loss_coef=section.kl_loss_coef,
                     kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg,
                     rollout_correction=config.algorithm.rollout_correction,
-                    rollout_correction_threshold=config.algorithm.rollout_correction_threshold)),
+                    rollout_correction_threshold=config.algorithm.rollout_correction_threshold,
+                    rollout_correction_level=config.algorithm.rollout_correction_level)),
                 "rollout_engine": rollout.engine,
                 "rollout_config": RolloutEngineConfig(
                     model=model, tensor_parallel_size=rollout.tensor_parallel_size,
