@@ -121,6 +121,7 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
     startup_s = time.perf_counter() - started
     assert trainer.groups is not None
     pids = [pid for group in trainer.groups.by_pool.values() for pid in (group.local_process_ids() or {}).values()]
+    pids.append(os.getpid())  # the driver last
     ends, tokens, rewards, cpu = [time.perf_counter()], [], [], [[cpu_seconds(pid) for pid in pids]]
     try:
         for _ in range(args.steps):
@@ -140,7 +141,9 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
     return {"system": "hybridflow" if engine == "fsdp" else engine, "startup_s": startup_s,
             "step_s": [b - a for a, b in itertools.pairwise(ends)],
             # process CPU seconds (user + system) of each worker per step: robust to load, unlike wall time
-            "worker_cpu_s": [[b - a for a, b in zip(before, after)] for before, after in itertools.pairwise(cpu)],
+            "worker_cpu_s": [[b - a for a, b in zip(before[:-1], after[:-1])]
+                             for before, after in itertools.pairwise(cpu)],
+            "driver_cpu_s": [after[-1] - before[-1] for before, after in itertools.pairwise(cpu)],
             "run_dir": run_dir if args.keep_run_dirs else None,
             "tokens": tokens, "rewards": rewards,
             "peak_rss_bytes": {"driver": peak_rss_bytes(), "workers": workers},
@@ -230,6 +233,11 @@ def summarize_run(run: dict[str, Any], warmup: int) -> dict[str, Any]:
         kept = cpu[warmup:] or cpu
         summary["worker_cpu_s_per_step_median"] = [round(statistics.median(step[w] for step in kept), 4)
                                                    for w in range(len(kept[0]))]
+        # the mean over the kept steps resolves below /proc's 10 ms clock tick, which a median per step cannot
+        driver = run.get("driver_cpu_s") or []
+        summary["cpu_s_per_step_mean"] = {
+            "workers": [round(statistics.mean(step[w] for step in kept), 4) for w in range(len(kept[0]))],
+            "driver": round(statistics.mean(driver[warmup:] or driver), 4) if driver else None}
     return summary
 
 
@@ -376,6 +384,7 @@ def main() -> None:
         if "worker_cpu_s_per_step_median" in system_runs[0]["summary"]:
             result[f"{key}worker_cpu_s_per_step_per_run"] = [r["summary"]["worker_cpu_s_per_step_median"]
                                                              for r in system_runs]
+            result[f"{key}cpu_s_per_step_mean_per_run"] = [r["summary"]["cpu_s_per_step_mean"] for r in system_runs]
         if system_runs[0].get("run_dir"):
             result[f"{key}run_dirs"] = [r["run_dir"] for r in system_runs]
     if runs.get("hybridflow") and runs.get("deepspeed"):

@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -86,15 +86,12 @@ def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_aft
     return model
 
 
-def check_equal_across_ranks(value: int, *, what: str, group: Any = None) -> None:
-    """Raise on every rank if ``value`` differs between ranks (a mismatch would otherwise hang a collective)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    values: list[int] = [0] * world
+def raise_unequal_across_ranks(value: int, *, what: str, group: Any = None) -> NoReturn:
+    """Raise on every rank, naming each rank's ``value``: called by every rank of ``group`` together once a cheaper
+    collective has shown the values differ (``all_gather_object`` pickles: for the error path only)."""
+    values: list[int] = [0] * dist.get_world_size(group)
     dist.all_gather_object(values, int(value), group=group)
-    if len(set(values)) > 1:
-        raise EngineError(
-            f"{what} must be equal on every data-parallel rank; got {values} (by rank). Split the batch evenly "
-            "across ranks (transfer protocol dp_compute, or dp_compute_padded for uneven batches)."
-        )
+    raise EngineError(
+        f"{what} must be equal on every data-parallel rank; got {values} (by rank). Split the batch evenly "
+        "across ranks (transfer protocol dp_compute, or dp_compute_padded for uneven batches)."
+    )

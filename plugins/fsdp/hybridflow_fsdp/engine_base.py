@@ -17,7 +17,7 @@ from hybridflow.batch import Batch
 from hybridflow.engines import LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_fsdp import forward, packing
-from hybridflow_fsdp.distributed import check_equal_across_ranks
+from hybridflow_fsdp.distributed import raise_unequal_across_ranks
 
 __all__ = [
     "HFTrainingEngineBase", "enable_gradient_checkpointing", "TRAINABLE_ROLES", "LOSS_SCALE_ROWS", "LOSS_SCALE_TOKENS",
@@ -215,15 +215,23 @@ class HFTrainingEngineBase(abc.ABC):
     def _local_mini_batch_rows(self, rows: int, mini_batch_size: int | None) -> int:
         return local_mini_batch_rows(rows, mini_batch_size, self.world_size)
 
-    def _count_global(self, mini: Batch) -> tuple[int, int]:
-        """Rows and valid response tokens of the mini-batch on all ranks (``is_padding`` rows excluded)."""
+    def _count_global(self, mini: Batch, *, check_rows: int | None = None) -> tuple[int, int]:
+        """Rows and valid response tokens of the mini-batch on all ranks (``is_padding`` rows excluded), in one
+        all-reduce. ``check_rows`` (the rows of the whole batch on this rank) rides in the same all-reduce as Σn and
+        Σn²: they are equal on every rank iff w·Σn² = (Σn)² (Cauchy-Schwarz), so the equal-rows check of a train
+        step costs no collective of its own; on a mismatch every rank sees it and raises (naming each rank's rows)."""
         from hybridflow.algorithms.losses import compute_loss_scale
 
         scale = compute_loss_scale(mini) if "response_mask" in mini else {"loss_scale_rows": len(mini),
                                                                             "loss_scale_tokens": 0}
-        counts = torch.tensor([scale["loss_scale_rows"], scale["loss_scale_tokens"]], dtype=torch.float64)
+        values = [int(scale["loss_scale_rows"]), int(scale["loss_scale_tokens"])]
+        if check_rows is not None:
+            values += [check_rows, check_rows * check_rows]
+        counts = torch.tensor(values, dtype=torch.int64)
         if self.world_size > 1:
             dist.all_reduce(counts)
+            if check_rows is not None and self.world_size * int(counts[3]) != int(counts[2]) ** 2:
+                raise_unequal_across_ranks(check_rows, what="rows per train_step")
         return int(counts[0]), int(counts[1])
 
     def train_step(self, batch: Batch, *, loss_fn: LossFn, mini_batch_size: int | None = None) -> dict[str, float]:
@@ -234,8 +242,17 @@ class HFTrainingEngineBase(abc.ABC):
         """
         self._check_role("train_step", TRAINABLE_ROLES)
         forward.require_columns(batch, "input_ids", "attention_mask", "responses", method="train_step")
-        check_equal_across_ranks(len(batch), what="rows per train_step")
-        local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
+        # the first mini-batch's row/token all-reduce checks that every rank holds as many rows, before any other
+        # collective; a ConfigError of this rank's mini-batch split waits for it (rows differing across ranks would
+        # otherwise raise on some ranks and leave the others in that all-reduce)
+        try:
+            local_mini = self._local_mini_batch_rows(len(batch), mini_batch_size)
+            split_error: ConfigError | None = None
+        except ConfigError as error:
+            local_mini, split_error = max(len(batch), 1), error
+        first_counts = self._count_global(batch.slice(0, local_mini), check_rows=len(batch))
+        if split_error is not None:
+            raise split_error
         wants = getattr(loss_fn, "required_outputs", None)
         # entropy with gradients only when the loss asks for it; an actor's loss always gets it (detached otherwise)
         with_entropy = self.role == "actor" and (wants is None or "entropy" in wants)
@@ -244,7 +261,7 @@ class HFTrainingEngineBase(abc.ABC):
         steps = 0
         for mini_start in range(0, len(batch), local_mini):
             mini = batch.slice(mini_start, mini_start + local_mini)
-            global_rows, global_tokens = self._count_global(mini)
+            global_rows, global_tokens = first_counts if mini_start == 0 else self._count_global(mini)
             micros = list(self._micro_batches(mini))
             for index, micro in enumerate(micros):
                 micro = micro.with_meta(**{LOSS_SCALE_ROWS: global_rows / self.world_size,

@@ -138,6 +138,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
             self._lean_logits = getattr(self.model, LEAN_FORWARD_METHOD)
         # fused AdamW and foreach clipping: one kernel (one DTensor dispatch when sharded) for all parameters
         self._fused = self.device.type in ("cpu", "cuda")
+        self._memory_metrics_cache: tuple[object, dict[str, float]] | None = None
         trained = adapter_parameters(self.model) if config.lora is not None else self.model.parameters()
         self.optimizer = build_optimizer(trained, config.optim, fused=self._fused) if self.trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer is not None else None
@@ -210,8 +211,17 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         return float(self.scheduler.get_last_lr()[0])
 
     def _memory_metrics(self) -> dict[str, float]:
-        return {f"{self.role}/{key}": float(value) for key, value in count_state_bytes(self.model,
-                                                                                     self.optimizer).items()}
+        # counted once per layout of what they count, not every step: reading a DTensor's local shard is an autograd
+        # call (~240 a step at 26 parameters with AdamW state); the shards' shapes are fixed for the engine's life,
+        # so what can change them is which parameters train and which have optimizer state
+        parameters = list(self.model.parameters())
+        state = self.optimizer.state if self.optimizer is not None else {}
+        key = (tuple((id(p), p.requires_grad) for p in parameters),
+               tuple((id(p), len(values)) for p, values in state.items()))
+        if self._memory_metrics_cache is None or self._memory_metrics_cache[0] != key:
+            counted = count_state_bytes(self.model, self.optimizer)
+            self._memory_metrics_cache = (key, {f"{self.role}/{name}": float(value) for name, value in counted.items()})
+        return dict(self._memory_metrics_cache[1])
 
     # --- state ----------------------------------------------------------------------------------------------
     def parallel_layout(self) -> ParallelLayout:
