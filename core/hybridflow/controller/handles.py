@@ -18,7 +18,7 @@ from hybridflow.transfer import get_protocol
 if TYPE_CHECKING:
     from hybridflow.controller.group import WorkerGroup
 
-__all__ = ["BoundMethod", "RoleHandle", "registered_methods", "check_protocol_overrides"]
+__all__ = ["BoundMethod", "RoleHandle", "node_method", "registered_methods", "check_protocol_overrides"]
 
 
 class BoundMethod:
@@ -44,6 +44,14 @@ class BoundMethod:
     @property
     def dispatch(self) -> Dispatch:
         return self._dispatch
+
+
+def node_method(handle: Any, role: str, name: str, deadlines: Mapping[str, float]) -> BoundMethod:
+    """``handle.<name>`` (a :class:`RoleHandle`'s bound method) with the deadline ``deadlines["<role>.<name>"]`` (the
+    config's ``reliability.deadlines``, keyed by ledger node) when one is set, else the group's own."""
+    bound: BoundMethod = getattr(handle, name)
+    deadline = deadlines.get(f"{role}.{name}")
+    return bound if deadline is None else bound.with_deadline(deadline)
 
 
 class RoleHandle:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.batch import Batch
+from hybridflow.controller.handles import node_method
 
 __all__ = ["CallEntry", "Journal", "JournaledMethod", "JournaledRole"]
 
@@ -173,11 +174,8 @@ class JournaledRole:
     def __getattr__(self, name: str) -> JournaledMethod:
         if name.startswith("_"):
             raise AttributeError(name)
-        bound = getattr(self._handle, name)
-        deadline = self._deadlines.get(f"{self._role}.{name}")
-        if deadline is not None:
-            bound = bound.with_deadline(deadline)
-        return JournaledMethod(self._journal, self._role, name, bound)
+        return JournaledMethod(self._journal, self._role, name,
+                               node_method(self._handle, self._role, name, self._deadlines))
 
 
 class JournaledMethod:

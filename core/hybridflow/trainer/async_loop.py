@@ -33,6 +33,7 @@ import torch
 from hybridflow.algorithms.helpers import split_prompt_chunks, stream_chunk_count
 from hybridflow.batch import Batch
 from hybridflow.config import Config
+from hybridflow.controller.handles import node_method
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
@@ -73,10 +74,9 @@ class AsyncRollout:
         self.max_staleness = config.trainer.max_staleness
         self.total_steps = config.trainer.total_steps
         self.timeout_s = config.trainer.deadline_s
-        #: per-node deadlines of the rollout pool's calls (reliability.deadlines["rollout.generate"], ...), counted
+        #: per-node deadlines (reliability.deadlines["rollout.generate"], ...) of the rollout pool's calls, counted
         #: from dispatch: a generation queued ahead waits inside its deadline
-        self.deadlines = {node: float(seconds) for node, seconds in config.reliability.deadlines.items()
-                          if node.startswith("rollout.")}
+        self.deadlines = dict(config.reliability.deadlines)
         self.bucket_bytes = config.rollout.weight_sync_bucket_bytes
         self.weight_sync = config.rollout.weight_sync
         self._rendezvous: Any = None  # the collective sync group's store (built at the first collective sync)
@@ -421,11 +421,9 @@ class AsyncRollout:
         return self._rendezvous.spec()
 
     def _rollout_call(self, method: str) -> Any:
-        """The rollout pool's ``method``, with its ``reliability.deadlines["rollout.<method>"]`` when one is set
-        (else the pool's deadline, ``trainer.deadline_s``)."""
-        bound = getattr(self.group.rollout, method)
-        deadline = self.deadlines.get(f"rollout.{method}")
-        return bound if deadline is None else bound.with_deadline(deadline)
+        """The rollout pool's ``method`` with its ``reliability.deadlines["rollout.<method>"]`` (else the pool's
+        deadline, ``trainer.deadline_s``)."""
+        return node_method(self.group.rollout, "rollout", method, self.deadlines)
 
     def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
         assert self.synced_version is not None
