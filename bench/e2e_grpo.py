@@ -151,7 +151,17 @@ def run_hybridflow(args: argparse.Namespace, *, engine: str = "fsdp") -> dict[st
                        "training_engine": config.actor.engine,
                        "training_engine_extra": dict(config.actor.extra),
                        "rollout_engine": config.rollout.engine,
-                       "recompute_log_probs": config.actor.recompute_log_probs, "overrides": list(args.set)}}
+                       "recompute_log_probs": config.actor.recompute_log_probs, "overrides": list(args.set),
+                       "mixed_precision": actor_precision(config)}}
+
+
+def actor_precision(config: Any) -> str:
+    """The actor's ``mixed_precision`` as the trainer resolves it (``auto``: hybridflow.precision)."""
+    from hybridflow.precision import resolve_mixed_precision
+    from hybridflow.trainer.build import build_model_spec
+
+    return resolve_mixed_precision(config.actor.mixed_precision, engine=config.actor.engine, device="cpu",
+                                   model=build_model_spec(config.actor.model or config.model, seed=0))
 
 
 def run_trl(args: argparse.Namespace) -> dict[str, Any]:
@@ -199,7 +209,8 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         gradient_accumulation_steps=1, num_generations=SAMPLES, max_completion_length=NEW_TOKENS,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, temperature=1.0, max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no",
-        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
+        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=args.trl_bf16,
+        gradient_checkpointing=args.trl_gradient_checkpointing,
     )
     clock = Clock()
     started = time.perf_counter()
@@ -251,7 +262,9 @@ def launch(system: str, args: argparse.Namespace) -> dict[str, Any] | str:
     command = [python, __file__, "--run-one", system, "--steps", str(args.steps), "--workers", str(args.workers),
                "--lr", str(args.lr), "--seed", str(args.seed), "--size", args.size, "--threads", str(args.threads),
                "--recompute-log-probs" if args.recompute_log_probs else "--no-recompute-log-probs",
-               "--deepspeed-zero-stage", str(args.deepspeed_zero_stage)]
+               "--deepspeed-zero-stage", str(args.deepspeed_zero_stage),
+               "--trl-bf16" if args.trl_bf16 else "--no-trl-bf16",
+               "--trl-gradient-checkpointing" if args.trl_gradient_checkpointing else "--no-trl-gradient-checkpointing"]
     if args.keep_run_dirs:
         command.append("--keep-run-dirs")
     for item in args.set:
@@ -320,6 +333,10 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
                              "generation, π_old = π)")
     parser.add_argument("--trl-path", default=DEFAULT_TRL_PATH if Path(DEFAULT_TRL_PATH).exists() else "",
                         help="directory with TRL and its extra packages, prepended to PYTHONPATH of the TRL run")
+    parser.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=False,
+                        help="TRL in bf16 autocast (TRL's GRPOConfig default; off: fp32)")
+    parser.add_argument("--trl-gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="TRL's activation checkpointing (its GRPOConfig default: on)")
     parser.add_argument("--trl-python", default="", help="interpreter of the TRL run (default: this one)")
     parser.add_argument("--set", action="append", default=[], help="extra hybridflow config override key=value")
     parser.add_argument("--timeout-s", type=float, default=900.0)

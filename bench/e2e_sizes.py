@@ -35,13 +35,28 @@ from e2e_grpo import (
     trl_available,
 )
 
-#: the systems of each size: name → (system run by ``--run-one``, hybridflow workers, torch threads per process)
+#: the systems of each size: name → (system run by ``--run-one``, hybridflow workers, torch threads per process).
+#: hybridflow runs its defaults (``mixed_precision: auto``: bf16 from 8M parameters on a CPU with native bf16).
+#: TRL runs in fp32 and in bf16 autocast (its GRPOConfig default), 1 and 2 threads, without activation checkpointing
+#: (on by TRL's default, it only recomputes at these sizes: ``trl_defaults_2threads`` is TRL's defaults as shipped);
+#: ``trl_best`` is the fastest TRL row.
 GRID_SYSTEMS: dict[str, tuple[str, int, int]] = {
     "hybridflow": ("hybridflow", 2, 1),
     "hybridflow_1rank": ("hybridflow", 1, 1),
     "hybridflow_1rank_2threads": ("hybridflow", 1, 2),
     "trl": ("trl", 0, 1),
     "trl_2threads": ("trl", 0, 2),
+    "trl_bf16": ("trl", 0, 1),
+    "trl_bf16_2threads": ("trl", 0, 2),
+    "trl_defaults_2threads": ("trl", 0, 2),
+}
+#: TRL's precision and activation checkpointing per row (``--trl-bf16``, ``--trl-gradient-checkpointing``)
+TRL_OPTIONS: dict[str, dict[str, bool]] = {
+    "trl": {"trl_bf16": False, "trl_gradient_checkpointing": False},
+    "trl_2threads": {"trl_bf16": False, "trl_gradient_checkpointing": False},
+    "trl_bf16": {"trl_bf16": True, "trl_gradient_checkpointing": False},
+    "trl_bf16_2threads": {"trl_bf16": True, "trl_gradient_checkpointing": False},
+    "trl_defaults_2threads": {"trl_bf16": True, "trl_gradient_checkpointing": True},
 }
 
 
@@ -60,7 +75,8 @@ def run_grid(args: argparse.Namespace) -> None:
     for size in sizes:
         notes = [why] if why else []
         plans = {name: (system, argparse.Namespace(**{**vars(args), "size": size, "steps": SIZES[size]["steps"],
-                                                     "workers": workers or 1, "threads": threads}))
+                                                     "workers": workers or 1, "threads": threads,
+                                                     **TRL_OPTIONS.get(name, {})}))
                  for name, (system, workers, threads) in GRID_SYSTEMS.items() if name in systems}
         runs, loads = run_rounds(plans, args.repeats, SIZES[size]["warmup"], notes, label=f"{size} ")
         print("RESULT " + json.dumps(summarize_size(size, runs, notes, loads)), flush=True)
@@ -96,6 +112,8 @@ def summarize_size(size: str, runs: dict[str, list[dict[str, Any]]], notes: list
                                    else round(value / 2**20))
                              for key, value in system_runs[-1]["peak_rss_bytes"].items()},
             "processes": workers + 1 if system == "hybridflow" else 1, "threads_per_process": threads,
+            **({"trl_options": TRL_OPTIONS[name]} if name in TRL_OPTIONS else
+               {"mixed_precision": system_runs[-1].get("config", {}).get("mixed_precision")}),
             "reward_first_to_last": [system_runs[-1]["rewards"][0], system_runs[-1]["rewards"][-1]]
             if system_runs[-1]["rewards"] else [],
         }

@@ -71,6 +71,9 @@ class RolloutConfig(_Section):
     top_k: int = Field(default=0, ge=0)
     max_new_tokens: int = Field(default=16, gt=0)
     tensor_parallel_size: int = Field(default=1, gt=0)
+    # the generation weights' dtype (verl's rollout.dtype): auto = bfloat16 when the actor computes in bf16
+    # (actor.mixed_precision=bf16), else the actor model's dtype
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # kept (= 1) so placement fragments validate; no rollout engine here generates pipeline-parallel
     pipeline_parallel_size: int = Field(default=1, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict)

@@ -106,7 +106,8 @@ class _ModelRole(_Section):
     use_remove_padding: bool = True
     # micro-batches cut by this many tokens per forward (rows' attention-mask counts), replacing micro_batch_size
     max_tokens_per_micro_batch: int | None = Field(default=None, gt=0)
-    mixed_precision: Literal["none", "bf16"] = "none"
+    # bf16 compute with fp32 master weights and reduction; auto: bf16 where it pays (hybridflow.precision)
+    mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     extra: dict[str, Any] = Field(default_factory=dict)  # engine-specific options, passed through unchanged
     # worker method → transfer protocol replacing the one it declares (e.g. generate: my_protocol); docs/controller.md
     protocols: dict[str, str] = Field(default_factory=dict)

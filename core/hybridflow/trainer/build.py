@@ -6,9 +6,9 @@ different pools get their own groups (split placement). What each role computes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hybridflow.config import Config, ModelConfig, ParallelSection, PoolConfig, RayConfig, check_pool_batches
 from hybridflow.engines import (
@@ -21,6 +21,7 @@ from hybridflow.engines import (
     TrainingEngineConfig,
 )
 from hybridflow.errors import ConfigError
+from hybridflow.precision import resolve_mixed_precision
 from hybridflow.workers import RoleSpec
 
 if TYPE_CHECKING:
@@ -199,10 +200,12 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
         kind = declaration.engine_role
         model = build_model_spec(_section_model(config, declaration, section), seed=seed + declaration.seed_offset)
         trainable = kind in ("actor", "critic")
+        precision = resolve_mixed_precision(getattr(section, "mixed_precision", "none"), engine=section.engine,
+                                            device=device, model=model)
         engine_config = TrainingEngineConfig(
             model=model, parallel=_parallel(section.parallel),
             optim=_optim(config, section) if trainable else OptimConfig(),
-            micro_batch_size=section.micro_batch_size, mixed_precision=getattr(section, "mixed_precision", "none"),
+            micro_batch_size=section.micro_batch_size, mixed_precision=precision,
             gradient_checkpointing=getattr(section, "gradient_checkpointing", False),
             lora=build_lora_config(section) if kind == "actor" else None,
             use_remove_padding=getattr(section, "use_remove_padding", True),
@@ -222,7 +225,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                     rollout_correction_level=config.algorithm.rollout_correction_level)),
                 "rollout_engine": rollout.engine,
                 "rollout_config": RolloutEngineConfig(
-                    model=model, tensor_parallel_size=rollout.tensor_parallel_size,
+                    model=rollout_model_spec(model, rollout.dtype, precision),
+                    tensor_parallel_size=rollout.tensor_parallel_size,
                     max_prompt_length=config.data.max_prompt_length,
                     # multi-turn: a later turn's prefix holds up to multi_turn.max_tokens earlier ids, and a generate
                     # call asks every row for the batch's widest remaining budget (up to rollout.max_new_tokens)
@@ -242,6 +246,14 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             role=kind, name=declaration.name, engine=section.engine, device=device, threads=threads,
             engine_config=engine_config, output_key=declaration.output_key, **options)))
     return plans
+
+
+def rollout_model_spec(model: ModelSpec, dtype: str, mixed_precision: str) -> ModelSpec:
+    """The actor's model spec at the generation dtype ``rollout.dtype`` (``auto``: bfloat16 when the actor computes
+    in bf16, else the actor model's own dtype)."""
+    if dtype == "auto":
+        dtype = "bfloat16" if mixed_precision == "bf16" else model.dtype
+    return model if dtype == model.dtype else replace(model, dtype=cast(Any, dtype))
 
 
 def _multi_turn_options(config: Config, tokenizer: Any) -> dict[str, Any]:

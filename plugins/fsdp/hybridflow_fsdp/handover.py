@@ -294,11 +294,15 @@ def unshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
     with torch.no_grad():
         cast("FSDPModule", engine.model).unshard()
     output_bytes = sum(_nbytes(param.all_gather_outputs[0]) for param in params)
-    received = 0 if gathered else output_bytes - shard_bytes
-    lower_bound = 0 if gathered else handover_plan(engine, tensor=1).lower_bound_bytes(engine.rank)
+    # under mixed precision FSDP gathers the shards cast to the compute dtype: bytes on the wire in that dtype
+    wire = params[0].all_gather_outputs[0].element_size() / params[0]._sharded_param_data.element_size()
+    received = 0 if gathered else output_bytes - int(shard_bytes * wire)
+    lower_bound = 0 if gathered else int(handover_plan(engine, tensor=1).lower_bound_bytes(engine.rank) * wire)
     weights = {name: parameter.detach() for name, parameter in engine.model.named_parameters()}
     parking = None
-    if park:
+    # under mixed precision the gathered weights are bf16 copies, not the fp32 shards: nothing to park them in
+    mixed = any(getattr(param, "param_dtype", None) not in (None, param._sharded_param_data.dtype) for param in params)
+    if park and not mixed:
         _install_restore_hooks(engine)
         parking = _ShardParking(params, rank=engine.rank, world_size=engine.world_size)
         _PARKED[engine] = parking
@@ -310,7 +314,7 @@ def unshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
         # gathered parameters it copies out into) minus the larger footprint (the gathered parameters)
         peak_gathered_bytes=0 if gathered else shard_bytes + output_bytes,
         seconds=time.perf_counter() - started, path="reshard",
-        bytes_sent=0 if gathered else shard_bytes * (engine.world_size - 1), lower_bound_bytes=lower_bound,
+        bytes_sent=0 if gathered else int(shard_bytes * wire) * (engine.world_size - 1), lower_bound_bytes=lower_bound,
         aliased_bytes=total, parked_bytes=0 if parking is None else parking.parked_bytes, via="fsdp_all_gather",
     )
     for name in list(weights):

@@ -108,7 +108,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         # forward runs); sharded, it needs the whole model as one FSDP unit (it bypasses the layers' forward, where
         # per-layer units would all-gather). It reads the base weights: not with LoRA adapters.
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
-        lean_possible = (role in ("actor", "reference") and not checkpointing and config.mixed_precision == "none"
+        lean_possible = (role in ("actor", "reference") and not checkpointing
                          and config.lora is None and bool(config.extra.get("lean_forward", True))
                          and lean_decoder_unsupported_reason(model) is None)
         self.fsdp_units = resolve_fsdp_units(config.extra.get("fsdp_units", "auto"), model, lean=lean_possible)
@@ -122,8 +122,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         # the tg = 1 handover of a one-unit trainable actor (fp32, no LoRA) is FSDP's own all-gather, whose gathered
         # weights generation binds and the update's forward then uses: one all-gather a step instead of two
         self.unshard_handover = (self._one_unit and self.trainable and role == "actor" and config.lora is None
-                                 and config.mixed_precision == "none"
-                                 and bool(config.extra.get("handover_unshard", False))
+                                 and bool(config.extra.get("handover_unshard", config.mixed_precision == "bf16"))
                                  and handover.unshard_handover_unsupported_reason(self) is None)
         self.lean = None
         if lean_possible and (not self.sharded or self.fsdp_units == "model"):
