@@ -1,11 +1,13 @@
 """The hybrid engine's two-rank step without Ray or the trainer: 2 gloo ranks, each with the ``fsdp`` actor (one FSDP
 unit, the default) and the ``hf`` rollout engine binding its weights at tg = 1, running the worker's sequence —
 handover (``generation_weights(park=True)`` + ``update_weights(bind=True)``), generate (the e2e_grpo fixture's shape:
-8 prompts × 4 samples × 16 new tokens a rank), sleep + ``end_generation``, update (one train step over the rollout) —
-for both handovers, interleaved step by step: FSDP's own all-gather (default) and the planner's executor
-(``actor.extra.handover_unshard=false``). Per rank and phase: process CPU seconds (``time.process_time``, robust to
-other load on the box), wall seconds, and the bytes every ``torch.distributed`` collective received
-(:class:`hybridflow.testing.collectives.CollectiveCounter`). Prints ``RESULT {json}``.
+16 prompts × 4 samples × 16 new tokens over the ranks), sleep + ``end_generation``, update (one train step over the
+rollout) — for both handovers, interleaved step by step: FSDP's own all-gather (default) and the planner's executor
+(``actor.extra.handover_unshard=false``). ``--mixed-precision bf16`` runs the actor in bf16 (and generation in bf16,
+as ``rollout.dtype: auto`` does), ``--world-size 1`` the same sequence on one rank. Per rank and phase: process CPU
+seconds (``time.process_time``, robust to other load on the box), wall seconds, and the bytes every
+``torch.distributed`` collective received (:class:`hybridflow.testing.collectives.CollectiveCounter`). Prints
+``RESULT {json}``.
 
     OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp python bench/hybrid_step.py --size 20m --steps 7
 """
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PHASES = ("handover", "generate", "update")
 
 
-def _rank(rank: int, world_size: int, size: str, steps: int, out: str) -> None:
+def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision: str = "none") -> None:
     import torch
 
     from e2e_grpo import model_config_of
@@ -42,15 +44,18 @@ def _rank(rank: int, world_size: int, size: str, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     counter = CollectiveCounter()
     spec = ModelSpec(config=model_config_of(size), seed=0)
-    ids = torch.randint(3, 40, (8, 8), generator=torch.Generator().manual_seed(rank))
+    generation_spec = ModelSpec(config=spec.config, seed=0, dtype="bfloat16" if precision == "bf16" else "float32")
+    # 16 prompts over the ranks
+    ids = torch.randint(3, 40, (16 // world_size, 8), generator=torch.Generator().manual_seed(rank))
     prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     sampling = SamplingParams(n=4, max_new_tokens=16, seed=1)
     engines: dict[bool, tuple[Any, Any]] = {}
     rows: dict[bool, list[dict[str, Any]]] = {}
     for unshard in (True, False):
         actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
-            model=spec, optim=OptimConfig(lr=1e-3), micro_batch_size=32, extra={"handover_unshard": unshard}))
-        rollout = HFRolloutEngine(config=RolloutEngineConfig(model=spec, pad_token_id=0, eos_token_id=1,
+            model=spec, optim=OptimConfig(lr=1e-3), micro_batch_size=32, mixed_precision=precision,  # type: ignore[arg-type]
+            extra={"handover_unshard": unshard}))
+        rollout = HFRolloutEngine(config=RolloutEngineConfig(model=generation_spec, pad_token_id=0, eos_token_id=1,
                                                              max_prompt_length=8))
         rollout.sleep()
         engines[unshard], rows[unshard] = (actor, rollout), []
@@ -83,12 +88,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="20m", help="bench/e2e_grpo.py model size (77k, 2.4m, 20m)")
     parser.add_argument("--steps", type=int, default=7, help="steps of each handover; the first is left out")
+    parser.add_argument("--mixed-precision", default="none", choices=("none", "bf16"),
+                        help="the actor's mixed_precision; bf16 also generates in bf16 (rollout.dtype auto)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (1: the one-rank step, same sequence)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="hybrid_step_"))
     load = os.getloadavg()[0]
-    run_rank_groups([(_rank, 2, (args.size, args.steps, str(workdir / "rank")))], workdir=workdir, timeout_s=1800)
-    result: dict[str, Any] = {"size": args.size, "steps": args.steps, "load_avg_1m": [load, os.getloadavg()[0]]}
-    for rank in range(2):
+    run_rank_groups([(_rank, args.world_size, (args.size, args.steps, str(workdir / "rank"), args.mixed_precision))],
+                    workdir=workdir, timeout_s=1800)
+    result: dict[str, Any] = {"size": args.size, "steps": args.steps, "mixed_precision": args.mixed_precision,
+                              "world_size": args.world_size, "load_avg_1m": [load, os.getloadavg()[0]]}
+    for rank in range(args.world_size):
         runs = json.loads((workdir / f"rank.{rank}").read_text())
         for unshard, rows in runs.items():
             kept = rows[1:] or rows

@@ -1,10 +1,11 @@
 """``mixed_precision: auto``: bf16 compute (fp32 master weights, optimizer state and gradient reduction) where it pays.
 
-bf16 matmuls run 3.5-4.3x the fp32 ones on a CPU with native bf16 (AVX512-BF16 or AMX: one thread, [32-1024 x 512] x
-[512 x 1536], measured on this project's 2-core box), and on every GPU since Ampere. Below a few million parameters
-a step is dispatch overhead, not arithmetic, and the casts cost more than the matmuls save (docs/fsdp.md, "Mixed
-precision": 77K parameters 0.74x, 2.4M 1.03x, 18.9M 1.57-1.80x end to end), so ``auto`` picks bf16 for models of at
-least :data:`AUTO_BF16_MIN_PARAMETERS` parameters held in fp32 on the ``fsdp`` engine, where the device computes bf16
+bf16 matmuls run 3.5-4.6x the fp32 ones on a CPU with native bf16 (AVX512-BF16 or AMX) from 64 rows on (one
+thread, [rows x hidden] x [hidden x 3*hidden] at hidden 256-512; bench/mixed_precision.py on this project's 2-core
+box), and on every GPU since Ampere. On a tiny model a step is dispatch overhead, not arithmetic, and the casts cost
+more than the matmuls save (docs/fsdp.md, "Mixed precision": two FSDP ranks at 77K parameters 0.74x, at 600K
+1.14-1.16x, 2.4M 1.23-1.24x, 18.9M 1.6-1.8x), so ``auto`` picks bf16 for models of at least
+:data:`AUTO_BF16_MIN_PARAMETERS` parameters held in fp32 on the ``fsdp`` engine, where the device computes bf16
 natively, and fp32 otherwise. The choice is made on the driver from the model's config and the driver's own CPU (a
 CPU pool's nodes are assumed alike); set ``none`` or ``bf16`` to fix it.
 """
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO_BF16_MIN_PARAMETERS", "native_bf16", "model_parameters", "resolve_mixed_precision"]
 
-#: ``auto`` picks bf16 from this many parameters on (between the 2.4M and 18.9M rows of bench/e2e_sizes.py)
-AUTO_BF16_MIN_PARAMETERS = 8_000_000
+#: ``auto`` picks bf16 from this many parameters on: bench/mixed_precision.py and two-rank bench/e2e_grpo.py runs put
+#: the crossover between 77K (bf16 0.5-0.75x fp32) and 600K (two ranks 1.14-1.16x, one process 0.93-1.06x)
+AUTO_BF16_MIN_PARAMETERS = 1_000_000
 
 
 def native_bf16(device: str) -> bool:

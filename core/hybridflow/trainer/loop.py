@@ -150,11 +150,14 @@ class Trainer:
         protocols = self._protocols()
         mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
                             "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
+                            "mixed_precision": p.spec.engine_config.mixed_precision,  # auto resolved
                             "worker": f"{p.worker.__module__}.{p.worker.__qualname__}", "model": p.spec.role}
                    for p in self.plans}  # the roles the algorithm declared for this config, as built
         mapping["rollout"] = {"engine": self.config.rollout.engine,
                               "pool": self.config.rollout.pool or self.config.actor.pool,
-                              "tensor_parallel_size": self.config.rollout.tensor_parallel_size}
+                              "tensor_parallel_size": self.config.rollout.tensor_parallel_size,
+                              "dtype": next((p.spec.rollout_config.model.dtype for p in self.plans
+                                             if p.spec.rollout_config is not None), None)}
         placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
                                                     placement=placement))

@@ -119,8 +119,10 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                                  reshard_after_forward=not (self._one_unit and self.trainable))
                       if self.sharded else model)
         self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
-        # the tg = 1 handover of a one-unit trainable actor (fp32, no LoRA) is FSDP's own all-gather, whose gathered
-        # weights generation binds and the update's forward then uses: one all-gather a step instead of two
+        # the tg = 1 handover of a one-unit trainable actor (no LoRA) is FSDP's own all-gather, whose gathered
+        # weights generation binds and the update's forward then uses: one all-gather a step instead of two (opt-in
+        # in fp32, where it costs the parking's memory budget; the default under bf16, where the gathered bf16
+        # weights are the generation weights and nothing is parked)
         self.unshard_handover = (self._one_unit and self.trainable and role == "actor" and config.lora is None
                                  and bool(config.extra.get("handover_unshard", config.mixed_precision == "bf16"))
                                  and handover.unshard_handover_unsupported_reason(self) is None)

@@ -1,5 +1,5 @@
 """``mixed_precision: auto`` (the default of every model role) as the trainer plans it (no Ray): bf16 for a model of
-at least 8M fp32 parameters on the fsdp engine where the device multiplies bf16 natively, fp32 below, on other
+at least 1M fp32 parameters on the fsdp engine where the device multiplies bf16 natively, fp32 below, on other
 engines and for a model already in bf16; ``rollout.dtype: auto`` generates in the actor's compute dtype. The CPU
 probe is replaced (a test double of the hardware) where a test needs the other answer than this machine's."""
 

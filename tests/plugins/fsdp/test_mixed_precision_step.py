@@ -61,8 +61,9 @@ def _step_rank(rank: int, world_size: int, out_file: str) -> None:
         actor.end_generation()
         counter.phase = "update"
         metrics = actor.train_step(batch, loss_fn=sequence_mean_nll)
+        loss = next(value for key, value in metrics.items() if key.endswith("nll"))
         steps.append({"counts": counter.take(), "stats": stats, "rollout_dtypes": rollout_dtypes,
-                      "generation_bytes": generation_bytes, "parked": parked, "loss": next(v for k, v in metrics.items() if k.endswith("nll")),
+                      "generation_bytes": generation_bytes, "parked": parked, "loss": loss,
                       "responses": generated["responses"].shape})
     full = {name: tensor.clone() for name, tensor in actor.generation_weights()}
     masters = [p.to_local().dtype for p in actor.model.parameters()]
