@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
+from hybridflow.engines import OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
 from hybridflow.testing.collectives import CollectiveCounter, gathered_bytes
-from hybridflow.testing.contracts.rollout import build_prompt_batch
 from hybridflow.testing.contracts.spawn import run_rank_groups
-from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
-from hybridflow.testing.fixtures import EOS_ID, PAD_ID, tiny_model_config
+from hybridflow.testing.contracts.training import even_split_step_inputs, sequence_mean_nll
+from hybridflow.testing.fixtures import EOS_ID, PAD_ID
 
 SAMPLING = SamplingParams(n=2, max_new_tokens=6, seed=5)
 STEPS = 3
@@ -31,10 +30,7 @@ def _step_rank(rank: int, world_size: int, out_file: str) -> None:
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
     counter = CollectiveCounter()
-    # vocabulary 48: every parameter splits evenly over 2 ranks, so FSDP moves no padding (bytes = the lower bound)
-    spec = ModelSpec(config=tiny_model_config(num_heads=4, num_kv_heads=2, vocab_size=48), seed=3)
-    batch = build_training_batch(rows=8).chunk(world_size)[rank]
-    prompts = build_prompt_batch()
+    spec, batch, prompts = even_split_step_inputs(rank, world_size)
     results: dict[str, Any] = {}
     for unshard in (True, False):
         actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(

@@ -246,3 +246,14 @@ TRAINING_CHECKS: tuple[Callable[[TrainingEngineMaker, Path], None], ...] = (
     check_roles_compute_columns,
     check_checkpoint_resume_is_bit_identical,
 )
+
+
+def even_split_step_inputs(rank: int, world_size: int) -> tuple[ModelSpec, Batch, Batch]:
+    """The inputs of the hybrid engine's step tests on ``world_size`` ranks: a tiny model whose every parameter
+    splits evenly over 2 ranks (vocabulary 48: FSDP moves no padding, so bytes = the planner's lower bound), this
+    rank's share of an 8-row training batch, and the rollout contract's prompt batch."""
+    from hybridflow.testing.contracts.rollout import build_prompt_batch
+    from hybridflow.testing.fixtures import tiny_model_config
+
+    spec = ModelSpec(config=tiny_model_config(num_heads=4, num_kv_heads=2, vocab_size=48), seed=3)
+    return spec, build_training_batch(rows=8).chunk(world_size)[rank], build_prompt_batch()
