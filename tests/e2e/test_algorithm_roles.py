@@ -104,11 +104,14 @@ def test_safe_rlhf_keeps_cost_under_its_limit_while_reward_rises(tmp_path: Path,
     rewards, costs = [m["reward/mean"] for m in history], [m["cost/mean"] for m in history]
     lambdas = [m["lagrange/lambda"] for m in history]
     assert sum(costs[:10]) / 10 > 0.3                         # the constraint binds at the start
-    peak = max(range(len(lambdas)), key=lambdas.__getitem__)
-    assert lambdas[peak] > 0.2                                # λ rose while it did
+    assert max(lambdas) > 0.2, lambdas                        # λ rose while it did
     # the policy learned to satisfy it: a 10-step stretch averages well under the limit, and λ fell back from its
-    # peak (it only falls while the cost is under the limit)
+    # first peak (it only falls while the cost is under the limit). Not from its highest value: λ cycles, and on
+    # some CPUs (AVX512-BF16 EPYC, seed 0) the run ends on a second, higher rise
     assert min(window_means(costs[10:], 10)) < 0.15, costs
+    peak = next(i for i, value in enumerate(lambdas) if value > 0.2)
+    while peak + 1 < len(lambdas) and lambdas[peak + 1] >= lambdas[peak]:
+        peak += 1
     assert min(lambdas[peak:]) < lambdas[peak] / 2, lambdas
     assert sum(costs[50:]) / 50 < 0.28, costs                 # and on average it holds over the second half
     assert sum(rewards[50:]) / 50 > sum(rewards[:20]) / 20 + 0.06, rewards
