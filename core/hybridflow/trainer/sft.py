@@ -108,10 +108,15 @@ class SFTTrainer:
             SamplingParams,
             TrainingEngineConfig,
         )
+        from hybridflow.precision import resolve_mixed_precision
+        from hybridflow.trainer.build import rollout_model_spec
         from hybridflow.workers import RoleSpec
 
         config, actor, data = self.config, self.config.actor, self.config.data
         optim = actor.optim
+        device = config.resource_pools[actor.pool].device
+        precision = resolve_mixed_precision(actor.mixed_precision, engine=actor.engine, device=device,
+                                            model=self.model_spec)
         engine_config = TrainingEngineConfig(
             model=self.model_spec, micro_batch_size=actor.micro_batch_size,
             parallel=ParallelConfig(tensor_parallel_size=actor.parallel.tensor_parallel_size,
@@ -120,15 +125,16 @@ class SFTTrainer:
             optim=OptimConfig(lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay,
                               warmup_steps=optim.warmup_steps, total_steps=config.trainer.total_steps,
                               schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio, grad_clip=optim.grad_clip),
-            mixed_precision=actor.mixed_precision,
+            mixed_precision=precision,
             gradient_checkpointing=actor.gradient_checkpointing, extra=dict(actor.extra))
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         seed = config.trainer.seed
         return RoleSpec(
-            role="actor", name="actor", engine=actor.engine, device=config.resource_pools[actor.pool].device,
+            role="actor", name="actor", engine=actor.engine, device=device,
             threads=config.trainer.threads_per_worker, engine_config=engine_config, loss=SFTLoss(),
             rollout_engine=config.rollout.engine,
-            rollout_config=RolloutEngineConfig(model=self.model_spec, max_prompt_length=data.max_prompt_length,
+            rollout_config=RolloutEngineConfig(model=rollout_model_spec(self.model_spec, "auto", precision),
+                                               max_prompt_length=data.max_prompt_length,
                                                max_new_tokens=data.max_response_length, pad_token_id=pad_id,
                                                eos_token_id=self.tokenizer.eos_token_id, seed=seed,
                                                extra=dict(config.rollout.extra)),

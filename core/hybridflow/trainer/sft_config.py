@@ -50,7 +50,8 @@ class SFTActorSection(_Section):
     pool: str = "main"
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
-    mixed_precision: Literal["none", "bf16"] = "none"
+    # as the RL roles' (hybridflow.precision): auto = bf16 compute from 1M fp32 parameters on a native-bf16 device
+    mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     gradient_checkpointing: bool = False
     optim: OptimSection = OptimSection()
     extra: dict[str, Any] = Field(default_factory=dict)

@@ -88,3 +88,19 @@ def test_this_machines_probe_reads_the_cpu_flags() -> None:
     expected = any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_tile"))
     assert precision.native_bf16("cpu") == expected
     assert precision.native_bf16("cuda")
+
+
+def test_sft_resolves_auto_as_rl_does(bf16_cpu: None) -> None:
+    """``hybridflow sft``'s actor takes the same ``auto``: fp32 for the shipped 77K job, bf16 compute and bf16
+    greedy validation for a big model (the spec its worker builds engines from; nothing started)."""
+    from hybridflow.trainer.sft import SFTTrainer, load_sft_config
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "sft_arithmetic.yaml"
+    config = load_sft_config(example, ["trainer.progress=false"])
+    specs = {"shipped": SFTTrainer(config)._spec()}
+    big = config.model_copy(update={"model": config.model.model_copy(update={
+        "preset": None, "path": None, "config": tiny_model_config(**BIG)})})
+    specs["big"] = SFTTrainer(big)._spec()
+    chosen = {name: (spec.engine_config.mixed_precision, spec.rollout_config.model.dtype)
+              for name, spec in specs.items()}
+    assert chosen == {"shipped": ("none", "float32"), "big": ("bf16", "bfloat16")}, chosen
