@@ -552,3 +552,22 @@ def test_killed_workers_under_partial_rollout_recover_within_the_bound(tmp_path:
     audit = audit_ledger(read_ledger(run_dir), samples_per_prompt=n)
     assert audit.iterations == list(range(5)) and audit.recoveries == 2
     assert audit.samples_duplicated == 0 and audit.samples_lost == 0
+
+
+@pytest.mark.slow
+def test_a_bf16_actor_syncs_its_weights_to_the_rollout_pool_in_bf16(tmp_path: Path, tiny_config: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mixed_precision: auto`` resolved to bf16 (the threshold lowered so the 77K model qualifies, the CPU probe
+    replaced by a double answering "native bf16") generates in bf16 on ``rollout.pool`` too: every weight sync moves
+    exactly half the bytes of the same run in fp32, and training goes on (finite losses)."""
+    from hybridflow import precision
+
+    config = ("trainer.total_steps=3", "rollout.pool=gen")
+    fp32, _ = fit_and_export(tiny_config(tmp_path / "fp32", *SMALL, *config), tmp_path / "hf-fp32")
+    monkeypatch.setattr(precision, "AUTO_BF16_MIN_PARAMETERS", 0)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    bf16, _ = fit_and_export(tiny_config(tmp_path / "bf16", *SMALL, *config), tmp_path / "hf-bf16")
+    synced = [(a["async/weight_sync_bytes"], b["async/weight_sync_bytes"]) for a, b in zip(fp32, bf16, strict=True)]
+    assert any(full > 0 for full, _ in synced), synced
+    assert all(half * 2 == full for full, half in synced), synced
+    assert all(torch.isfinite(torch.tensor(row["actor/pg_loss"])) for row in bf16)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,7 +67,7 @@ class WeightExportingActor(ActorRolloutWorker):
             for _ in weights:  # consumed on every rank (a collective), kept on rank 0 only
                 pass
             return None
-        return self.policy_version, pack_weight_buckets(weights, bucket_bytes=bucket_bytes)
+        return self.policy_version, pack_weight_buckets(self._in_generation_dtype(weights), bucket_bytes=bucket_bytes)
 
     @register(protocol="one_to_all")
     def broadcast_generation_weights(self, group: SyncGroupSpec, bucket_bytes: int = BUCKET_BYTES
@@ -82,7 +82,17 @@ class WeightExportingActor(ActorRolloutWorker):
             for _ in weights:
                 pass
             return None
-        return broadcast_weights(group, weights, version=self.policy_version, bucket_bytes=bucket_bytes)
+        return broadcast_weights(group, self._in_generation_dtype(weights), version=self.policy_version,
+                                 bucket_bytes=bucket_bytes)
+
+    def _in_generation_dtype(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights cast to the rollout pool's generation dtype (``rollout.dtype``; bf16 when the actor computes in
+        bf16) before they are bucketed: half the bytes of an fp32 sync, and the rollout engine binds them as they
+        come instead of casting a copy."""
+        assert self.spec.rollout_config is not None
+        dtype = getattr(torch, str(self.spec.rollout_config.model.dtype))
+        for name, tensor in weights:
+            yield name, tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
 class RolloutWorker(Worker):
