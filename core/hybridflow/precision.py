@@ -4,7 +4,7 @@ bf16 matmuls run 3.5-4.6x the fp32 ones on a CPU with native bf16 (AVX512-BF16 o
 thread, [rows x hidden] x [hidden x 3*hidden] at hidden 256-512; bench/mixed_precision.py on this project's 2-core
 box), and on every GPU since Ampere. On a tiny model a step is dispatch overhead, not arithmetic, and the casts cost
 more than the matmuls save (docs/fsdp.md, "Mixed precision": two FSDP ranks at 77K parameters 0.74x, at 600K
-1.14-1.16x, 2.4M 1.23-1.24x, 18.9M 1.6-1.8x), so ``auto`` picks bf16 for models of at least
+1.14-1.16x, 2.4M 1.23-1.24x, 18.9M 1.6-2.0x), so ``auto`` picks bf16 for models of at least
 :data:`AUTO_BF16_MIN_PARAMETERS` parameters held in fp32 on the ``fsdp`` engine, where the device computes bf16
 natively, and fp32 otherwise. The choice is made on the driver from the model's config and the driver's own CPU (a
 CPU pool's nodes are assumed alike); set ``none`` or ``bf16`` to fix it.
