@@ -42,51 +42,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from e2e_fixture import (
+    MAX_OPERAND,
+    NEW_TOKENS,
+    NUM_ROWS,
+    PROMPTS,
+    SAMPLES,
+    SIZES,
+    cpu_seconds,
+    model_config_of,
+    peak_rss_bytes,
+)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULT_TRL_PATH = "/work/trl-bench/site"
-PROMPTS, SAMPLES, NEW_TOKENS, MAX_OPERAND, NUM_ROWS = 16, 4, 16, 99, 1024
-
-#: model sizes (``--size``; ``bench/e2e_sizes.py`` runs them all): name → keyword arguments of
-#: ``tiny_model_config`` and the steps (warmup steps) of each of ``bench/e2e_sizes.py``'s runs there
-SIZES: dict[str, dict[str, Any]] = {
-    "77k": {"model": {"num_heads": 4, "num_kv_heads": 2}, "steps": 20, "warmup": 3},
-    # not in e2e_sizes.py's default grid: a point between 77K and 2.4M for mixed_precision: auto's threshold
-    "600k": {"model": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 4, "num_heads": 4,
-                       "num_kv_heads": 2}, "steps": 12, "warmup": 3},
-    "2.4m": {"model": {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 8,
-                       "num_kv_heads": 4}, "steps": 8, "warmup": 2},
-    "20m": {"model": {"hidden_size": 512, "intermediate_size": 1024, "num_layers": 8, "num_heads": 8,
-                      "num_kv_heads": 4}, "steps": 5, "warmup": 2},
-}
-
-
-def model_config_of(size: str) -> dict[str, Any]:
-    """The HF config dict of model size ``size`` (one of :data:`SIZES`)."""
-    from hybridflow.testing.fixtures import tiny_model_config
-
-    values = tiny_model_config(**SIZES[size]["model"])
-    values.pop("torch_dtype", None)
-    return values
-
-
-def peak_rss_bytes(pid: int | None = None) -> int:
-    """Peak resident bytes of process ``pid`` (VmHWM), or of this process when None."""
-    import resource
-
-    if pid is None:
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has run (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- one run of each system (in a fresh subprocess) -----------------------------------------------------------
@@ -337,7 +308,7 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trl-path", default=DEFAULT_TRL_PATH if Path(DEFAULT_TRL_PATH).exists() else "",
                         help="directory with TRL and its extra packages, prepended to PYTHONPATH of the TRL run")
     parser.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=False,
-                        help="TRL in bf16 autocast (TRL's GRPOConfig default; off: fp32)")
+                        help="TRL in bf16 autocast (TRL's default; off: fp32); our auto is bf16 from 1M params")
     parser.add_argument("--trl-gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="TRL's activation checkpointing (its GRPOConfig default: on)")
     parser.add_argument("--trl-python", default="", help="interpreter of the TRL run (default: this one)")

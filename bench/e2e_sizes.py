@@ -24,16 +24,8 @@ import statistics
 import sys
 from typing import Any
 
-from e2e_grpo import (
-    NEW_TOKENS,
-    PROMPTS,
-    SAMPLES,
-    SIZES,
-    add_shared_arguments,
-    model_config_of,
-    run_rounds,
-    trl_available,
-)
+from e2e_fixture import NEW_TOKENS, PROMPTS, SAMPLES, SIZES, model_config_of
+from e2e_grpo import add_shared_arguments, run_rounds, trl_available
 
 #: the systems of each size: name → (system run by ``--run-one``, hybridflow workers, torch threads per process).
 #: hybridflow runs its defaults (``mixed_precision: auto``: bf16 from 1M parameters on a CPU with native bf16).

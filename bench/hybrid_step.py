@@ -33,7 +33,7 @@ PHASES = ("handover", "generate", "update")
 def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision: str = "none") -> None:
     import torch
 
-    from e2e_grpo import model_config_of
+    from e2e_fixture import model_config_of
     from hybridflow.batch import Batch
     from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
     from hybridflow.testing.collectives import CollectiveCounter

@@ -46,7 +46,7 @@ def measure(size: str, repeats: int) -> dict[str, Any]:
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from e2e_grpo import model_config_of
+    from e2e_fixture import model_config_of
     from hybridflow.engines import ModelSpec
     from hybridflow.precision import resolve_mixed_precision
     from hybridflow_fsdp.fast_decode import build_lean_decoder

@@ -248,6 +248,22 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
     return plans
 
 
+def role_mapping(config: Config, plans: list[RolePlan]) -> dict[str, dict[str, Any]]:
+    """The run manifest's ``mapping``: each declared role as built (pool, devices, engine, layout, the precision
+    ``mixed_precision: auto`` resolved to, worker class) and the rollout (engine, pool, tg, generation dtype)."""
+    mapping: dict[str, dict[str, Any]] = {
+        p.role: {"pool": p.pool, "devices": config.resource_pools[p.pool].world_size, "engine": p.spec.engine,
+                 "parallel": str(p.spec.engine_config.parallel),
+                 "mixed_precision": p.spec.engine_config.mixed_precision,
+                 "worker": f"{p.worker.__module__}.{p.worker.__qualname__}", "model": p.spec.role}
+        for p in plans}
+    mapping["rollout"] = {"engine": config.rollout.engine, "pool": config.rollout.pool or config.actor.pool,
+                          "tensor_parallel_size": config.rollout.tensor_parallel_size,
+                          "dtype": next((p.spec.rollout_config.model.dtype for p in plans
+                                         if p.spec.rollout_config is not None), None)}
+    return mapping
+
+
 def rollout_model_spec(model: ModelSpec, dtype: str, mixed_precision: str) -> ModelSpec:
     """The actor's model spec at the generation dtype ``rollout.dtype`` (``auto``: bfloat16 when the actor computes
     in bf16, else the actor model's own dtype)."""

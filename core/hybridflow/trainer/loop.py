@@ -26,7 +26,7 @@ from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards_remote import RewardPool, build_reward_function
 from hybridflow.trainer.async_loop import AsyncRollout, use_weight_exporting_actor
-from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles, start_ray
+from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles, role_mapping, start_ray
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.iteration_record import IterationRecorder
 from hybridflow.trainer.progress import MetricsWriter, Progress
@@ -148,16 +148,7 @@ class Trainer:
                                          restart_with=self.async_rollout.linked_pools(),
                                          on_restart=self.async_rollout.reset)
         protocols = self._protocols()
-        mapping = {p.role: {"pool": p.pool, "devices": self.config.resource_pools[p.pool].world_size,
-                            "engine": p.spec.engine, "parallel": str(p.spec.engine_config.parallel),
-                            "mixed_precision": p.spec.engine_config.mixed_precision,  # auto resolved
-                            "worker": f"{p.worker.__module__}.{p.worker.__qualname__}", "model": p.spec.role}
-                   for p in self.plans}  # the roles the algorithm declared for this config, as built
-        mapping["rollout"] = {"engine": self.config.rollout.engine,
-                              "pool": self.config.rollout.pool or self.config.actor.pool,
-                              "tensor_parallel_size": self.config.rollout.tensor_parallel_size,
-                              "dtype": next((p.spec.rollout_config.model.dtype for p in self.plans
-                                             if p.spec.rollout_config is not None), None)}
+        mapping = role_mapping(self.config, self.plans)
         placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
                                                     placement=placement))
