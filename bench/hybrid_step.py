@@ -4,7 +4,8 @@ handover (``generation_weights(park=True)`` + ``update_weights(bind=True)``), ge
 16 prompts × 4 samples × 16 new tokens over the ranks), sleep + ``end_generation``, update (one train step over the
 rollout) — for both handovers, interleaved step by step: FSDP's own all-gather (default) and the planner's executor
 (``actor.extra.handover_unshard=false``). ``--mixed-precision bf16`` runs the actor in bf16 (and generation in bf16,
-as ``rollout.dtype: auto`` does), ``--world-size 1`` the same sequence on one rank. Per rank and phase: process CPU
+as ``rollout.dtype: auto`` does), ``--world-size 1`` the same sequence on one rank. Each rank tunes malloc as a worker
+does (``tune_malloc``). Per rank and phase: process CPU
 seconds (``time.process_time``, robust to other load on the box), wall seconds, and the bytes every
 ``torch.distributed`` collective received (:class:`hybridflow.testing.collectives.CollectiveCounter`). Prints
 ``RESULT {json}``.
@@ -35,6 +36,7 @@ def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision
 
     from e2e_fixture import model_config_of
     from hybridflow.batch import Batch
+    from hybridflow.controller.host import tune_malloc
     from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
     from hybridflow.testing.collectives import CollectiveCounter
     from hybridflow.testing.contracts.training import sequence_mean_nll
@@ -42,6 +44,7 @@ def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
     torch.set_num_threads(1)
+    tune_malloc()  # as every worker does at start-up
     counter = CollectiveCounter()
     spec = ModelSpec(config=model_config_of(size), seed=0)
     generation_spec = ModelSpec(config=spec.config, seed=0, dtype="bfloat16" if precision == "bf16" else "float32")

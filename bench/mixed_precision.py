@@ -3,6 +3,8 @@
 Three measurements per model size of ``bench/e2e_grpo.py`` (77K, 2.4M, 18.9M), fp32 and bf16 interleaved, medians of
 ``--repeats``:
 - ``matmul``: ``F.linear`` of [rows x hidden] by [3*hidden x hidden] at 32, 64, 128 and 1024 rows (GFLOP/s);
+- ``attention``: causal SDPA forward + backward over 6 and 64 rows of 21 tokens (the model's heads) with bf16 inputs
+  in bf16, the same inputs upcast to fp32 (what the training forward runs on CPU: ``upcast_for_backward``), fp32;
 - ``generate``: the rollout engine's lean decoder (prefill once per prompt, 16 prompts x 4 samples, 16 new tokens,
   greedy) on fp32 weights and on bf16 weights (``rollout.dtype: bfloat16``);
 - ``train``: the lean forward + log-softmax + backward over the 64 rows (5-token prompts, 16-token responses) in fp32
@@ -97,6 +99,27 @@ def measure(size: str, repeats: int) -> dict[str, Any]:
             entry[f"{name}_gflops"] = round(20 * 2 * count * hidden * 3 * hidden / seconds / 1e9, 1)
         entry["bf16_over_fp32"] = round(entry["bf16_gflops"] / entry["fp32_gflops"], 2)
         matmul[str(count)] = entry
+    # causal SDPA forward + backward over rows of rollout length (the heads of the model), as the packed training
+    # forward calls it: bf16 inputs in bf16, bf16 inputs upcast to fp32 (what the trainer runs), fp32 inputs
+    from hybridflow_fsdp.lean_forward import upcast_for_backward
+
+    heads, kv_heads = int(fp32.config.num_attention_heads), int(fp32.config.num_key_value_heads)
+    head_dim = hidden // heads
+    attention: dict[str, dict[str, float]] = {}
+    for count in (6, 64):
+        entry = {}
+        for name, dtype, upcast in (("bf16", torch.bfloat16, False), ("bf16_upcast", torch.bfloat16, True),
+                                    ("fp32", torch.float32, False)):
+            q, k, v = (torch.randn(count, n, PROMPT_LENGTH + NEW_TOKENS, head_dim, dtype=dtype, requires_grad=True)
+                       for n in (heads, kv_heads, kv_heads))
+            assert upcast_for_backward(q) == (dtype == torch.bfloat16)  # the trainer upcasts these bf16 inputs
+
+            def step(q: Any = q, k: Any = k, v: Any = v, upcast: bool = upcast) -> None:
+                inputs = (q.float(), k.float(), v.float()) if upcast else (q, k, v)
+                F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=heads != kv_heads).sum().backward()
+            entry[f"{name}_ms"] = round(_median_s(step, repeats) * 1e3, 3)
+        entry["bf16_over_upcast"] = round(entry["bf16_ms"] / entry["bf16_upcast_ms"], 2)
+        attention[str(count)] = entry
     functions = {"generate_fp32": generate(fp32), "generate_bf16": generate(bf16), "train_fp32": train(False),
                  "train_bf16": train(True)}
     times: dict[str, list[float]] = {name: [] for name in functions}
@@ -109,7 +132,7 @@ def measure(size: str, repeats: int) -> dict[str, Any]:
             times[name].append(time.perf_counter() - started)
     seconds = {name: statistics.median(values) for name, values in times.items()}
     parameters = sum(p.numel() for p in fp32.parameters())
-    return {"size": size, "parameters": parameters, "matmul_rows": matmul,
+    return {"size": size, "parameters": parameters, "matmul_rows": matmul, "attention_rows": attention,
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
             "generate_bf16_speedup": round(seconds["generate_fp32"] / seconds["generate_bf16"], 2),
             "train_bf16_speedup": round(seconds["train_fp32"] / seconds["train_bf16"], 2),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanForward", "lean_decoder_unsupported_reason"]
+__all__ = ["LeanForward", "lean_decoder_unsupported_reason", "upcast_for_backward"]
 
 _ARCHITECTURES = ("qwen2", "llama")
 
@@ -130,7 +130,7 @@ class LeanForward:
         q = self._rope(q.transpose(1, 2), cos, sin)
         k = self._rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        out = _attend(q, k, v, mask, self.num_kv_heads != self.num_heads)
         h = h + F.linear(out.transpose(1, 2).reshape(rows, width, -1), attention.o_proj.weight, attention.o_proj.bias)
         mlp = layer.mlp
         x = self._norm(h, layer.post_attention_layernorm)
@@ -256,7 +256,22 @@ class LeanForward:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    if upcast_for_backward(q):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                              enable_gqa=gqa).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def upcast_for_backward(query: torch.Tensor) -> bool:
+    """Whether attention runs in fp32 on half-precision inputs: on CPU, where autograd will run its backward.
+
+    torch's CPU flash-attention backward in bf16 is 4-10x slower than in fp32 at rollout shapes (6-64 rows of 10-60
+    tokens, 8 heads of 64; ``bench/mixed_precision.py``'s ``attention`` rows) while the bf16 forward is as fast or
+    faster, so the no-grad passes (log-probs, generation) stay in bf16 and the training forward's attention upcasts
+    (its output is cast back: the rest of the layer stays in the compute dtype).
+    """
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and torch.is_grad_enabled() and query.requires_grad)
 
 
 def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -19,6 +19,7 @@ from torch import nn
 
 from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
+from hybridflow_fsdp.lean_forward import upcast_for_backward
 from hybridflow_fsdp.models import compute_position_ids
 
 __all__ = [
@@ -111,6 +112,9 @@ def _varlen_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                                       **kwargs)
     heads, dim = query.shape[1], query.shape[3]
     gqa = key.shape[1] != heads
+    dtype = query.dtype
+    if upcast_for_backward(query):
+        query, key, value = query.float(), key.float(), value.float()
     outputs, start = [], 0
     for length, count in _runs(cu_seqlens.diff().tolist()):
         span = length * count
@@ -122,7 +126,8 @@ def _varlen_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         outputs.append(out.transpose(0, 1).reshape(heads, span, dim))
         start += span
     merged = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-    return merged.transpose(0, 1).unsqueeze(0), None  # [1, N, H, D], as HF's attention functions return
+    return merged.to(dtype).transpose(0, 1).unsqueeze(0), None  # [1, N, H, D], as HF's attention functions return
+
 
 
 def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:

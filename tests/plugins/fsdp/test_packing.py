@@ -204,3 +204,27 @@ def test_unsharded_packed_engine_steps_like_fsdp() -> None:
         weights.append({name: tensor.clone() for name, tensor in actor.generation_weights()})
     gap = max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0])
     assert gap < 1e-5, f"sharded and unsharded packed engines differ by {gap}"
+
+
+def test_half_precision_training_attention_runs_in_fp32_on_cpu() -> None:
+    """torch's CPU flash-attention backward is 4-10x slower in bf16 than in fp32 at rollout shapes: the packed
+    attention upcasts where autograd will run its backward (bf16 out, fp32 inside) and stays bf16 under no-grad."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, 30, 16, generator=generator).bfloat16() for heads in (4, 2, 2))
+    cu_seqlens = torch.tensor([0, 10, 20, 30])
+
+    def attention(*tensors: torch.Tensor) -> torch.Tensor:
+        out, _ = packing._varlen_sdpa_attention(torch.nn.Module(), *tensors, None, cu_seq_lens_q=cu_seqlens)
+        return out
+
+    def per_row(dtype: torch.dtype) -> torch.Tensor:
+        q, k, v = (t.to(dtype)[0].view(t.shape[1], 3, 10, 16).transpose(0, 1) for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1).reshape(4, 30, 16).transpose(0, 1).unsqueeze(0).bfloat16()
+
+    trained = attention(*(t.clone().requires_grad_() for t in (query, key, value)))
+    assert trained.dtype == torch.bfloat16
+    assert torch.equal(trained, per_row(torch.float32))
+    assert not torch.equal(trained, per_row(torch.bfloat16))
+    with torch.no_grad():
+        assert torch.equal(attention(query, key, value), per_row(torch.bfloat16))
