@@ -22,7 +22,7 @@ from hybridflow.controller.worker import WorkerContext, set_context
 from hybridflow.engines import MeshInfo
 from hybridflow.transfer.concat import concat_batches
 
-__all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "tune_malloc", "value_nbytes"]
+__all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "reserve_port", "tune_malloc", "value_nbytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,21 @@ def tune_malloc(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) 
         return False
 
 
+def reserve_port(address: str) -> socket.socket:
+    """A socket bound to a free TCP port of ``address`` with SO_REUSEADDR and left open, not listening: the port
+    stays this process's until the socket is closed (the kernel hands it to no other ``bind(0)``, and a plain
+    ``bind`` elsewhere fails), while a listener that sets SO_REUSEADDR, as torch's TCPStore does, can still bind it.
+
+    Rank 0's rendezvous port is reserved this way: a port that was bound once and closed could be taken by another
+    process (another worker group's reservation) before rank 0's TCPStore binds it, and the other ranks would then
+    wait on the wrong store until their deadline.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, 0))
+    return sock
+
+
 def value_nbytes(value: Any) -> int:
     """Tensor/array bytes of a fetched value (Batch tensors, numpy arrays, torch tensors); 0 otherwise."""
     if isinstance(value, Batch):
@@ -158,6 +173,7 @@ class WorkerHost:
     def __init__(self, group: str, rank: int, world_size: int, local_rank: int) -> None:
         self.context = WorkerContext(group=group, rank=rank, world_size=world_size, local_rank=local_rank)
         self.roles: dict[str, Any] = {}
+        self._port_reservation: socket.socket | None = None  # held for this process's life: reserve_port
         if os.environ.get("HYBRIDFLOW_MALLOC_TUNING", "1") != "0":
             tune_malloc()
         try:
@@ -175,9 +191,10 @@ class WorkerHost:
         the default route (e.g. a public interface while the cluster runs on a private network or on loopback).
         """
         address = "127.0.0.1" if loopback else node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((address, 0))
-            return address, int(sock.getsockname()[1])
+        if self._port_reservation is not None:
+            self._port_reservation.close()
+        self._port_reservation = reserve_port(address)
+        return address, int(self._port_reservation.getsockname()[1])
 
     def setup(self, master_addr: str, master_port: int, role_classes: dict[str, type],
               init_kwargs: dict[str, dict[str, Any]]) -> RankResult:
