@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PHASES = ("handover", "generate", "update")
 
 
-def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision: str = "none") -> None:
+def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision: str = "none",
+          reduce_dtype: str = "auto") -> None:
     import torch
 
     from e2e_fixture import model_config_of
@@ -57,7 +58,7 @@ def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision
     for unshard in (True, False):
         actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
             model=spec, optim=OptimConfig(lr=1e-3), micro_batch_size=32, mixed_precision=precision,  # type: ignore[arg-type]
-            extra={"handover_unshard": unshard}))
+            extra={"handover_unshard": unshard, "reduce_dtype": reduce_dtype}))
         rollout = HFRolloutEngine(config=RolloutEngineConfig(model=generation_spec, pad_token_id=0, eos_token_id=1,
                                                              max_prompt_length=8))
         rollout.sleep()
@@ -93,13 +94,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="steps of each handover; the first is left out")
     parser.add_argument("--mixed-precision", default="none", choices=("none", "bf16"),
                         help="the actor's mixed_precision; bf16 also generates in bf16 (rollout.dtype auto)")
+    parser.add_argument("--reduce-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the actor's extra.reduce_dtype (auto: bfloat16 on CPU under bf16)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (1: the one-rank step, same sequence)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="hybrid_step_"))
     load = os.getloadavg()[0]
-    run_rank_groups([(_rank, args.world_size, (args.size, args.steps, str(workdir / "rank"), args.mixed_precision))],
+    run_rank_groups([(_rank, args.world_size, (args.size, args.steps, str(workdir / "rank"), args.mixed_precision,
+                                                args.reduce_dtype))],
                     workdir=workdir, timeout_s=1800)
     result: dict[str, Any] = {"size": args.size, "steps": args.steps, "mixed_precision": args.mixed_precision,
+                              "reduce_dtype": args.reduce_dtype,
                               "world_size": args.world_size, "load_avg_1m": [load, os.getloadavg()[0]]}
     for rank in range(args.world_size):
         runs = json.loads((workdir / f"rank.{rank}").read_text())

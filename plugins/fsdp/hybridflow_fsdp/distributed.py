@@ -62,16 +62,20 @@ def build_data_parallel_mesh(device: str, world_size: int) -> Any:
 
 
 def apply_fsdp(model: nn.Module, *, mesh: Any, mixed_precision: str, reshard_after_forward: bool = True,
-               shard_placement_fn: Callable[[nn.Parameter], Any] | None = None, units: str = "layers") -> nn.Module:
+               shard_placement_fn: Callable[[nn.Parameter], Any] | None = None, units: str = "layers",
+               reduce_dtype: str = "float32") -> nn.Module:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head) — in place; with
     ``units="model"`` the root only: one FSDP unit, so one all-gather and one reduce-scatter per forward/backward
     (small models, and any forward that does not go through the decoder layers' ``forward``).
 
-    ``shard_placement_fn`` (FSDP2's): a parameter's ``Shard(dim)``, None for the default dim 0."""
+    ``shard_placement_fn`` (FSDP2's): a parameter's ``Shard(dim)``, None for the default dim 0. ``reduce_dtype``
+    (``float32`` or ``bfloat16``): the gradients' reduce-scatter dtype under ``mixed_precision="bf16"``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mixed_precision == "bf16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if reduce_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f'reduce_dtype must be "float32" or "bfloat16", got {reduce_dtype!r}')
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
     elif mixed_precision == "none":
         policy = MixedPrecisionPolicy()
     else:
