@@ -129,7 +129,6 @@ def _varlen_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     return merged.to(dtype).transpose(0, 1).unsqueeze(0), None  # [1, N, H, D], as HF's attention functions return
 
 
-
 def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """(length, count) of each run of equal consecutive lengths, zero lengths left out."""
     runs: list[tuple[int, int]] = []

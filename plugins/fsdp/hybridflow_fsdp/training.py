@@ -310,10 +310,11 @@ def resolve_reduce_dtype(setting: object, *, role: str, mixed_precision: str, de
     under ``mixed_precision=bf16`` (fp32 compute reduces in fp32). ``auto``: ``bfloat16`` on CPU, ``float32`` on GPUs.
 
     On CPU the reduction is gloo over host memory and costs as much as the backward it follows: at 18.9M parameters
-    on two ranks a bf16 reduce-scatter made the whole GRPO step 1.25-1.3x faster than an fp32 one (no fp32 copy of
-    the bf16 gradients, half the bytes; docs/fsdp.md). Its cost in precision is one bf16 rounding of each summed
-    gradient element per reduction step (at two ranks: of a + b), on gradients already computed in bf16; the fp32
-    master weights and AdamW state are unchanged. GPUs keep verl's fp32 reduction.
+    on two ranks a bf16 reduce-scatter made the whole GRPO step 1.26-1.32x faster than an fp32 one in one alternating
+    pair of runs (no fp32 copy of the bf16 gradients, half the bytes; docs/fsdp.md has a noisier pair too). Its cost
+    in precision is one bf16 rounding of each summed gradient element per reduction step (at two ranks: of a + b), on
+    gradients already computed in bf16; the fp32 master weights and AdamW state are unchanged. GPUs keep verl's fp32
+    reduction.
     """
     if setting == "auto":
         return "bfloat16" if mixed_precision == "bf16" and device.type == "cpu" else "float32"
