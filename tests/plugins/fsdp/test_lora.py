@@ -213,3 +213,49 @@ def test_sharded_adapters_merge_on_both_handover_paths_and_resume(model_path: Pa
         assert not torch.equal(exported[merged], read_weights(model_path)[merged])
     for name in exported:  # the two ranks' reshard shards together are the full merged tensor (tg = 1: full each)
         assert all(torch.allclose(r["reshard"][name], exported[name], atol=1e-6) for r in results), name
+
+
+def _bf16_lora_rank(rank: int, world_size: int, model_path: str, workdir: str) -> None:
+    """Module-level (spawned): a LoRA actor under mixed_precision=bf16 (what ``auto`` picks from 1M parameters on a
+    CPU with native bf16) on 2 ranks trains, reduces its adapters' gradients in bf16, and hands the merged weights to
+    a bf16 rollout engine (``rollout.dtype: auto``) that then computes the trained policy."""
+    from hybridflow.testing.collectives import CollectiveCounter
+
+    counter = CollectiveCounter()
+    actor = build_actor(Path(model_path), micro_batch_size=2, mixed_precision="bf16")
+    rollout = HFRolloutEngine(config=RolloutEngineConfig(model=ModelSpec(path=model_path, dtype="bfloat16"),
+                                                         pad_token_id=PAD_ID, eos_token_id=EOS_ID))
+    batch = build_training_batch(rows=8).chunk(world_size)[rank]
+    counter.take()
+    counter.phase = "update"
+    losses = [actor.train_step(batch, loss_fn=sequence_mean_nll)["loss"] for _ in range(5)]
+    counts = counter.take()
+    counter.close()
+    state = dict(actor.model.named_parameters())
+    # the adapters' bf16 bytes (a DTensor's numel is the global tensor's)
+    adapter_bytes = sum(p.numel() * 2 for name, p in state.items() if name.endswith((".lora_A", ".lora_B")))
+    rollout.update_weights(actor.generation_weights(), version=actor.state_version())
+    after = rollout.generate(build_prompt_batch(), SamplingParams(temperature=0.0, max_new_tokens=6))
+    torch.save({"losses": losses, "counts": counts, "reduce_dtype": actor.reduce_dtype,
+                "adapter_bytes": adapter_bytes, "rollout_dtypes": {p.dtype for p in rollout.model.parameters()},
+                "rollout_log_probs": after["rollout_log_probs"], "mask": after["response_mask"].bool(),
+                "trained": actor.compute_log_probs(after)["log_probs"]}, f"{workdir}/bf16_rank{rank}.pt")
+
+
+def test_bf16_lora_trains_on_two_ranks_and_generates_the_trained_policy(model_path: Path, tmp_path: Path) -> None:
+    from hybridflow.testing.contracts.spawn import run_rank_groups
+
+    run_rank_groups([(_bf16_lora_rank, 2, (str(model_path), str(tmp_path)))], workdir=tmp_path, timeout_s=240)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"bf16_rank{rank}.pt", weights_only=False)
+        assert result["losses"][-1] < result["losses"][0] - 0.05, result["losses"]
+        # only the adapters' gradients are reduced, in bf16 (auto on CPU): after each micro-batch's backward (per-layer
+        # units, 2 micro-batches of 2 rows a step) a rank receives the other rank's half: half the adapters' bf16 bytes
+        assert result["reduce_dtype"] == "bfloat16"
+        _, nbytes = result["counts"]["update"]["reduce_scatter_single"]
+        assert nbytes == 5 * 2 * result["adapter_bytes"] // 2, (result["counts"], result["adapter_bytes"])
+        # the bf16 rollout engine computes the trained policy: its log-probs are the actor's within bf16's rounding
+        assert result["rollout_dtypes"] == {torch.bfloat16}
+        mask = result["mask"]
+        difference = (result["rollout_log_probs"][mask] - result["trained"][mask]).abs().max()
+        assert difference < 0.1, difference
