@@ -184,6 +184,11 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
             module = cast("FSDPModule", self.model)
             module.set_requires_gradient_sync(last)
             module.set_reshard_after_backward(last)
+        elif self.sharded and self.trainable and self.config.lora is not None:
+            # LoRA (per-layer units): only the adapters have gradients, a few MB at most; accumulate them unsharded
+            # over the micro-batches and reduce-scatter each unit once, after the last backward, instead of once per
+            # micro-batch (the weights still reshard after every backward)
+            cast("FSDPModule", self.model).set_requires_gradient_sync(index == count - 1)
 
     def _ensure_sharded(self) -> None:
         """Free the gathered weights a no-grad forward of the one-unit model left (they are gathered again by the
