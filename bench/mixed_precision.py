@@ -1,6 +1,6 @@
 """bf16 against fp32 compute on this CPU, one process, 1 thread: what ``mixed_precision: auto`` decides on.
 
-Three measurements per model size of ``bench/e2e_grpo.py`` (77K, 2.4M, 18.9M), fp32 and bf16 interleaved, medians of
+Four measurements per model size of ``bench/e2e_grpo.py`` (77K, 2.4M, 18.9M), fp32 and bf16 interleaved, medians of
 ``--repeats``:
 - ``matmul``: ``F.linear`` of [rows x hidden] by [3*hidden x hidden] at 32, 64, 128 and 1024 rows (GFLOP/s);
 - ``attention``: causal SDPA forward + backward over 6 and 64 rows of 21 tokens (the model's heads) with bf16 inputs
