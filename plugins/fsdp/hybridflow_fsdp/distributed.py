@@ -48,9 +48,9 @@ def ensure_process_group(device: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
             )
         dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
-                                timeout=timeout)
+    else:  # one rank: an in-process store, no TCP port to pick (and lose to another process before binding it)
+        store = dist.HashStore()  # type: ignore[attr-defined]  # public in torch.distributed, not in its stubs
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
 def build_data_parallel_mesh(device: str, world_size: int) -> Any:

@@ -41,9 +41,14 @@ def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, 
 
 
 def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
-           workdir: Path) -> tuple[list[Any], list[str]]:
+           workdir: Path) -> tuple[list[Any], list[str], socket.socket]:
     context = multiprocessing.get_context("spawn")
-    port = find_free_port()
+    # rank 0's port held until the run ends (SO_REUSEADDR, not listening: its TCPStore still binds it, no other
+    # process can), so another run starting meanwhile, e.g. on the other pytest-xdist worker, cannot take it
+    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reservation.bind(("127.0.0.1", 0))
+    port = int(reservation.getsockname()[1])
     processes, error_files = [], []
     for rank in range(world_size):
         error_file = str(workdir / f"rank{rank}_{port}.error")
@@ -51,7 +56,7 @@ def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
         process = context.Process(target=_child, args=(function, rank, world_size, port, error_file, args))
         process.start()
         processes.append(process)
-    return processes, error_files
+    return processes, error_files, reservation
 
 
 def run_rank_groups(
@@ -65,9 +70,10 @@ def run_rank_groups(
     started = [(function, _start(function, world_size, args, workdir)) for function, world_size, args in jobs]
     deadline = time.monotonic() + timeout_s
     failures = []
-    for function, (processes, error_files) in started:
+    for function, (processes, error_files, reservation) in started:
         for process in processes:
             process.join(max(1.0, deadline - time.monotonic()))
+        reservation.close()
         hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
         for rank in hung:
             processes[rank].kill()
