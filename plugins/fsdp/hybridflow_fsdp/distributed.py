@@ -7,7 +7,6 @@ shard beyond "each decoder layer, then the root" is left to the engine configs o
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -19,18 +18,11 @@ from torch import nn
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_fsdp.models import transformer_blocks
 
-__all__ = ["ensure_process_group", "build_data_parallel_mesh", "apply_fsdp", "find_free_port", "FSDP_UNITS"]
+__all__ = ["ensure_process_group", "build_data_parallel_mesh", "apply_fsdp", "FSDP_UNITS"]
 
 DEFAULT_TIMEOUT_S = 120
 #: what :func:`apply_fsdp` makes an FSDP unit: each decoder layer (then the root), or the whole model
 FSDP_UNITS = ("layers", "model")
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ensure_process_group(device: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

@@ -12,13 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_ranks", "run_rank_groups", "find_free_port"]
-
-
-def find_free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["run_ranks", "run_rank_groups"]
 
 
 def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, error_file: str,
@@ -42,12 +36,12 @@ def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, 
 
 def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
            workdir: Path) -> tuple[list[Any], list[str], socket.socket]:
+    from hybridflow.controller.host import reserve_port
+
     context = multiprocessing.get_context("spawn")
-    # rank 0's port held until the run ends (SO_REUSEADDR, not listening: its TCPStore still binds it, no other
-    # process can), so another run starting meanwhile, e.g. on the other pytest-xdist worker, cannot take it
-    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    reservation.bind(("127.0.0.1", 0))
+    # rank 0's port held until the run ends (its TCPStore still binds it, no other process can), so another run
+    # starting meanwhile, e.g. on the other pytest-xdist worker, cannot take it
+    reservation = reserve_port("127.0.0.1")
     port = int(reservation.getsockname()[1])
     processes, error_files = [], []
     for rank in range(world_size):
