@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from hybridflow.batch import Batch, check_versions
 from hybridflow.controller.decorator import Dispatch, dispatch_of
-from hybridflow.controller.future import BatchFuture, CallHandle
+from hybridflow.controller.future import FAILURE_GRACE_S, BatchFuture, CallHandle
 from hybridflow.controller.handles import BoundMethod, RoleHandle, check_protocol_overrides, registered_methods
 from hybridflow.controller.host import FetchArg, RankPayload, WorkerHost
 from hybridflow.controller.pool import ResourcePool
@@ -130,35 +130,29 @@ class WorkerGroup:
             self._rendezvous = (str(master_addr), int(master_port), local)
             setups = {rank: host.setup.remote(master_addr, master_port, self.roles, self.init_kwargs)
                       for rank, host in hosts.items()}
-            ready, _ = ray.wait(list(setups.values()), num_returns=len(setups),
-                                timeout=max(0.0, started + self.setup_deadline_s - time.time()))
+            reports = self._wait_for_setups(setups, until=started + self.setup_deadline_s)
         except (GetTimeoutError, RayError) as exc:
             self.shutdown()
             raise WorkerError(f"{self.name}: worker processes failed to start ({type(exc).__name__}: {exc}). Fix: "
                               f"check that the worker classes import in a fresh process", method="setup") from exc
-        if len(ready) < len(setups):
-            stuck = [rank for rank, ref in setups.items() if ref not in set(ready)]
+        failures = {rank: report for rank, report in reports.items() if report[0]}
+        stuck = [rank for rank in setups if rank not in reports]
+        if failures:  # reported before the deadline: the ranks still constructing may be waiting on the failed one
+            self.shutdown()
+            rank = min(failures)
+            error, remote = failures[rank]
+            waiting = (f" (ranks {stuck} had not finished theirs, e.g. waiting for rank {rank} in the rendezvous)"
+                       if stuck else "")
+            raise WorkerError(f"{self.name}: constructing the roles failed on rank {rank}: {error}{waiting}. Fix the "
+                              f"worker constructor; the remote traceback follows.\n{remote}", rank=rank,
+                              method="__init__", remote_traceback=remote)
+        if stuck:
             try:
                 raise_deadline_exceeded(node=self.name, method="__init__", stuck_ranks=stuck,
                                         deadline_s=self.setup_deadline_s, hosts=hosts, pids={},
                                         stack_dump_dir=self.stack_dump_dir)
             finally:
                 self.shutdown()
-        failures = []
-        for rank, ref in setups.items():
-            try:
-                result = ray.get(ref, timeout=10.0)
-            except RayError as exc:
-                failures.append((rank, f"worker process died: {exc}", ""))
-                continue
-            if not result.ok:
-                failures.append((rank, result.error, result.remote_traceback))
-        if failures:
-            self.shutdown()
-            rank, error, remote = failures[0]
-            raise WorkerError(f"{self.name}: constructing the roles failed on rank {rank}: {error}. Fix the worker "
-                              f"constructor; the remote traceback follows.\n{remote}", rank=rank, method="__init__",
-                              remote_traceback=remote)
         locations = ray.get([host.process_location.remote() for host in self._hosts], timeout=30.0)
         self._pids = {rank: pid for rank, (pid, _node) in zip(hosts, locations)}
         self._nodes = {rank: node for rank, (_pid, node) in zip(hosts, locations)}
@@ -168,6 +162,31 @@ class WorkerGroup:
         for role, refs in meshes.items():
             with contextlib.suppress(RayError):  # asked again (and its error raised) when a call needs it
                 self._mesh[role] = list(ray.get(refs, timeout=self.setup_deadline_s))
+
+    @staticmethod
+    def _wait_for_setups(setups: dict[int, Any], *, until: float) -> dict[int, tuple[str, str]]:
+        """Wait for the ranks' ``setup`` reports until ``until``, or until one reports a failure (then a short grace
+        for the others): a rank that failed, e.g. rank 0 before starting its rendezvous store, leaves its peers
+        waiting on it until the deadline, and its own error is the one to report.
+
+        Returns every rank whose report is in, mapped to ``("", "")`` if it succeeded, else (error, traceback);
+        the ranks missing from it had not finished by then."""
+        reports: dict[int, tuple[str, str]] = {}
+        rank_of = {ref: rank for rank, ref in setups.items()}
+        pending = list(setups.values())
+        limit = until
+        while pending and time.time() < limit:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(1.0, limit - time.time())))
+            for ref in done:
+                try:
+                    result = ray.get(ref, timeout=10.0)
+                    report = ("", "") if result.ok else (str(result.error), str(result.remote_traceback))
+                except RayError as exc:
+                    report = (f"worker process died: {exc}", "")
+                reports[rank_of[ref]] = report
+                if report[0] and limit == until:
+                    limit = min(until, time.time() + FAILURE_GRACE_S)
+        return reports
 
     def shutdown(self) -> None:
         """Kill every worker of this group (the pool stays reserved for other or recreated groups)."""

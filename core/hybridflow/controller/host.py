@@ -92,18 +92,34 @@ def tune_malloc(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) 
         return False
 
 
-def reserve_port(address: str) -> socket.socket:
-    """A socket bound to a free TCP port of ``address`` with SO_REUSEADDR and left open, not listening: the port
-    stays this process's until the socket is closed (the kernel hands it to no other ``bind(0)``, and a plain
-    ``bind`` elsewhere fails), while a listener that sets SO_REUSEADDR, as torch's TCPStore does, can still bind it.
+def reserve_port() -> socket.socket:
+    """A socket bound to a free TCP port on every local address (the IPv6 dual-stack wildcard, else IPv4's) with
+    SO_REUSEADDR and left open, not listening: the port stays this process's until the socket is closed (the kernel
+    hands it to no other ``bind(0)`` on any address, and a plain ``bind`` anywhere fails), while a listener that sets
+    SO_REUSEADDR, as torch's TCPStore does, can still bind it.
 
     Rank 0's rendezvous port is reserved this way: a port that was bound once and closed could be taken by another
     process (another worker group's reservation) before rank 0's TCPStore binds it, and the other ranks would then
-    wait on the wrong store until their deadline.
+    wait on the wrong store until their deadline. The wildcard matters: TCPStore listens on every address, so a port
+    held on one address only (the node's IP) could still be handed to a reservation on another (127.0.0.1) whose
+    store then takes the wildcard listen first, and rank 0's store fails with EADDRINUSE.
     """
+    if socket.has_ipv6:
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        except OSError:  # pragma: no cover - IPv6 compiled in but disabled on this host
+            pass
+        else:
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual-stack: IPv4 addresses too
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("::", 0))
+                return sock
+            except OSError:  # pragma: no cover - no IPv6 address to bind
+                sock.close()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((address, 0))
+    sock.bind(("", 0))
     return sock
 
 
@@ -193,7 +209,7 @@ class WorkerHost:
         address = "127.0.0.1" if loopback else node_ip_address()
         if self._port_reservation is not None:
             self._port_reservation.close()
-        self._port_reservation = reserve_port(address)
+        self._port_reservation = reserve_port()
         return address, int(self._port_reservation.getsockname()[1])
 
     def setup(self, master_addr: str, master_port: int, role_classes: dict[str, type],

@@ -56,3 +56,30 @@ def test_a_rank_raising_before_a_collective_fails_the_call_at_once(group: Worker
     message = str(caught.value)
     assert "rank 0 failed before the collective" in message and "ranks [1] were still running" in message
     assert "in all_reduce" in caught.value.remote_traceback
+
+
+class FailsBeforeTheRendezvous(Worker):
+    """Rank 0 raises before starting the rendezvous store (as when its port was taken); rank 1 waits on it."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            raise OSError("rank 0 could not bind its rendezvous port")
+        dist.init_process_group("gloo", init_method=f"tcp://{self.master_addr}:{self.master_port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=120))
+
+
+def test_a_rank_failing_its_constructor_fails_the_group_at_once_with_its_error(ray_session: None) -> None:
+    pool = ResourcePool("fail-fast-init", [2], cpus_per_worker=0.25)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerError) as caught:
+            WorkerGroup(pool, FailsBeforeTheRendezvous, name="init", deadline_s=90)
+    finally:
+        pool.release()
+    elapsed = time.monotonic() - started
+    assert elapsed < 30, f"the group waited {elapsed:.0f} s for rank 1, blocked in the rendezvous (deadline 90 s)"
+    message = str(caught.value)
+    assert caught.value.rank == 0 and caught.value.method == "__init__", message
+    assert "could not bind its rendezvous port" in message and "ranks [1] had not finished" in message, message
