@@ -92,7 +92,7 @@ def tune_malloc(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) 
         return False
 
 
-def reserve_port() -> socket.socket:
+def reserve_port(address: str | None = None) -> socket.socket:
     """A socket bound to a free TCP port on every local address (the IPv6 dual-stack wildcard, else IPv4's) with
     SO_REUSEADDR and left open, not listening: the port stays this process's until the socket is closed (the kernel
     hands it to no other ``bind(0)`` on any address, and a plain ``bind`` anywhere fails), while a listener that sets
@@ -103,7 +103,15 @@ def reserve_port() -> socket.socket:
     wait on the wrong store until their deadline. The wildcard matters: TCPStore listens on every address, so a port
     held on one address only (the node's IP) could still be handed to a reservation on another (127.0.0.1) whose
     store then takes the wildcard listen first, and rank 0's store fails with EADDRINUSE.
+
+    ``address`` (an IPv4 address) holds the port on that address only, as the spawn test helper does on 127.0.0.1:
+    the kernel still hands it to no wildcard reservation (a wildcard conflicts with every address).
     """
+    if address is not None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, 0))
+        return sock
     if socket.has_ipv6:
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)

@@ -27,6 +27,7 @@ from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsuppo
 from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler, count_state_bytes
+from hybridflow_fsdp.shm_comm import install_shm_comm
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -122,6 +123,9 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                                  reduce_dtype=self.reduce_dtype, shard_placement_fn=placement, units=self.fsdp_units,
                                  reshard_after_forward=not (self._one_unit and self.trainable))
                       if self.sharded else model)
+        # one unit on ranks of one host: FSDP's all-gather and reduce-scatter through shared memory (shm_comm.py)
+        self.comm = str(config.extra.get("comm", "auto"))
+        self.shm_comm_unused_reason = install_shm_comm(self.model, setting=self.comm, device=self.device, role=role)
         self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
         # the tg = 1 handover of a one-unit trainable actor (no LoRA) is FSDP's own all-gather, whose gathered
         # weights generation binds and the update's forward then uses: one all-gather a step instead of two (opt-in

@@ -45,3 +45,16 @@ def test_a_reserved_port_is_kept_from_others_on_every_address_and_open_to_the_st
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as after:  # released with the socket
         after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         after.bind(("127.0.0.1", port))
+
+
+def test_a_port_held_on_loopback_only_is_not_handed_to_a_wildcard_reservation() -> None:
+    """The spawn test helper holds rank 0's port on 127.0.0.1 while worker groups reserve on every address."""
+    held = reserve_port("127.0.0.1")
+    port = held.getsockname()[1]
+    try:
+        others = [reserve_port() for _ in range(200)]
+        assert port not in {sock.getsockname()[1] for sock in others}
+        for sock in others:
+            sock.close()
+    finally:
+        held.close()

@@ -32,10 +32,12 @@ def _step_rank(rank: int, world_size: int, out_file: str) -> None:
 
     counter = CollectiveCounter()
     spec, batch, prompts = even_split_step_inputs(rank, world_size)
+    # FSDP's collectives through gloo (what this counts; on one host they go through shared memory by default,
+    # test_shm_comm.py)
     actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
-        model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, mixed_precision="bf16"))
+        model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, mixed_precision="bf16", extra={"comm": "gloo"}))
     reference = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
-        model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2))  # the same model in fp32
+        model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, extra={"comm": "gloo"}))  # the model in fp32
     rollout = HFRolloutEngine(config=RolloutEngineConfig(model=dataclasses.replace(spec, dtype="bfloat16"),
                                                          pad_token_id=PAD_ID, eos_token_id=EOS_ID))
     rollout.sleep()
@@ -113,7 +115,7 @@ def _reduce_rank(rank: int, world_size: int, out_file: str) -> None:
     for reduce_dtype in ("auto", "float32"):
         actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
             model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, mixed_precision="bf16",
-            extra={"reduce_dtype": reduce_dtype}))
+            extra={"reduce_dtype": reduce_dtype, "comm": "gloo"}))  # counted through gloo
         counter.take()
         counter.phase = "update"
         losses = []

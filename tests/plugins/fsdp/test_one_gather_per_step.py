@@ -34,7 +34,8 @@ def _step_rank(rank: int, world_size: int, out_file: str) -> None:
     results: dict[str, Any] = {}
     for unshard in (True, False):
         actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
-            model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, extra={"handover_unshard": unshard}))
+            model=spec, optim=OptimConfig(lr=1e-2), micro_batch_size=2, extra={"handover_unshard": unshard,
+                                                                           "comm": "gloo"}))  # counted through gloo
         rollout = HFRolloutEngine(config=RolloutEngineConfig(model=spec, pad_token_id=PAD_ID, eos_token_id=EOS_ID))
         rollout.sleep()
         steps, rollouts, generation_bytes, parked = [], [], [], []

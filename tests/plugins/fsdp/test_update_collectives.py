@@ -28,7 +28,8 @@ def _update_rank(rank: int, world_size: int, out_file: str) -> None:
 
     engine = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
         model=ModelSpec(config=tiny_model_config(num_heads=4, num_kv_heads=2, vocab_size=48), seed=3),
-        optim=OptimConfig(lr=1e-2), micro_batch_size=2))
+        optim=OptimConfig(lr=1e-2), micro_batch_size=2,
+        extra={"comm": "gloo"}))  # FSDP's collectives through gloo, counted (shared memory: test_shm_comm.py)
     batch = build_training_batch(rows=ROWS).chunk(world_size)[rank]
     counter = CollectiveCounter()
     results: dict[str, Any] = {"steps": [], "metrics": []}

@@ -41,7 +41,7 @@ def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
     context = multiprocessing.get_context("spawn")
     # rank 0's port held until the run ends (its TCPStore still binds it, no other process can), so another run
     # starting meanwhile, e.g. on the other pytest-xdist worker, cannot take it
-    reservation = reserve_port()
+    reservation = reserve_port("127.0.0.1")
     port = int(reservation.getsockname()[1])
     processes, error_files = [], []
     for rank in range(world_size):
