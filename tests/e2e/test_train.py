@@ -14,6 +14,7 @@ from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.progress import read_metrics
 from hybridflow.trainer.rollouts import read_rollouts
+from hybridflow.trainer.timing import is_timing_metric
 
 
 def run(config, *, export: Path | None = None) -> list[dict[str, float]]:
@@ -55,6 +56,14 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
     assert len({h["bytes"] for h in handovers}) == 1
     # the default handover is the reshard planner's: bytes counted from the executor's buffers = the lower bound
     assert all(h["bytes_per_rank"] == h["lower_bound_bytes_per_rank"] for h in handovers), handovers[0]
+    # verl's timing and throughput names, read from the same ledger rows (2 worker ranks)
+    for metrics, row in zip(history, ledger, strict=True):
+        assert metrics["timing_s/gen"] == pytest.approx(row["nodes"]["actor.generate"]["seconds"])
+        assert metrics["timing_s/update_actor"] == pytest.approx(row["nodes"]["actor.update_policy"]["seconds"])
+        assert metrics["timing_s/step"] == metrics["perf/time_per_step"] == metrics["time/step_s"]
+        assert 0 < metrics["timing_s/update_actor"] < metrics["timing_s/step"]
+        assert metrics["perf/total_num_tokens"] == metrics["tokens/prompt_and_response"]
+        assert metrics["perf/throughput"] * 2 == pytest.approx(metrics["throughput/prompt_response_tokens_per_s"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "generation_mesh"
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
@@ -102,7 +111,6 @@ def test_adaptive_entropy_control_steers_the_coefficient_the_workers_apply(tmp_p
 
 
 #: metrics that are wall-clock readings (differ between otherwise identical runs)
-TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +123,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, tiny_config: Any) -> 
 
 
 def strip(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in m.items() if k not in TIMING} for m in history]
+    return [{k: v for k, v in m.items() if not is_timing_metric(k)} for m in history]
 
 
 @pytest.mark.slow  # two trainer runs (and the shared straight one)

@@ -14,8 +14,8 @@ import pytest
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.progress import read_metrics
+from hybridflow.trainer.timing import is_timing_metric
 
-TIMING = ("time/step_s", "throughput/prompt_response_tokens_per_s")
 #: validation every 2 steps of 4, checkpoints at 2 and 4 (the resumed run restarts from step 2)
 COMMON = ("trainer.total_steps=4", "trainer.checkpoint_every=2", "data.task.num_val_prompts=6",
           "data.task.num_prompts=64")
@@ -34,7 +34,8 @@ def straight(tmp_path_factory: pytest.TempPathFactory, tiny_config: Any) -> Path
 
 
 def _rows(run_dir: Path, *drop: str) -> list[dict[str, float]]:
-    return [{k: v for k, v in row.items() if k not in (*TIMING, *drop)} for row in read_metrics(run_dir)]
+    return [{k: v for k, v in row.items() if not is_timing_metric(k) and k not in drop}
+            for row in read_metrics(run_dir)]
 
 
 @pytest.mark.slow

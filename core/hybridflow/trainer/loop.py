@@ -31,6 +31,7 @@ from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_lo
 from hybridflow.trainer.iteration_record import IterationRecorder
 from hybridflow.trainer.progress import MetricsWriter, Progress
 from hybridflow.trainer.rollouts import RolloutWriter
+from hybridflow.trainer.timing import timing_metrics
 from hybridflow.trainer.validation import Validation, build_validation
 
 if TYPE_CHECKING:
@@ -354,6 +355,8 @@ class Trainer:
         self._last_step_end = now
         tokens = metrics.get("tokens/prompt_and_response", 0.0)
         metrics["throughput/prompt_response_tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
+        ranks = sum(group.world_size for group in self.worker_groups().by_pool.values())
+        metrics.update(timing_metrics(record.nodes, step_s=metrics["time/step_s"], tokens=tokens, ranks=ranks))
         self.recorder.record_process_stats(record, self.worker_groups())
         record.metrics = {k: float(v) for k, v in metrics.items()}
         self.ledger.commit(record)
