@@ -1,5 +1,7 @@
 """FSDP's all-gather and reduce-scatter on two CPU ranks of one host: gloo against the shared-memory comms the fsdp
-engine installs by default (``extra.comm: auto``, hybridflow_fsdp/shm_comm.py), side by side in one run.
+engine installs by default (``extra.comm: auto``, hybridflow_fsdp/shm_comm.py), side by side in one run; and the
+small all-reduce of tensor-parallel decoding (64 rows x hidden 512 in bf16, 64 KB) through gloo against the
+shared-memory ``SpinChannel`` (``rollout.extra.comm: auto``).
 
 Sizes are the 18.9M-parameter model of ``bench/e2e_sizes.py`` in bf16 (its one FSDP unit: a 38 MB all-gather output
 and reduce-scatter input), alternating gloo and shm, medians of ``--repeats``. One ``RESULT {json}`` line with the
@@ -30,7 +32,7 @@ NUMEL = 18_914_304
 
 def _rank(rank: int, world_size: int, port: int, repeats: int, out: str) -> None:
     sys.path[:0] = [str(ROOT / "core"), str(ROOT / "plugins" / "fsdp")]
-    from hybridflow_fsdp.shm_comm import SharedMemoryGroup, ShmAllGather, ShmReduceScatter
+    from hybridflow_fsdp.shm_comm import SharedMemoryGroup, ShmAllGather, ShmReduceScatter, SpinChannel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -38,6 +40,8 @@ def _rank(rank: int, world_size: int, port: int, repeats: int, out: str) -> None
     group = dist.group.WORLD
     shared = SharedMemoryGroup(group)
     gather, scatter = ShmAllGather(shared), ShmReduceScatter(shared)
+    channel = SpinChannel(group)
+    activations = torch.zeros(64, 512, dtype=torch.bfloat16)  # stays 0 however often it is summed
     shard = NUMEL // world_size
     plain_out = torch.empty(NUMEL, dtype=torch.bfloat16)
     plain_in = torch.randn(NUMEL).to(torch.bfloat16)
@@ -55,6 +59,8 @@ def _rank(rank: int, world_size: int, port: int, repeats: int, out: str) -> None
     cases = {
         "all_gather": (lambda: dist.all_gather_into_tensor(plain_out, plain_in[:shard]), shm_all_gather),
         "reduce_scatter": (lambda: dist.reduce_scatter_tensor(grad_out, plain_in), shm_reduce_scatter),
+        "decode_all_reduce_x100": (lambda: [dist.all_reduce(activations) for _ in range(100)],
+                                   lambda: [channel.all_reduce_(activations) for _ in range(100)]),
     }
     times: dict[str, dict[str, list[float]]] = {name: {"gloo": [], "shm": []} for name in cases}
     for name, (gloo_call, shm_call) in cases.items():

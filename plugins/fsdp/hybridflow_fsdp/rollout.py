@@ -62,7 +62,8 @@ class HFRolloutEngine:
         self.tensor_group: TensorGroup | None = None
         if tg > 1:  # every check before the collective new_group calls, so all ranks fail alike
             check_tensor_parallel_model(build_hf_config(config.model, role="rollout"), tg)
-            self.tensor_group = resolve_tensor_group(tg, config.extra.get("tensor_groups"))
+            self.tensor_group = resolve_tensor_group(tg, config.extra.get("tensor_groups"),
+                                                     comm=str(config.extra.get("comm", "auto")))
         model = build_model(config.model, role="rollout", attn_implementation=attn_implementation)
         model.requires_grad_(False)
         if self.tensor_group is not None:  # cut on the host, so only this rank's shards reach the device

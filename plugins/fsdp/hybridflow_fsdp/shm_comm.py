@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["SharedMemoryGroup", "ShmAllGather", "ShmReduceScatter", "install_shm_comm", "same_host_reason",
+           "SpinChannel", "spin_channel_unsupported_reason",
            "SHM_DIR", "COMM_SETTINGS", "AUTO_MIN_BYTES"]
 
 SHM_DIR = Path("/dev/shm")
@@ -205,3 +206,107 @@ def install_shm_comm(model: Any, *, setting: str, device: torch.device, role: st
     model.set_custom_all_gather(ShmAllGather(shared))
     model.set_custom_reduce_scatter(ShmReduceScatter(shared))
     return None
+
+
+class SpinChannel:
+    """Small collectives (all-reduce SUM, all-gather) among the ranks of one host through shared memory, waiting by
+    spinning on per-rank sequence counters instead of a message: what tensor-parallel decoding needs, two all-reduces
+    per layer per token of a few KB each, where a gloo call's latency is the whole cost.
+
+    Each rank owns one ``/dev/shm`` mapping (a counter, then two slots of :attr:`SLOT_BYTES`) that every rank maps
+    (unlinked once all have). A call writes this rank's tensor into the slot of its parity, publishes the call's
+    sequence number, spins until every rank has published it, then reads the peers' slots (sums them in rank order,
+    so every rank gets the same bits). Double-buffered: a rank writes a slot again two calls later, after every rank
+    published the call in between, i.e. finished reading it. Relies on stores becoming visible in program order
+    (x86's TSO): :func:`spin_channel_unsupported_reason` refuses other machines. Tensors over a slot fall back to the
+    process group; a peer silent for ``timeout_s`` (dead) raises instead of spinning forever."""
+
+    SLOT_BYTES = 4 << 20
+    HEADER_BYTES = 64
+
+    def __init__(self, group: Any, *, timeout_s: float = 120.0) -> None:
+        import mmap
+
+        import numpy as np
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.timeout_s = float(timeout_s)
+        token = [secrets.token_hex(8) if self.rank == 0 else None]
+        dist.broadcast_object_list(token, group_src=0, group=group)
+        self.prefix = f"hybridflow-spin-{token[0]}"
+        total = self.HEADER_BYTES + 2 * self.SLOT_BYTES
+        own = SHM_DIR / f"{self.prefix}-{self.rank}"
+        with own.open("wb") as handle:
+            handle.truncate(total)
+        dist.barrier(group=group)
+        self._maps = []
+        for rank in range(self.size):
+            with (SHM_DIR / f"{self.prefix}-{rank}").open("r+b") as handle:
+                self._maps.append(mmap.mmap(handle.fileno(), total))
+        dist.barrier(group=group)
+        own.unlink()
+        self._counters = [np.frombuffer(m, dtype=np.int64, count=1) for m in self._maps]
+        self._slots = [[torch.frombuffer(m, dtype=torch.uint8, count=self.SLOT_BYTES,
+                                         offset=self.HEADER_BYTES + parity * self.SLOT_BYTES) for parity in (0, 1)]
+                       for m in self._maps]
+        self._seq = 0
+        self.calls = 0
+
+    def _fits(self, x: torch.Tensor) -> bool:
+        return x.is_contiguous() and x.device.type == "cpu" and x.numel() * x.element_size() <= self.SLOT_BYTES
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``x``, wait for every rank's, return every rank's as views of their slots (valid until the
+        channel's next-but-one call)."""
+        import time
+
+        self._seq += 1
+        seq, parity = self._seq, self._seq % 2
+        nbytes = x.numel() * x.element_size()
+        self._slots[self.rank][parity][:nbytes].copy_(x.reshape(-1).view(torch.uint8))
+        self._counters[self.rank][0] = seq  # after the data: seen after it (TSO)
+        for rank, counter in enumerate(self._counters):
+            spins, deadline = 0, 0.0
+            while counter[0] < seq:
+                spins += 1
+                if spins % 4096 == 0:
+                    now = time.monotonic()
+                    deadline = deadline or now + self.timeout_s
+                    if now > deadline:
+                        raise RuntimeError(f"SpinChannel: rank {rank} of the tensor group did not reach call {seq} "
+                                           f"within {self.timeout_s:.0f} s (its process died or hangs)")
+                    os.sched_yield()
+        self.calls += 1
+        return [slots[parity][:nbytes].view(x.dtype).view(x.shape) for slots in self._slots]
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (rank order: the same bits on every rank)."""
+        if not self._fits(x):
+            dist.all_reduce(x, group=self.group)
+            return x
+        parts = self._exchange(x)
+        x.copy_(parts[0])
+        for part in parts[1:]:
+            x.add_(part)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, by group rank (copies)."""
+        if not self._fits(x):
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            return parts
+        return [part.clone() for part in self._exchange(x)]
+
+
+def spin_channel_unsupported_reason(group: Any) -> str | None:
+    """Why :class:`SpinChannel` cannot serve ``group`` (None: it can). A collective over ``group``."""
+    import platform
+
+    reason = same_host_reason(group, torch.device("cpu"))  # first: every rank takes part in its collective
+    machine = platform.machine().lower()
+    if reason is None and machine not in ("x86_64", "amd64"):
+        return f"it relies on x86's store order, this machine is {machine}"
+    return reason

@@ -37,6 +37,8 @@ class TensorGroup:
     group: Any  # torch.distributed.ProcessGroup
     ranks: tuple[int, ...]
     rank: int
+    #: the group's shared-memory channel (shm_comm.SpinChannel) when its ranks share a host, else None (gloo)
+    channel: Any = None
 
     @property
     def size(self) -> int:
@@ -98,8 +100,10 @@ def check_tensor_parallel_model(hf_config: Any, tg: int) -> None:
         )
 
 
-def resolve_tensor_group(tg: int, tensor_groups: Any) -> TensorGroup:
-    """Create every group of ``tensor_groups`` (collective: all ranks, list order) and return this rank's.
+def resolve_tensor_group(tg: int, tensor_groups: Any, *, comm: str = "auto") -> TensorGroup:
+    """Create every group of ``tensor_groups`` (collective: all ranks, list order) and return this rank's, with a
+    shared-memory :class:`~hybridflow_fsdp.shm_comm.SpinChannel` for its decoding collectives when ``comm`` is
+    ``auto`` (where its ranks share an x86 host) or ``shm`` (required), none for ``gloo``.
 
     Raises:
         ConfigError: torch.distributed is not initialised, or the groups are not a partition of the world's ranks
@@ -131,7 +135,19 @@ def resolve_tensor_group(tg: int, tensor_groups: Any) -> TensorGroup:
         if me in ranks:
             mine = TensorGroup(group=group, ranks=ranks, rank=ranks.index(me))
     assert mine is not None  # the partition check above put this rank in one group
-    return mine
+    from hybridflow_fsdp.shm_comm import COMM_SETTINGS, SpinChannel, spin_channel_unsupported_reason
+
+    if comm not in COMM_SETTINGS:
+        raise ConfigError(f"rollout.extra.comm must be one of {list(COMM_SETTINGS)}, got {comm!r}")
+    if comm == "gloo":
+        return mine
+    reason = spin_channel_unsupported_reason(mine.group)
+    if reason is not None:
+        if comm == "shm":
+            raise ConfigError(f"rollout.extra.comm is shm, but the tensor group's ranks cannot share memory: {reason}."
+                              " Fix: set rollout.extra.comm to auto or gloo")
+        return mine
+    return TensorGroup(group=mine.group, ranks=mine.ranks, rank=mine.rank, channel=SpinChannel(mine.group))
 
 
 class TensorParallelDecoder(LeanDecoder):
@@ -156,6 +172,8 @@ class TensorParallelDecoder(LeanDecoder):
         self._gather_order = [dist.get_group_rank(tensor_group.group, rank) for rank in tensor_group.ranks]
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tensor_group.channel is not None:
+            return self.tensor_group.channel.all_reduce_(x)  # type: ignore[no-any-return]
         dist.all_reduce(x, group=self.tensor_group.group)
         return x
 
@@ -171,8 +189,11 @@ class TensorParallelDecoder(LeanDecoder):
 
     def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
         local = F.linear(self._plain_norm(h), *self._head).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.tensor_group.size)]
-        dist.all_gather(parts, local, group=self.tensor_group.group)
+        if self.tensor_group.channel is not None:
+            parts = self.tensor_group.channel.all_gather(local)
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.tensor_group.size)]
+            dist.all_gather(parts, local, group=self.tensor_group.group)
         return torch.cat([parts[index] for index in self._gather_order], dim=-1)
 
     def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *,
