@@ -46,16 +46,29 @@ def _host_identity() -> str:
     return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
 
 
-def same_host_reason(group: Any, device: torch.device) -> str | None:
-    """Why the ranks of ``group`` cannot share memory (None: they can). A collective over ``group``."""
-    if device.type != "cpu":
-        return f"the device is {device.type}, not the CPU"
+def _free_shm_bytes() -> int:
     if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
+        return -1
+    stats = os.statvfs(SHM_DIR)
+    return int(stats.f_bavail * stats.f_frsize)
+
+
+def same_host_reason(group: Any, device: torch.device, *, need_bytes: int = 0) -> str | None:
+    """Why the ranks of ``group`` cannot share ``need_bytes`` of memory in all (None: they can). A collective over
+    ``group`` (every rank gets the same answer). ``/dev/shm`` is a tmpfs: a buffer written past its free space kills
+    the process with SIGBUS, hence the check (Docker gives containers 64 MB unless run with ``--shm-size``)."""
+    if device.type != "cpu":  # the engine's device, the same on every rank of a group
+        return f"the device is {device.type}, not the CPU"
+    facts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(facts, (_host_identity(), _free_shm_bytes()), group=group)
+    if len({identity for identity, _free in facts}) != 1:
+        return f"the ranks are on {len({identity for identity, _free in facts})} hosts"
+    free = min(free for _identity, free in facts)
+    if free < 0:
         return f"{SHM_DIR} is not a writable directory"
-    identities: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(identities, _host_identity(), group=group)
-    if len(set(identities)) != 1:
-        return f"the ranks are on {len(set(identities))} hosts"
+    if free < need_bytes:
+        return (f"{SHM_DIR} has {free >> 20} MiB free, the buffers need {need_bytes >> 20} MiB (in a container, "
+                f"raise its shared memory, e.g. docker run --shm-size=1g)")
     return None
 
 
@@ -196,7 +209,9 @@ def install_shm_comm(model: Any, *, setting: str, device: torch.device, role: st
         reason = f"it needs one FSDP unit (extra.fsdp_units: model), the model has {len(groups)}"
     else:
         group = groups[0].mesh_info.shard_process_group
-        reason = same_host_reason(group, device)
+        # each rank: an all-gather output and a reduce-scatter input of the whole unit, at most fp32 each
+        weights = sum(p.numel() for p in model.parameters()) * 4
+        reason = same_host_reason(group, device, need_bytes=2 * weights * dist.get_world_size(group))
     if reason is not None:
         if setting == "shm":
             raise ConfigError(f"{role}.extra.comm is shm, but shared-memory collectives cannot run here: {reason}. "
@@ -305,7 +320,8 @@ def spin_channel_unsupported_reason(group: Any) -> str | None:
     """Why :class:`SpinChannel` cannot serve ``group`` (None: it can). A collective over ``group``."""
     import platform
 
-    reason = same_host_reason(group, torch.device("cpu"))  # first: every rank takes part in its collective
+    need = dist.get_world_size(group) * (SpinChannel.HEADER_BYTES + 2 * SpinChannel.SLOT_BYTES)
+    reason = same_host_reason(group, torch.device("cpu"), need_bytes=need)  # first: every rank takes part
     machine = platform.machine().lower()
     if reason is None and machine not in ("x86_64", "amd64"):
         return f"it relies on x86's store order, this machine is {machine}"

@@ -93,3 +93,25 @@ def test_comm_setting_is_checked_and_shm_where_it_cannot_run_is_an_error() -> No
     assert "one rank" in str(_engine(spec, "auto").shm_comm_unused_reason)
     with pytest.raises(ConfigError, match=r"extra\.comm is shm, but .* one rank: nothing to communicate\. Fix"):
         _engine(dataclasses.replace(spec), "shm")
+
+
+def test_too_little_shared_memory_is_refused_before_any_buffer_is_written(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """/dev/shm is a tmpfs: writing past its free space is a SIGBUS (Docker's default is 64 MB), so the free space
+    is checked first, and a directory that cannot be written is refused."""
+    import os
+
+    import torch.distributed as dist
+
+    from hybridflow_fsdp import shm_comm
+    from hybridflow_fsdp.distributed import ensure_process_group
+
+    ensure_process_group("cpu")
+    free = os.statvfs(shm_comm.SHM_DIR).f_bavail * os.statvfs(shm_comm.SHM_DIR).f_frsize
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    assert shm_comm.same_host_reason(group, cpu, need_bytes=free // 2) is None
+    reason = shm_comm.same_host_reason(group, cpu, need_bytes=free + (1 << 30))
+    assert reason is not None and "MiB free" in reason and "--shm-size" in reason, reason
+    assert shm_comm.same_host_reason(group, torch.device("meta")) == "the device is meta, not the CPU"
+    monkeypatch.setattr(shm_comm, "SHM_DIR", tmp_path / "missing")
+    assert shm_comm.same_host_reason(group, cpu) == f"{tmp_path / 'missing'} is not a writable directory"
