@@ -66,6 +66,12 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
         assert metrics["perf/throughput"] * 2 == pytest.approx(metrics["throughput/prompt_response_tokens_per_s"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "generation_mesh"
+    # what the engines chose under auto, as rank 0 reported it: fp32 at 77K, one FSDP unit, gloo (under 4 MiB)
+    training, rollout = manifest["engine_options"]["actor"]["training"], manifest["engine_options"]["actor"]["rollout"]
+    assert (training["mixed_precision"], training["fsdp_units"], training["comm"]) == ("none", "model",
+                                                                                      "process_group"), training
+    assert "under auto's" in training["comm_reason"] and training["lean_forward"], training
+    assert (rollout["dtype"], rollout["tensor_parallel_size"], rollout["decoder"]) == ("float32", 1, "lean"), rollout
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 
 
@@ -262,6 +268,9 @@ def test_auto_bf16_trains_and_hands_over_in_bf16(tmp_path: Path, tiny_config, gr
     chosen = {name: (mapping["actor"]["mixed_precision"], mapping["rollout"]["dtype"])
               for name, mapping in manifests.items()}
     assert chosen == {"bf16": ("bf16", "bfloat16"), "fp32": ("none", "float32")}, chosen
+    options = json.loads((run_dir / "manifest.json").read_text())["engine_options"]["actor"]
+    assert (options["training"]["reduce_dtype"], options["training"]["unshard_handover"],
+            options["rollout"]["dtype"]) == ("bfloat16", True, "bfloat16"), options
     handover = {name: [next(e for e in row["edges"] if e["protocol"] == "reshard")["bytes_per_rank"]
                        for row in read_ledger(path)[:3]] for name, path in (("bf16", run_dir), ("fp32", grpo_run[0]))}
     for bf16_step, fp32_step in zip(handover["bf16"], handover["fp32"], strict=True):

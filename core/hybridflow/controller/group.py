@@ -291,6 +291,11 @@ class WorkerGroup:
         dispatch = self._overrides.get((role, name), dispatch)
         return self._invoke(role, name, dispatch, args, kwargs, deadline_s=deadline_s)
 
+    def engine_options(self) -> dict[str, dict[str, Any]]:
+        """Rank 0's :meth:`WorkerHost.engine_options` of every role (the manifest's ``engine_options``)."""
+        refs = {role: self._hosts[0].engine_options.remote(role) for role in self.roles}
+        return {role: dict(ray.get(ref, timeout=self.deadline_s)) for role, ref in refs.items()}
+
     def mesh(self, role: str) -> list[MeshInfo]:
         """Each rank's :class:`MeshInfo` for ``role`` (asked once from the workers, then cached)."""
         if role not in self._mesh:

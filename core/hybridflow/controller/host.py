@@ -302,6 +302,19 @@ class WorkerHost:
         """(pid, Ray node id) of this worker process."""
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
+    def engine_options(self, role: str) -> dict[str, Any]:
+        """What ``role``'s engines resolved (``resolved_options()`` of its training and rollout engine, where they
+        report one): the manifest's ``engine_options``, e.g. the precision, the gradient reduction dtype and the
+        collectives an ``auto`` setting chose on this machine."""
+        instance = self.roles[role]
+        options: dict[str, Any] = {}
+        for key, engine in (("training", getattr(instance, "engine", None)), ("rollout", getattr(instance, "rollout",
+                                                                                               None))):
+            report = getattr(engine, "resolved_options", None)
+            if callable(report):
+                options[key] = dict(report())
+        return options
+
     def mesh_info(self, role: str) -> MeshInfo:
         instance = self.roles[role]
         report = getattr(instance, "mesh_info", None)

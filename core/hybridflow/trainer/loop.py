@@ -151,8 +151,10 @@ class Trainer:
         protocols = self._protocols()
         mapping = role_mapping(self.config, self.plans)
         placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
+        options = {role: value for group in self.groups.by_pool.values()
+                   for role, value in group.engine_options().items() if value}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
-                                                    placement=placement))
+                                                    placement=placement, engine_options=options))
         if self.advisor is not None:  # the measured start-up is what a remap's restart pays
             self.advisor.setup_seconds = time.perf_counter() - started
         self._maybe_resume()

@@ -103,6 +103,15 @@ class HFRolloutEngine:
     def weights_version(self) -> int:
         return self._version
 
+    def resolved_options(self) -> dict[str, object]:
+        """What this engine chose where its config said ``auto`` (the run manifest's ``engine_options``)."""
+        tg = 1 if self.tensor_group is None else self.tensor_group.size
+        decoder = ("none" if self.decoder is None else
+                   "tensor_parallel" if self.tensor_group is not None else "lean")
+        comm = None if self.tensor_group is None else ("shm" if self.tensor_group.channel is not None else "gloo")
+        return {"dtype": str(next(iter(self._parameters.values())).dtype).removeprefix("torch."),
+                "tensor_parallel_size": tg, "decoder": decoder, "comm": comm, "kv_cache_reuse": self._kv_reuse}
+
     @property
     def tensor_rank(self) -> int:
         """This rank's index in its tensor group (0 at tg = 1)."""

@@ -252,6 +252,17 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self._ensure_sharded()
         checkpoint.load(self, path)
 
+    def resolved_options(self) -> dict[str, object]:
+        """What this engine chose where its config said ``auto`` (the run manifest's ``engine_options``): the
+        precision, FSDP units, the gradient reduction dtype, the collectives (``shm`` or the process group's, with
+        the reason) and the fast paths taken."""
+        return {"mixed_precision": self.config.mixed_precision, "sharded": self.sharded,
+                "fsdp_units": self.fsdp_units if self.sharded else None,
+                "reduce_dtype": self.reduce_dtype if self.config.mixed_precision == "bf16" else "float32",
+                "comm": "shm" if self.shm_comm_unused_reason is None else "process_group",
+                "comm_reason": self.shm_comm_unused_reason, "unshard_handover": self.unshard_handover,
+                "lean_forward": self.lean is not None, "packed": self.packed}
+
     def export_hf(self, path: str) -> None:
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""
         self._ensure_sharded()
