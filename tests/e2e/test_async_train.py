@@ -41,7 +41,7 @@ POOLS = {"main": {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": 0
 SMALL = ("data.batch_size=4", "rollout.max_new_tokens=6", "trainer.checkpoint_every=0", "trainer.log_rollouts=0",
          f"resource_pools={yaml.safe_dump(POOLS, default_flow_style=True).strip()}")
 #: metrics that are timings (differ run to run) or exist only on the rollout pool's path
-UNCOMPARED = ("time/", "throughput/", "async/")
+UNCOMPARED = ("time/", "throughput/", "timing_s/", "perf/", "async/")  # timings, and what async adds
 
 
 @pytest.mark.slow
