@@ -207,6 +207,9 @@ class RecordingGroup:
     def placement(self) -> dict[str, Any]:
         return {}
 
+    def engine_options(self) -> dict[str, Any]:
+        return {}
+
     def protocols(self) -> dict[str, str]:
         return {f"{role}.{method}": name for role, methods in self._overrides.items() for method, name in
                 methods.items()}
