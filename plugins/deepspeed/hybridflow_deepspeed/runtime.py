@@ -103,6 +103,11 @@ def build_deepspeed_config(config: TrainingEngineConfig, options: DeepSpeedOptio
     """
     stage = options.zero_stage if trainable or options.zero_stage == 3 else 0
     zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        # DeepSpeed's default rebinds torch.nn.functional.linear to its ZeRO-3 wrapper for the whole process, for
+        # good ("persists unless manually reset"): every other engine in that process (an fsdp reference beside
+        # this actor) would then run DeepSpeed's linear, and torch function modes no longer see F.linear
+        zero["memory_efficient_linear"] = False
     if stage == 3 and options.param_persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = options.param_persistence_threshold
     if options.offload_optimizer and trainable:
