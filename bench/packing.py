@@ -6,9 +6,11 @@ forward through FSDP2, plus collectives that packing does not change). The batch
 left-padded prompts and right-padded responses, total lengths spread evenly over ``--min-length`` …
 ``4 × --min-length`` (a 4× span; ``--spread long_tail``: most rows short, a few long). Variants, measured
 interleaved (ABCD BCDA …) so machine load hits all alike:
-``padded`` (HF forward on padded rows, ``use_remove_padding=false, extra.lean_forward=false``; what the two-rank
-default ran), ``padded_lean`` (the single-rank padded default: fast_decode's lean forward), ``packed`` (the default
-now) and ``packed_budget`` (packed, ``max_tokens_per_micro_batch`` = ``--budget``). Prints one ``RESULT {json}``
+``padded`` (HF forward on padded rows, ``use_remove_padding=false, extra.lean_forward=false``), ``padded_lean``
+(the lean forward on padded rows, ``use_remove_padding=false``), ``packed`` (the default: the lean forward with the
+padding removed from its linear layers), ``packed_hf`` (HF's modules over the packed sequence, per-row attention:
+what a model the lean forward does not run gets, and the default before 2026-12-03) and ``packed_budget`` (packed,
+``max_tokens_per_micro_batch`` = ``--budget``). Prints one ``RESULT {json}``
 line per variant (median ms of a train step and of a log-prob pass) and a summary with packed's speedups.
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp python bench/packing.py`` (about two minutes on one core;
@@ -94,6 +96,7 @@ def main() -> None:
         "padded": {"use_remove_padding": False, "extra": {"lean_forward": False}},
         "padded_lean": {"use_remove_padding": False},
         "packed": {"use_remove_padding": True},
+        "packed_hf": {"use_remove_padding": True, "extra": {"lean_forward": False}},
         "packed_budget": {"use_remove_padding": True, "max_tokens_per_micro_batch": max(budget, int(lengths.max()))},
     }
     engines = {name: FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(**{
@@ -126,7 +129,7 @@ def main() -> None:
     packed = medians["packed"]
     print("RESULT " + json.dumps({"summary": "packed speedup", **shape, **{
         f"{kind}_vs_{name}": round(medians[name][kind] / packed[kind], 2)
-        for name in ("padded", "padded_lean") for kind in ("train", "log_probs")},
+        for name in ("padded", "padded_lean", "packed_hf") for kind in ("train", "log_probs")},
         "packed_budget_train_vs_packed": round(medians["packed_budget"]["train"] / packed["train"], 2)}))
 
 

@@ -72,32 +72,34 @@ def test_sft_lowers_held_out_loss_raises_exact_match_and_writes_an_hf_dir(sft_ru
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ≈ 100 s on an idle 2-core box; ≈ 4 min with the box shared by other jobs
+@pytest.mark.timeout(1500)  # ≈ 80 s on an idle 2-core box; a few minutes with the box shared by other jobs
 def test_grpo_from_sft_raises_held_out_greedy_accuracy(tmp_path: Path, sft_run) -> None:  # type: ignore[no-untyped-def]
-    """The README's main job, end to end, for its first half (200 of its 400 steps; the rest of its config as shipped):
-    SFT warm start, then GRPO; held-out accuracy and the training reward rise. Measured on that half (seed 0, the
-    AVX-512 box): held-out mean@8 0.12 → 0.36, 0.46 (steps 150, 200); training reward over steps 0-24 0.27 → 0.54 over
-    steps 175-199 (an earlier box: 0.22 → 0.41, 0.49; 0.28 → 0.61). Asserted:
-    mean@8 over the last two validations ≥ the start + 0.12, the reward of the last 25 steps ≥ the first 25's + 0.15."""
+    """The README's main job, end to end, as shipped (SFT warm start, then 400 GRPO steps): held-out accuracy and the
+    training reward rise. 20 held-out sums make one validation noisy (mean@8 moved 0.51 → 0.31 between steps 350
+    and 400 of one run), so the late level is the mean of the last three validations (steps 300-400, 480 answers).
+    Measured 2026-12-03 (seeds 0 / 1 / 2 of trainer.seed, the AVX-512 box): mean@8 0.25 / 0.25 / 0.23 at step 0 →
+    0.41 / 0.56 / 0.40 over steps 300-400; training reward over steps 0-24 0.28 / 0.30 / 0.29 → 0.74 / 0.72 / 0.65
+    over steps 375-399. (Its first 200 steps alone gained 0.08-0.19 over seeds and forward paths from this warm
+    start: too close to any useful margin to assert on.) Asserted: that late mean ≥ the start + 0.12, the reward of
+    the last 25 steps ≥ the first 25's + 0.25."""
     from hybridflow.trainer import Trainer
 
     _, target, _ = sft_run
     config = load_config(GRPO_EXAMPLE, [f"model.path={target}", f"trainer.run_dir={tmp_path / 'rl'}",
-                                        "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
-                                        "trainer.total_steps=200"])
-    assert config.trainer.val_every == 50  # the shipped cadence: validations at steps 0, 50, ..., 200
+                                        "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
+    assert config.trainer.val_every == 50 and config.trainer.total_steps == 400  # the shipped job
     trainer = Trainer(config, progress=False)
     history = fit_and_close(trainer)
     validated = trainer.validation_history
     curve = [(int(row["step"]), row[ACC], row[SAMPLED]) for row in validated]
-    assert [step for step, _, _ in curve] == [0, 50, 100, 150, 200], curve
+    assert [step for step, _, _ in curve] == list(range(0, 401, 50)), curve
     assert validated[0][ACC] <= 0.45, curve  # the warm start leaves room (measured: 0.05-0.40 over runs and boxes)
     # 8 samples of 20 held-out prompts (160 answers) per reading: steadier than greedy over 20
-    late = sum(row[SAMPLED] for row in validated[-2:]) / 2
+    late = sum(row[SAMPLED] for row in validated[-3:]) / 3
     assert late >= validated[0][SAMPLED] + 0.12, curve
     rewards = [row["reward/mean"] for row in history]
-    assert len(rewards) == 200
-    assert sum(rewards[-25:]) / 25 >= sum(rewards[:25]) / 25 + 0.15, (rewards[:25], rewards[-25:])
-    # no collapse: fewer than 10% of the steps have every group at zero advantage (measured: none of 200)
+    assert len(rewards) == 400
+    assert sum(rewards[-25:]) / 25 >= sum(rewards[:25]) / 25 + 0.25, (rewards[:25], rewards[-25:])
+    # no collapse: fewer than 10% of the steps have every group at zero advantage (main_job.py --factor 10: 1.3-1.4%)
     zero_all = sum(row["critic/zero_adv_group_ratio"] == 1.0 for row in history)
     assert zero_all < 0.1 * len(history)

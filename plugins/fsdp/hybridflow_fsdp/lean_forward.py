@@ -9,7 +9,7 @@ architectures, sliding windows, non-default RoPE) keep the HF forward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -176,47 +176,68 @@ class LeanForward:
         return self._logits(h if last is None else h[:, -last:])
 
     def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                        response_width: int) -> torch.Tensor:
+                        response_width: int, *, remove_padding: bool = False) -> torch.Tensor:
         """Logits [B, R, V] predicting each of the last ``response_width`` tokens (gradients flow).
 
         Rows that repeat the previous row's prompt (the n samples of one prompt, as rollouts produce them) share
         one forward of that prompt: the prompt columns are computed once per distinct prompt and the responses
         attend to its keys/values — the same logits and gradients as the full forward, with the prompt's
-        arithmetic done once instead of n times. Without repeats this is :meth:`forward_logits`.
+        arithmetic done once instead of n times.
+
+        ``remove_padding`` (the engine's ``use_remove_padding``): the linear layers, norms and RoPE run on the valid
+        tokens only (padding is scattered in for the batched attention alone), the LM head only at the positions
+        that predict a valid response token; logits at padding positions are 0. Without it and without repeated
+        prompts this is :meth:`forward_logits`.
         """
         prompt_width = input_ids.shape[1] - response_width
         firsts = _distinct_prompt_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
                                        position_ids[:, :prompt_width]) if prompt_width > 0 else None
+        if firsts is None and remove_padding and prompt_width > 0:  # every row its own prompt
+            every = torch.arange(input_ids.shape[0], device=input_ids.device)
+            firsts = (every, every)
         if firsts is None:
             return self.forward_logits(input_ids, attention_mask, position_ids, last=response_width + 1)[:, :-1]
         unique_rows, owner = firsts
-        return self._shared_prefix_logits(input_ids, attention_mask, position_ids, prompt_width, unique_rows, owner)
+        return self._shared_prefix_logits(input_ids, attention_mask, position_ids, prompt_width, unique_rows, owner,
+                                          remove_padding=remove_padding)
 
     def _shared_prefix_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, prompt_width: int, unique_rows: torch.Tensor,
-                              owner: torch.Tensor) -> torch.Tensor:
+                              owner: torch.Tensor, *, remove_padding: bool = False) -> torch.Tensor:
         rows, width = input_ids.shape
         prompts, responses = len(unique_rows), width - prompt_width
         device = input_ids.device
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         self._rope_tables(int(position_ids.max()) + 1, device)
         prompt_tokens = prompts * prompt_width
+        total = prompt_tokens + rows * responses
         # one flat token stream: the distinct prompts' tokens, then every row's response tokens
         ids = torch.cat((input_ids[unique_rows, :prompt_width].reshape(-1), input_ids[:, prompt_width:].reshape(-1)))
         positions = torch.cat((position_ids[unique_rows, :prompt_width].reshape(-1),
                                position_ids[:, prompt_width:].reshape(-1)))
+        keys = attention_mask.bool()
+        prompt_keys = keys[unique_rows, :prompt_width]
+        # with padding removal, the stream keeps its valid tokens only (``kept``: their indices in the full stream)
+        kept: torch.Tensor | None = None
+        if remove_padding:
+            valid = torch.cat((prompt_keys.reshape(-1), keys[:, prompt_width:].reshape(-1)))
+            if not bool(valid.all()):
+                kept = valid.nonzero().squeeze(1)
+                ids, positions = ids[kept], positions[kept]
         embedding = self._hf.model.embed_tokens.weight
         h = F.embedding(ids, embedding)
         cos = self._cos[positions].unsqueeze(1).to(h.dtype)  # [N, 1, D]
         sin = self._sin[positions].unsqueeze(1).to(h.dtype)
-        keys = attention_mask.bool()
-        prompt_keys = keys[unique_rows, :prompt_width]
         prompt_mask = self._prompt_mask(prompt_keys)  # [U, 1, P, P]
         causal = torch.ones(responses, responses, dtype=torch.bool, device=device).tril()
         response_mask = torch.cat((keys[:, None, None, :prompt_width].expand(rows, 1, responses, prompt_width),
                                    (causal & keys[:, None, None, prompt_width:])
                                    | torch.eye(responses, dtype=torch.bool, device=device)), dim=-1)
         gqa = kv_heads != heads
+        # padding removed from responses of different lengths: attention by groups of rows of similar length, each
+        # over its own width (a padded [B, R] attention costs B·R·(P + R) whatever the rows hold)
+        buckets = _response_buckets(keys[:, prompt_width:], owner, response_mask, prompt_width) if kept is not None \
+            else None
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
             x = self._norm(h, layer.input_layernorm)
@@ -227,6 +248,9 @@ class LeanForward:
             qk, v = torch.split(qkv, [(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
             qk = qk.view(-1, heads + kv_heads, dim)
             qk = self._rope(qk, cos, sin)
+            if kept is not None:  # padding back in for the batched attention (zeros: masked keys, unused queries)
+                qk = qk.new_zeros(total, heads + kv_heads, dim).index_copy(0, kept, qk)
+                v = v.new_zeros(total, kv_heads * dim).index_copy(0, kept, v)
             qk_p, qk_r = torch.split(qk, [prompt_tokens, rows * responses])
             v_p, v_r = torch.split(v, [prompt_tokens, rows * responses])
             q_p, k_p = torch.split(qk_p, [heads, kv_heads], dim=1)
@@ -238,21 +262,95 @@ class LeanForward:
             k_r = k_r.view(rows, responses, kv_heads, dim).transpose(1, 2)
             v_r = v_r.view(rows, responses, kv_heads, dim).transpose(1, 2)
             out_p = _attend(q_p, k_p, v_p, prompt_mask, gqa)
-            out_r = _attend(q_r, torch.cat((k_p[owner], k_r), dim=2), torch.cat((v_p[owner], v_r), dim=2),
-                            response_mask, gqa)
-            out = torch.cat((out_p.transpose(1, 2).reshape(prompt_tokens, heads * dim),
-                             out_r.transpose(1, 2).reshape(rows * responses, heads * dim)))
+            if buckets is None:
+                out_r = _attend(q_r, torch.cat((k_p[owner], k_r), dim=2), torch.cat((v_p[owner], v_r), dim=2),
+                                response_mask, gqa).transpose(1, 2).reshape(rows * responses, heads * dim)
+            else:
+                parts = [_attend(q_r[members, :, :width],
+                                 torch.cat((k_p[owners], k_r[members, :, :width]), dim=2),
+                                 torch.cat((v_p[owners], v_r[members, :, :width]), dim=2), mask, gqa)
+                         .transpose(1, 2).reshape(-1, heads * dim)
+                         for members, owners, width, mask in buckets.groups]
+                out_r = parts[0].new_zeros(rows * responses, heads * dim).index_copy(0, buckets.slots,
+                                                                                    torch.cat(parts))
+            out = torch.cat((out_p.transpose(1, 2).reshape(prompt_tokens, heads * dim), out_r))
+            if kept is not None:
+                out = out.index_select(0, kept)
             h = h + F.linear(out, attention.o_proj.weight, attention.o_proj.bias)
             x = self._norm(h, layer.post_attention_layernorm)
             # two matmuls, not one over [gate; up] then chunk: contiguous halves make silu and its backward faster
             gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
             up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
             h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        if remove_padding:
+            return self._valid_response_logits(h, keys[:, prompt_width:], owner, prompt_width, kept, total)
         # the last prompt position predicts the first response token; response positions predict the rest
         h_p, h_r = torch.split(h, [prompt_tokens, rows * responses])
         first = self._logits(h_p.view(prompts, prompt_width, -1)[:, -1])[owner].unsqueeze(1)
         rest = self._logits(h_r.view(rows, responses, -1)[:, :-1])
         return torch.cat((first, rest), dim=1)
+
+    def _valid_response_logits(self, h: torch.Tensor, response_keys: torch.Tensor, owner: torch.Tensor,
+                               prompt_width: int, kept: torch.Tensor | None, total: int) -> torch.Tensor:
+        """Logits [B, R, V] from the LM head run only where a valid response token is predicted (0 elsewhere).
+
+        ``h`` holds the stream's tokens (the valid ones when ``kept``); the predictor of response token j of row r
+        is the last position of its prompt (j = 0) or its response position j - 1."""
+        rows, responses = response_keys.shape
+        device = h.device
+        prompt_tokens = total - rows * responses
+        predictor = torch.empty(rows, responses, dtype=torch.long, device=device)
+        predictor[:, 0] = owner * prompt_width + prompt_width - 1
+        predictor[:, 1:] = (prompt_tokens + torch.arange(rows, device=device)[:, None] * responses
+                            + torch.arange(responses - 1, device=device))
+        index = predictor[response_keys]  # row-major, as index_put fills response_keys below
+        if kept is not None:  # full-stream indices → the kept stream's (predictors of valid tokens are valid)
+            where = torch.full((total,), -1, dtype=torch.long, device=device)
+            where[kept] = torch.arange(len(kept), device=device)
+            index = where[index]
+            if bool((index < 0).any()):
+                raise ValueError("a valid response token whose predicting position is padding: the lean forward "
+                                 "expects left-padded prompts followed by right-padded responses")
+        logits = self._logits(h.index_select(0, index))
+        # not a view of the scattered logits (an FSDP forward method must not return views)
+        return logits.new_zeros(rows, responses, logits.shape[-1]).index_put((response_keys,), logits)
+
+
+class _Buckets(NamedTuple):
+    """Groups of response rows attended together: (rows, their prompts' rows, width, mask) each, and ``slots``: the
+    flat [B·R] index of every (row, column) the groups compute, in their order."""
+
+    groups: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]
+    slots: torch.Tensor
+
+
+def _response_buckets(response_keys: torch.Tensor, owner: torch.Tensor, mask: torch.Tensor, prompt_width: int,
+                      *, most: int = 8, keep_above: float = 0.8) -> _Buckets | None:
+    """Rows sorted by valid response length in up to ``most`` equal-count groups, a group merged into the longer one
+    before it when its longest row is at least ``keep_above`` of that one's (too little to save for another call);
+    None when one group spans the whole width (nothing to save)."""
+    rows, responses = response_keys.shape
+    lengths = response_keys.sum(1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    longest = lengths[order].tolist()
+    cuts = sorted({round(rows * i / most) for i in range(1, most)} - {0, rows}) + [rows]
+    spans: list[list[int]] = []
+    start = 0
+    for end in cuts:
+        if spans and longest[start] >= keep_above * longest[spans[-1][0]]:
+            spans[-1][1] = end
+        else:
+            spans.append([start, end])
+        start = end
+    if len(spans) == 1 and longest[0] == responses:
+        return None
+    groups, slots = [], []
+    for start, end in spans:
+        members = order[start:end]
+        width = max(1, int(longest[start]))
+        groups.append((members, owner[members], width, mask[members, :, :width, :prompt_width + width]))
+        slots.append((members[:, None] * responses + torch.arange(width, device=members.device)).reshape(-1))
+    return _Buckets(groups, torch.cat(slots))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:

@@ -107,9 +107,9 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         placement = (_row_dim_one_placement(model) if self.generation_tensor_parallel_size > 1 and role == "actor"
                      else None)
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) for the actor and the
-        # reference in full precision, on the padded path (use_remove_padding=false; with padding removal the packed
-        # forward runs); sharded, it needs the whole model as one FSDP unit (it bypasses the layers' forward, where
-        # per-layer units would all-gather). It reads the base weights: not with LoRA adapters.
+        # reference, with padding removal or without (use_remove_padding; other roles and models pack through the
+        # HF modules, packing.py); sharded, it needs the whole model as one FSDP unit (it bypasses the layers'
+        # forward, where per-layer units would all-gather). It reads the base weights: not with LoRA adapters.
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
         lean_possible = (role in ("actor", "reference") and not checkpointing
                          and config.lora is None and bool(config.extra.get("lean_forward", True))
@@ -165,6 +165,10 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                          entropy_metric: bool = False) -> dict[str, torch.Tensor]:
         if not self.packed:
             return super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
+        if self._lean_logits is not None:  # the lean forward removes the padding itself (_response_logits)
+            outputs = super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
+            padding = micro["attention_mask"][:, -forward.response_length(micro):].to(self.device) == 0
+            return {name: value.masked_fill(padding, 0.0) for name, value in outputs.items()}  # as packing's: 0
         return packing.packed_forward_outputs(self.model, micro, self.device, role=self.role,
                                               with_entropy=with_entropy, entropy_metric=entropy_metric)
 
@@ -177,7 +181,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         inputs = forward.model_inputs(micro, self.device)
         length = forward.response_length(micro)
         logits: torch.Tensor = self._lean_logits(inputs["input_ids"], inputs["attention_mask"],
-                                                 inputs["position_ids"], length)
+                                                 inputs["position_ids"], length, remove_padding=self.packed)
         return logits
 
     def _before_micro(self, index: int, count: int) -> None:
@@ -261,7 +265,9 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                 "reduce_dtype": self.reduce_dtype if self.config.mixed_precision == "bf16" else "float32",
                 "comm": "shm" if self.shm_comm_unused_reason is None else "process_group",
                 "comm_reason": self.shm_comm_unused_reason, "unshard_handover": self.unshard_handover,
-                "lean_forward": self.lean is not None, "packed": self.packed}
+                "lean_forward": self.lean is not None, "packed": self.packed,
+                # which forward scores and trains: the lean one (padding removed when packed) or HF's modules
+                "forward": ("lean" if self.lean is not None else "hf") + ("_packed" if self.packed else "_padded")}
 
     def export_hf(self, path: str) -> None:
         """Write an HF model directory (config + safetensors; tokenizer copied when the source has one) from rank 0."""

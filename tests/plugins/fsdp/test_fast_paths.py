@@ -114,9 +114,9 @@ def test_unsharded_single_rank_engine_steps_like_fsdp() -> None:
                                 optim=OptimConfig(lr=1e-2), micro_batch_size=4)
     batch = build_training_batch(rows=8)
     weights = []
-    for extra in ({}, {"fsdp_always": True, "lean_forward": False}):
+    for extra in ({}, {"fsdp_always": True}):  # the lean forward either way (through FSDP's module when sharded)
         engine = FSDPTrainingEngine(role="actor", config=dataclasses.replace(base, extra=extra))
-        assert engine.sharded == bool(extra) and (engine.lean is None) == bool(extra)
+        assert engine.sharded == bool(extra) and engine.resolved_options()["forward"] == "lean_packed"
         for _ in range(3):
             engine.train_step(batch, loss_fn=sequence_mean_nll)
         weights.append({name: tensor.clone() for name, tensor in engine.generation_weights()})
@@ -147,7 +147,19 @@ def test_shared_prompt_forward_matches_full_forward_and_gradients(fixture: str) 
     assert_same_log_probs_and_gradients(
         model, responses, response_mask,
         lambda: decoder.forward_logits(input_ids, attention_mask, positions, last=width + 1)[:, :-1],
-        lambda: decoder.response_logits(input_ids, attention_mask, positions, width))
+        lambda: decoder.response_logits(input_ids, attention_mask, positions, width),
+        lambda: decoder.response_logits(input_ids, attention_mask, positions, width, remove_padding=True))
+    # without shared prompts too (each row its own prompt), and padding-removed logits hold 0 at padding
+    alone = firsts[0]  # one row of each prompt
+    ids_a, mask_a, pos_a = input_ids[alone], attention_mask[alone], positions[alone]
+    assert _distinct_prompt_rows(ids_a[:, :6], mask_a[:, :6], pos_a[:, :6]) is None
+    assert_same_log_probs_and_gradients(
+        model, responses[alone], response_mask[alone],
+        lambda: decoder.forward_logits(ids_a, mask_a, pos_a, last=width + 1)[:, :-1],
+        lambda: decoder.response_logits(ids_a, mask_a, pos_a, width, remove_padding=True))
+    with torch.no_grad():
+        packed = decoder.response_logits(input_ids, attention_mask, positions, width, remove_padding=True)
+    assert packed[response_mask == 0].abs().max() == 0 and packed[response_mask == 1].abs().amax(-1).min() > 0
 
 
 def test_generation_and_inference_outputs_are_ordinary_tensors() -> None:

@@ -23,7 +23,8 @@ ROWS = 12  # 6 a rank, micro-batches of 2: three backward passes per optimizer s
 
 def _compare_rank(rank: int, world_size: int, out_file: str) -> None:
     base = TrainingEngineConfig(model=ModelSpec(config=tiny_model_config(num_heads=4, num_kv_heads=2), seed=3),
-                                optim=OptimConfig(lr=1e-2), micro_batch_size=2)
+                                # a large eps: the update follows the gradient, not the sign of its rounding noise
+                                optim=OptimConfig(lr=1e-2, eps=1e-2), micro_batch_size=2)
     batch = build_training_batch(rows=ROWS).chunk(world_size)[rank]
     results = {}
     for units in ("auto", "layers"):
@@ -55,9 +56,9 @@ def test_one_unit_lean_fsdp_matches_per_layer_fsdp(tmp_path: Path) -> None:
     moved = max((layers["after"][n] - layers["before"][n]).abs().max().item() for n in layers["after"])
     assert moved > 1e-3, f"weights barely moved ({moved}); the comparison would be vacuous"
     gap = max((one["after"][n] - layers["after"][n]).abs().max().item() for n in layers["after"])
-    # float sums in another order: 1.03e-5 on an AVX-512 box, under 1e-5 on another; a wrong reduction (a gradient
-    # not averaged over the ranks, a shard stepped twice) moves weights by the size of an update (> 1e-3 here)
-    assert gap < 5e-5, f"one-unit lean FSDP diverged from per-layer FSDP by {gap} after 2 steps"
+    # float sums in another order (the lean forward against HF's modules); a wrong reduction (a gradient not
+    # averaged over the ranks, a shard stepped twice) moves weights by the size of an update (> 1e-3 here)
+    assert gap < 1e-5, f"one-unit lean FSDP diverged from per-layer FSDP by {gap} after 2 steps"
 
 
 def test_fsdp_units_setting() -> None:

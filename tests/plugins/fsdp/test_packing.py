@@ -107,8 +107,10 @@ def test_engine_packed_outputs_equal_the_padded_engine(role: str, method: str, c
 
 
 def test_packing_removes_the_padded_tokens_from_the_forward() -> None:
-    """The model sees one sequence of the valid tokens, positions restarting at 0 in each row."""
-    actor = engine()
+    """The HF model (a model the lean forward does not run, here one with it turned off) sees one sequence of the
+    valid tokens, positions restarting at 0 in each row."""
+    actor = engine(extra={"lean_forward": False})
+    assert actor.resolved_options()["forward"] == "hf_packed"
     seen = []
     actor.model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
     batch = skewed_batch()
@@ -119,18 +121,91 @@ def test_packing_removes_the_padded_tokens_from_the_forward() -> None:
     assert packed.position_ids[0, starts].eq(0).all() and packed.targets.numel() == int(batch["response_mask"].sum())
 
 
+class LinearRows(torch.overrides.TorchFunctionMode):
+    """Records the rows of every ``F.linear`` input (all leading dimensions flattened) and the (batch, queries,
+    keys) of every SDPA call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+        self.attention: list[tuple[int, int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # by name: DeepSpeed's ZeRO-3 (run earlier in the same test process) may leave F.linear rebound to its wrapper
+        name = getattr(func, "__name__", "")
+        if name == "linear":
+            self.rows.append(int(args[0].numel() // args[0].shape[-1]))
+        elif name == "scaled_dot_product_attention":
+            self.attention.append((args[0].shape[0], args[0].shape[-2], args[1].shape[-2]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_prompts", "shared_prompts"])
+def test_the_lean_forward_removes_padding_on_the_default_path(shared: bool) -> None:
+    """The default actor (use_remove_padding on, a Qwen2 model) scores and trains through the lean forward, whose
+    linear layers see only the valid tokens (each shared prompt once) and whose LM head runs only where a valid
+    response token is predicted; log-probs equal the padded HF forward's within 1e-5 and hold 0 at padding, and a
+    train step updates as the HF packed forward does."""
+    batch = skewed_batch()
+    if shared:  # four samples of each of two prompts (as rollouts lay them out), responses of skewed lengths
+        prompt = batch["attention_mask"].shape[1] - batch["responses"].shape[1]
+        for column in ("input_ids", "attention_mask"):
+            values = batch[column].clone()
+            values[:, :prompt] = values[[0, 0, 0, 0, 7, 7, 7, 7], :prompt]
+            batch[column] = values
+    actor = engine()
+    assert actor.resolved_options()["forward"] == "lean_packed"
+    mask = batch["response_mask"].bool()
+    prompt = batch["attention_mask"].shape[1] - mask.shape[1]
+    distinct = [0, 4] if shared else list(range(len(batch)))
+    stream = int(batch["attention_mask"][distinct, :prompt].sum()) + int(mask.sum())
+    with LinearRows() as seen:
+        log_probs = actor.compute_log_probs(batch)["log_probs"]
+    layers = actor.model.config.num_hidden_layers
+    assert len(seen.rows) == 5 * layers + 1  # q/k/v, o, gate, up, down per layer, then the LM head
+    assert seen.rows[:-1] == [stream] * (5 * layers)  # valid tokens only, each distinct prompt once
+    assert seen.rows[-1] == int(mask.sum())  # the LM head: valid response tokens only
+    # the responses attend in groups of similar length, each over its own width: well under the padded grid's area
+    responses = [(b, q, k) for b, q, k in seen.attention if k > q]  # (the prompts' own attention is square)
+    assert sum(b for b, _, _ in responses) == len(batch) * layers and len(responses) > layers
+    padded_area = len(batch) * mask.shape[1] * (prompt + mask.shape[1]) * layers
+    assert sum(b * q * k for b, q, k in responses) < 0.5 * padded_area
+    padded = engine(use_remove_padding=False, extra={"lean_forward": False}).compute_log_probs(batch)["log_probs"]
+    assert (padded - log_probs)[mask].abs().max().item() < TOLERANCE
+    assert log_probs[~mask].abs().max().item() == 0
+    weights = []
+    for extra in ({}, {"lean_forward": False}):
+        trained = engine(micro_batch_size=4, extra=extra)
+        trained.train_step(batch, loss_fn=token_mean_nll)
+        weights.append(dict(trained.generation_weights()))
+    gap = max((weights[0][n] - weights[1][n]).abs().max().item() for n in weights[0])
+    assert gap < TOLERANCE, f"lean packed and HF packed updates differ by {gap}"
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["hf_packed", "lean_packed"])
 @pytest.mark.parametrize("loss_fn", [sequence_mean_nll, token_mean_nll], ids=["seq_mean", "token_mean"])
-def test_token_budget_micro_batches_give_the_fixed_path_update(loss_fn) -> None:
+def test_token_budget_micro_batches_give_the_fixed_path_update(loss_fn, lean: bool) -> None:
     """Micro-batches cut by a token budget (several, uneven) give the loss and update of fixed micro-batches."""
     batch = skewed_batch()
     tokens = packing.count_row_tokens(batch)
     budget = max(tokens) + 4
     runs = []
     for options in ({"micro_batch_size": 3}, {"max_tokens_per_micro_batch": budget}):
-        actor = engine(**options)
+        actor = engine(**options, extra={"lean_forward": lean})
+        assert actor.resolved_options()["forward"] == ("lean_packed" if lean else "hf_packed")
         forwards: list[int] = []
-        actor.model.model.embed_tokens.register_forward_hook(lambda _m, args, _o, s=forwards: s.append(args[0].numel()))
-        metrics = actor.train_step(batch, loss_fn=loss_fn, mini_batch_size=4)
+        if lean:  # the embedding lookup of the lean forward (all valid tokens of a micro-batch: no prompt repeats)
+            original = actor.lean.model.model.embed_tokens.weight
+            seen = LinearRows()
+            with seen:
+                metrics = actor.train_step(batch, loss_fn=loss_fn, mini_batch_size=4)
+            layers = actor.model.config.num_hidden_layers
+            forwards = seen.rows[:: 5 * layers + 1]  # the first linear of each forward: its stream's tokens
+            assert original is actor.lean.model.model.embed_tokens.weight
+        else:
+            actor.model.model.embed_tokens.register_forward_hook(
+                lambda _m, args, _o, s=forwards: s.append(args[0].numel()))
+            metrics = actor.train_step(batch, loss_fn=loss_fn, mini_batch_size=4)
         runs.append((metrics, {n: p.detach().clone() for n, p in actor.model.named_parameters()}, forwards))
     (fixed, fixed_weights, _), (dynamic, dynamic_weights, forwards) = runs
     assert len(forwards) > 4 and max(forwards) <= budget  # more than one micro-batch per mini-batch, none over budget
