@@ -176,7 +176,8 @@ class LeanForward:
         return self._logits(h if last is None else h[:, -last:])
 
     def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                        response_width: int, *, remove_padding: bool = False) -> torch.Tensor:
+                        response_width: int, *, remove_padding: bool = False,
+                        valid_only: bool = False) -> torch.Tensor:
         """Logits [B, R, V] predicting each of the last ``response_width`` tokens (gradients flow).
 
         Rows that repeat the previous row's prompt (the n samples of one prompt, as rollouts produce them) share
@@ -187,7 +188,9 @@ class LeanForward:
         ``remove_padding`` (the engine's ``use_remove_padding``): the linear layers, norms and RoPE run on the valid
         tokens only (padding is scattered in for the batched attention alone), the LM head only at the positions
         that predict a valid response token; logits at padding positions are 0. Without it and without repeated
-        prompts this is :meth:`forward_logits`.
+        prompts this is :meth:`forward_logits`. ``valid_only``: logits [M, V] of the M valid response tokens alone
+        (row-major order of ``attention_mask[:, -R:]``), no [B, R, V] grid (at a real vocabulary, the padding's
+        share of that grid is gigabytes).
         """
         prompt_width = input_ids.shape[1] - response_width
         firsts = _distinct_prompt_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
@@ -196,14 +199,16 @@ class LeanForward:
             every = torch.arange(input_ids.shape[0], device=input_ids.device)
             firsts = (every, every)
         if firsts is None:
-            return self.forward_logits(input_ids, attention_mask, position_ids, last=response_width + 1)[:, :-1]
+            logits = self.forward_logits(input_ids, attention_mask, position_ids, last=response_width + 1)[:, :-1]
+            return logits[attention_mask[:, prompt_width:].bool()] if valid_only else logits
         unique_rows, owner = firsts
         return self._shared_prefix_logits(input_ids, attention_mask, position_ids, prompt_width, unique_rows, owner,
-                                          remove_padding=remove_padding)
+                                          remove_padding=remove_padding or valid_only, valid_only=valid_only)
 
     def _shared_prefix_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, prompt_width: int, unique_rows: torch.Tensor,
-                              owner: torch.Tensor, *, remove_padding: bool = False) -> torch.Tensor:
+                              owner: torch.Tensor, *, remove_padding: bool = False,
+                              valid_only: bool = False) -> torch.Tensor:
         rows, width = input_ids.shape
         prompts, responses = len(unique_rows), width - prompt_width
         device = input_ids.device
@@ -283,7 +288,8 @@ class LeanForward:
             up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
             h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         if remove_padding:
-            return self._valid_response_logits(h, keys[:, prompt_width:], owner, prompt_width, kept, total)
+            return self._valid_response_logits(h, keys[:, prompt_width:], owner, prompt_width, kept, total,
+                                               valid_only=valid_only)
         # the last prompt position predicts the first response token; response positions predict the rest
         h_p, h_r = torch.split(h, [prompt_tokens, rows * responses])
         first = self._logits(h_p.view(prompts, prompt_width, -1)[:, -1])[owner].unsqueeze(1)
@@ -291,8 +297,10 @@ class LeanForward:
         return torch.cat((first, rest), dim=1)
 
     def _valid_response_logits(self, h: torch.Tensor, response_keys: torch.Tensor, owner: torch.Tensor,
-                               prompt_width: int, kept: torch.Tensor | None, total: int) -> torch.Tensor:
-        """Logits [B, R, V] from the LM head run only where a valid response token is predicted (0 elsewhere).
+                               prompt_width: int, kept: torch.Tensor | None, total: int, *,
+                               valid_only: bool = False) -> torch.Tensor:
+        """Logits [B, R, V] from the LM head run only where a valid response token is predicted (0 elsewhere; with
+        ``valid_only`` those [M, V] alone).
 
         ``h`` holds the stream's tokens (the valid ones when ``kept``); the predictor of response token j of row r
         is the last position of its prompt (j = 0) or its response position j - 1."""
@@ -312,6 +320,8 @@ class LeanForward:
                 raise ValueError("a valid response token whose predicting position is padding: the lean forward "
                                  "expects left-padded prompts followed by right-padded responses")
         logits = self._logits(h.index_select(0, index))
+        if valid_only:
+            return logits
         # not a view of the scattered logits (an FSDP forward method must not return views)
         return logits.new_zeros(rows, responses, logits.shape[-1]).index_put((response_keys,), logits)
 

@@ -29,6 +29,7 @@ __all__ = [
     "register_varlen_attention",
     "packing_unsupported_reason",
     "packed_forward_outputs",
+    "valid_token_outputs",
     "count_row_tokens",
     "partition_by_tokens",
     "count_token_bins",
@@ -194,15 +195,26 @@ def packed_forward_outputs(module: nn.Module, micro: Batch, device: torch.device
         logits = module(**kwargs).logits
         return {"values": _to_response_layout(logits[0, packed.predictors, 0].float(), packed)}
     logits = module(**kwargs, logits_to_keep=packed.predictors).logits[0]  # [M, V]
+    return valid_token_outputs(logits, packed.targets, packed.scatter_index, (packed.rows, packed.response_width),
+                               with_entropy=with_entropy, entropy_metric=entropy_metric)
+
+
+def valid_token_outputs(logits: torch.Tensor, targets: torch.Tensor, scatter_index: torch.Tensor,
+                        shape: tuple[int, int], *, with_entropy: bool,
+                        entropy_metric: bool = False) -> dict[str, torch.Tensor]:
+    """``log_probs`` (and ``entropy``) [B, R] from the logits [M, V] of the M valid response tokens (``targets``
+    [M], at flat [B·R] positions ``scatter_index``): one log-softmax over M rows, 0 at padding positions."""
+    def layout(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(shape[0] * shape[1]).index_put((scatter_index,), values).view(shape)
+
     log_softmax = torch.log_softmax(logits.float(), dim=-1)
-    outputs = {"log_probs": _to_response_layout(log_softmax.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1),
-                                                packed)}
+    outputs = {"log_probs": layout(log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1))}
     if with_entropy:
-        outputs["entropy"] = _to_response_layout(-(log_softmax.exp() * log_softmax).sum(-1), packed)
+        outputs["entropy"] = layout(-(log_softmax.exp() * log_softmax).sum(-1))
     elif entropy_metric:
         with torch.no_grad():
             detached = log_softmax.detach()
-            outputs["entropy"] = _to_response_layout(-(detached.exp() * detached).sum(-1), packed)
+            outputs["entropy"] = layout(-(detached.exp() * detached).sum(-1))
     return outputs
 
 

@@ -202,6 +202,7 @@ class TensorParallelDecoder(LeanDecoder):
                           "training engine's compute_log_probs")
 
     def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                        response_width: int, *, remove_padding: bool = False) -> torch.Tensor:
+                        response_width: int, *, remove_padding: bool = False,
+                        valid_only: bool = False) -> torch.Tensor:
         raise EngineError("the tensor-parallel decoder only generates (prefill/step); score sequences with the "
                           "training engine's compute_log_probs")

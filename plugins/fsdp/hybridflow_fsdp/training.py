@@ -165,14 +165,17 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                          entropy_metric: bool = False) -> dict[str, torch.Tensor]:
         if not self.packed:
             return super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
-        if self._lean_logits is not None:  # the lean forward removes the padding itself (_response_logits)
-            outputs = super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
-            padding = micro["attention_mask"][:, -forward.response_length(micro):].to(self.device) == 0
-            return {name: value.masked_fill(padding, 0.0) for name, value in outputs.items()}  # as packing's: 0
+        if self._lean_logits is not None:  # the lean forward removes the padding itself: valid tokens' logits only
+            logits = self._response_logits(micro, valid_only=True)  # [M, V]
+            valid = micro["attention_mask"][:, -forward.response_length(micro):].to(self.device).bool()
+            responses = micro["responses"].to(self.device)
+            return packing.valid_token_outputs(logits, responses[valid], valid.reshape(-1).nonzero().squeeze(1),
+                                               (valid.shape[0], valid.shape[1]), with_entropy=with_entropy,
+                                               entropy_metric=entropy_metric)
         return packing.packed_forward_outputs(self.model, micro, self.device, role=self.role,
                                               with_entropy=with_entropy, entropy_metric=entropy_metric)
 
-    def _response_logits(self, micro: Batch) -> torch.Tensor:
+    def _response_logits(self, micro: Batch, *, valid_only: bool = False) -> torch.Tensor:
         if self._lean_logits is None:
             return super()._response_logits(micro)
         # the lean forward (an FSDP forward method) skips the model's forward pre-hooks, among them the one that
@@ -181,7 +184,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         inputs = forward.model_inputs(micro, self.device)
         length = forward.response_length(micro)
         logits: torch.Tensor = self._lean_logits(inputs["input_ids"], inputs["attention_mask"],
-                                                 inputs["position_ids"], length, remove_padding=self.packed)
+                                                 inputs["position_ids"], length, remove_padding=self.packed,
+                                                 valid_only=valid_only)
         return logits
 
     def _before_micro(self, index: int, count: int) -> None:
