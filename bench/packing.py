@@ -10,7 +10,9 @@ interleaved (ABCD BCDA …) so machine load hits all alike:
 (the lean forward on padded rows, ``use_remove_padding=false``), ``packed`` (the default: the lean forward with the
 padding removed from its linear layers), ``packed_hf`` (HF's modules over the packed sequence, per-row attention:
 what a model the lean forward does not run gets, and the default before 2026-12-03) and ``packed_budget`` (packed,
-``max_tokens_per_micro_batch`` = ``--budget``). Prints one ``RESULT {json}``
+``max_tokens_per_micro_batch`` = ``--budget``). The engine's default takes the lean forward for micro-batches that
+repeat prompts (``--samples`` > 1) and HF's packed forward for the others, so ``packed`` is ``packed_hf`` at
+``--samples 1``. Prints one ``RESULT {json}``
 line per variant (median ms of a train step and of a log-prob pass) and a summary with packed's speedups.
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp python bench/packing.py`` (about two minutes on one core;
@@ -40,10 +42,11 @@ from hybridflow.presets import tiny_model_config  # noqa: E402
 from hybridflow_fsdp.training import LOSS_SCALE_TOKENS, FSDPTrainingEngine  # noqa: E402
 
 
-def skewed_batch(rows: int, min_length: int, seed: int = 0, *, spread: str = "even") -> Batch:
+def skewed_batch(rows: int, min_length: int, seed: int = 0, *, spread: str = "even", samples: int = 1) -> Batch:
     """Rows whose total lengths run from ``min_length`` to ``4 × min_length`` (``even``ly, or ``long_tail``: the
     cube of an even spread, most rows short and a few long, as RL responses that mostly stop early); a quarter of
-    each is prompt."""
+    each is prompt. ``samples`` > 1: consecutive groups of that many rows share the first one's prompt (a rollout's
+    n samples of one prompt), their responses keeping their own lengths."""
     generator = torch.Generator().manual_seed(seed)
     power = 3 if spread == "long_tail" else 1
     totals = [min_length + round(3 * min_length * (row / max(rows - 1, 1)) ** power) for row in range(rows)]
@@ -58,6 +61,9 @@ def skewed_batch(rows: int, min_length: int, seed: int = 0, *, spread: str = "ev
     for row, source in enumerate(order):
         prompt_mask[row, width_p - prompts[source]:] = 1
         response_mask[row, : responses[source]] = 1
+    if samples > 1:
+        for row in range(rows):
+            prompt_ids[row], prompt_mask[row] = prompt_ids[row - row % samples], prompt_mask[row - row % samples]
     prompt_ids, response_ids = prompt_ids * prompt_mask, response_ids * response_mask
     return Batch({"input_ids": torch.cat([prompt_ids, response_ids], 1),
                   "attention_mask": torch.cat([prompt_mask, response_mask], 1), "responses": response_ids,
@@ -82,12 +88,14 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=0, help="token budget of packed_budget (0: 8 mean rows)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--spread", choices=("even", "long_tail"), default="even")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="rows per prompt (4: a rollout's layout, where the lean forward computes each once)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     heads = max(2, args.hidden // 32)
     model = tiny_model_config(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_layers=args.layers,
                               num_heads=heads, num_kv_heads=max(1, heads // 2), max_position_embeddings=1024)
-    batch = skewed_batch(args.rows, args.min_length, spread=args.spread)
+    batch = skewed_batch(args.rows, args.min_length, spread=args.spread, samples=args.samples)
     lengths = batch["attention_mask"].sum(1)
     budget = args.budget or int(lengths.float().mean() * args.micro_batch_size)
     base = TrainingEngineConfig(model=ModelSpec(config=model, seed=0), optim=OptimConfig(lr=1e-4),
@@ -119,7 +127,8 @@ def main() -> None:
                 times[name]["log_probs"].append(log_probs * 1000)
     medians = {name: {kind: statistics.median(values) for kind, values in kinds.items()}
                for name, kinds in times.items()}
-    shape = {"parameters": parameters, "spread": args.spread, "rows": args.rows, "min_length": int(lengths.min()),
+    shape = {"parameters": parameters, "spread": args.spread, "samples": args.samples, "rows": args.rows,
+             "min_length": int(lengths.min()),
              "max_length": int(lengths.max()), "padded_width": int(batch["input_ids"].shape[1]),
              "valid_fraction": round(float(lengths.sum()) / batch["attention_mask"].numel(), 3)}
     for name, result in medians.items():

@@ -114,7 +114,7 @@ def test_unsharded_single_rank_engine_steps_like_fsdp() -> None:
                                 optim=OptimConfig(lr=1e-2), micro_batch_size=4)
     batch = build_training_batch(rows=8)
     weights = []
-    for extra in ({}, {"fsdp_always": True}):  # the lean forward either way (through FSDP's module when sharded)
+    for extra in ({}, {"fsdp_always": True}):  # the same forward either way (through FSDP's module when sharded)
         engine = FSDPTrainingEngine(role="actor", config=dataclasses.replace(base, extra=extra))
         assert engine.sharded == bool(extra) and engine.resolved_options()["forward"] == "lean_packed"
         for _ in range(3):

@@ -106,11 +106,12 @@ def test_engine_packed_outputs_equal_the_padded_engine(role: str, method: str, c
     assert (padded - packed)[mask].abs().max().item() < TOLERANCE
 
 
-def test_packing_removes_the_padded_tokens_from_the_forward() -> None:
-    """The HF model (a model the lean forward does not run, here one with it turned off) sees one sequence of the
-    valid tokens, positions restarting at 0 in each row."""
-    actor = engine(extra={"lean_forward": False})
-    assert actor.resolved_options()["forward"] == "hf_packed"
+@pytest.mark.parametrize("lean", [True, False], ids=["default", "lean_forward_off"])
+def test_packing_removes_the_padded_tokens_from_the_forward(lean: bool) -> None:
+    """Rows that share no prompt (the default engine too: the lean forward takes micro-batches that repeat prompts)
+    reach the HF model as one sequence of the valid tokens, positions restarting at 0 in each row."""
+    actor = engine(extra={"lean_forward": lean})
+    assert actor.resolved_options()["forward"] == ("lean_packed" if lean else "hf_packed")
     seen = []
     actor.model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
     batch = skewed_batch()
@@ -140,24 +141,28 @@ class LinearRows(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own_prompts", "shared_prompts"])
-def test_the_lean_forward_removes_padding_on_the_default_path(shared: bool) -> None:
-    """The default actor (use_remove_padding on, a Qwen2 model) scores and trains through the lean forward, whose
-    linear layers see only the valid tokens (each shared prompt once) and whose LM head runs only where a valid
-    response token is predicted; log-probs equal the padded HF forward's within 1e-5 and hold 0 at padding, and a
-    train step updates as the HF packed forward does."""
+def shared_prompt_batch() -> Batch:
+    """Four samples of each of two prompts (as rollouts lay them out), responses of skewed lengths."""
     batch = skewed_batch()
-    if shared:  # four samples of each of two prompts (as rollouts lay them out), responses of skewed lengths
-        prompt = batch["attention_mask"].shape[1] - batch["responses"].shape[1]
-        for column in ("input_ids", "attention_mask"):
-            values = batch[column].clone()
-            values[:, :prompt] = values[[0, 0, 0, 0, 7, 7, 7, 7], :prompt]
-            batch[column] = values
+    prompt = batch["attention_mask"].shape[1] - batch["responses"].shape[1]
+    for column in ("input_ids", "attention_mask"):
+        values = batch[column].clone()
+        values[:, :prompt] = values[[0, 0, 0, 0, 7, 7, 7, 7], :prompt]
+        batch[column] = values
+    return batch
+
+
+def test_the_lean_forward_removes_padding_on_the_default_path() -> None:
+    """The default actor (use_remove_padding on, a Qwen2 model) scores and trains a rollout's micro-batch (n samples
+    per prompt) through the lean forward, whose linear layers see only the valid tokens (each shared prompt once)
+    and whose LM head runs only where a valid response token is predicted; log-probs equal the padded HF forward's
+    within 1e-5 and hold 0 at padding, and a train step updates as the HF packed forward does."""
+    batch = shared_prompt_batch()
     actor = engine()
     assert actor.resolved_options()["forward"] == "lean_packed"
     mask = batch["response_mask"].bool()
     prompt = batch["attention_mask"].shape[1] - mask.shape[1]
-    distinct = [0, 4] if shared else list(range(len(batch)))
+    distinct = [0, 4]
     stream = int(batch["attention_mask"][distinct, :prompt].sum()) + int(mask.sum())
     with LinearRows() as seen:
         log_probs = actor.compute_log_probs(batch)["log_probs"]
@@ -182,30 +187,18 @@ def test_the_lean_forward_removes_padding_on_the_default_path(shared: bool) -> N
     assert gap < TOLERANCE, f"lean packed and HF packed updates differ by {gap}"
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["hf_packed", "lean_packed"])
 @pytest.mark.parametrize("loss_fn", [sequence_mean_nll, token_mean_nll], ids=["seq_mean", "token_mean"])
-def test_token_budget_micro_batches_give_the_fixed_path_update(loss_fn, lean: bool) -> None:
+def test_token_budget_micro_batches_give_the_fixed_path_update(loss_fn) -> None:
     """Micro-batches cut by a token budget (several, uneven) give the loss and update of fixed micro-batches."""
     batch = skewed_batch()
     tokens = packing.count_row_tokens(batch)
     budget = max(tokens) + 4
     runs = []
     for options in ({"micro_batch_size": 3}, {"max_tokens_per_micro_batch": budget}):
-        actor = engine(**options, extra={"lean_forward": lean})
-        assert actor.resolved_options()["forward"] == ("lean_packed" if lean else "hf_packed")
+        actor = engine(**options)
         forwards: list[int] = []
-        if lean:  # the embedding lookup of the lean forward (all valid tokens of a micro-batch: no prompt repeats)
-            original = actor.lean.model.model.embed_tokens.weight
-            seen = LinearRows()
-            with seen:
-                metrics = actor.train_step(batch, loss_fn=loss_fn, mini_batch_size=4)
-            layers = actor.model.config.num_hidden_layers
-            forwards = seen.rows[:: 5 * layers + 1]  # the first linear of each forward: its stream's tokens
-            assert original is actor.lean.model.model.embed_tokens.weight
-        else:
-            actor.model.model.embed_tokens.register_forward_hook(
-                lambda _m, args, _o, s=forwards: s.append(args[0].numel()))
-            metrics = actor.train_step(batch, loss_fn=loss_fn, mini_batch_size=4)
+        actor.model.model.embed_tokens.register_forward_hook(lambda _m, args, _o, s=forwards: s.append(args[0].numel()))
+        metrics = actor.train_step(batch, loss_fn=loss_fn, mini_batch_size=4)
         runs.append((metrics, {n: p.detach().clone() for n, p in actor.model.named_parameters()}, forwards))
     (fixed, fixed_weights, _), (dynamic, dynamic_weights, forwards) = runs
     assert len(forwards) > 4 and max(forwards) <= budget  # more than one micro-batch per mini-batch, none over budget
