@@ -71,6 +71,10 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
     assert (training["mixed_precision"], training["fsdp_units"], training["comm"]) == ("none", "model",
                                                                                       "process_group"), training
     assert "under auto's" in training["comm_reason"] and training["lean_forward"], training
+    # the default forward is the lean one with the padding removed, and every micro-batch of the GRPO updates took it
+    # (each prompt's samples arrive on one rank, consecutive, so each micro-batch computes its prompts once)
+    assert training["forward"] == "lean_packed", training
+    assert [m["lean_forward_share"] for m in history] == [1.0] * 40
     assert (rollout["dtype"], rollout["tensor_parallel_size"], rollout["decoder"]) == ("float32", 1, "lean"), rollout
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 

@@ -8,14 +8,14 @@ architectures, sliding windows, non-default RoPE) keep the HF forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanForward", "lean_decoder_unsupported_reason", "upcast_for_backward"]
+__all__ = ["LeanForward", "lean_decoder_unsupported_reason", "shares_prompts", "upcast_for_backward"]
 
 _ARCHITECTURES = ("qwen2", "llama")
 
@@ -380,6 +380,17 @@ def upcast_for_backward(query: torch.Tensor) -> bool:
     """
     return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
             and torch.is_grad_enabled() and query.requires_grad)
+
+
+def shares_prompts(inputs: Mapping[str, torch.Tensor], response_length: int) -> bool:
+    """Whether some row of ``inputs`` (``input_ids``, ``attention_mask``, ``position_ids``: left-padded prompts then
+    ``response_length`` response columns) repeats the previous row's prompt, as a rollout's n samples do: the lean
+    forward then computes that prompt once (:func:`_distinct_prompt_rows` is the rule)."""
+    width = inputs["input_ids"].shape[1] - response_length
+    if width <= 0:
+        return False
+    return _distinct_prompt_rows(inputs["input_ids"][:, :width], inputs["attention_mask"][:, :width],
+                                 inputs["position_ids"][:, :width]) is not None
 
 
 def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -7,6 +7,7 @@ algorithm (PPO, GRPO, ...) and how batches reach the ranks belong to the core. S
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
-from hybridflow.engines import ROLES, TrainingEngineConfig
+from hybridflow.engines import ROLES, LossFn, TrainingEngineConfig
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_fsdp import checkpoint, forward, handover, packing
@@ -24,6 +25,7 @@ from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
 from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
 from hybridflow_fsdp.engine_base import TRAINABLE_ROLES, HFTrainingEngineBase, enable_gradient_checkpointing
 from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsupported_reason
+from hybridflow_fsdp.lean_forward import shares_prompts
 from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler, count_state_bytes
@@ -145,6 +147,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
             setattr(self.model, LEAN_FORWARD_METHOD, self.lean.response_logits)
             register_fsdp_forward_method(self.model, LEAN_FORWARD_METHOD)
             self._lean_logits = getattr(self.model, LEAN_FORWARD_METHOD)
+        #: micro-batches each packed forward computed in the current train_step (``lean_packed`` / ``hf_packed``)
+        self._routes: Counter[str] = Counter()
         # fused AdamW and foreach clipping: one kernel (one DTensor dispatch when sharded) for all parameters
         self._fused = self.device.type in ("cpu", "cuda")
         self._memory_metrics_cache: tuple[object, dict[str, float]] | None = None
@@ -161,30 +165,43 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
     def _forward_module(self) -> torch.nn.Module:
         return self.model
 
+    def train_step(self, batch: Batch, *, loss_fn: LossFn, mini_batch_size: int | None = None) -> dict[str, float]:
+        """The base class's step; with padding removal it also reports ``lean_forward_share``: the share of its
+        micro-batches the lean forward computed (the rest went through HF's packed forward)."""
+        self._routes.clear()
+        metrics = super().train_step(batch, loss_fn=loss_fn, mini_batch_size=mini_batch_size)
+        if self._routes:
+            metrics["lean_forward_share"] = self._routes["lean_packed"] / sum(self._routes.values())
+        return metrics
+
     def _forward_outputs(self, micro: Batch, *, with_entropy: bool,
                          entropy_metric: bool = False) -> dict[str, torch.Tensor]:
         if not self.packed:
             return super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
-        if self._lean_logits is not None and _repeats_prompts(micro):
+        inputs = forward.model_inputs(micro, self.device)
+        if self._lean_logits is not None and shares_prompts(inputs, forward.response_length(micro)):
             # the lean forward removes the padding itself (valid tokens' logits only) and computes each repeated
             # prompt once; rows that share nothing pack through HF's modules, whose per-row causal attention is
             # faster on them (bench/packing.py: the lean forward 0.88-0.95x there)
-            logits = self._response_logits(micro, valid_only=True)  # [M, V]
+            self._routes["lean_packed"] += 1
+            logits = self._response_logits(micro, valid_only=True, inputs=inputs)  # [M, V]
             valid = micro["attention_mask"][:, -forward.response_length(micro):].to(self.device).bool()
             responses = micro["responses"].to(self.device)
             return packing.valid_token_outputs(logits, responses[valid], valid.reshape(-1).nonzero().squeeze(1),
                                                (valid.shape[0], valid.shape[1]), with_entropy=with_entropy,
                                                entropy_metric=entropy_metric)
+        self._routes["hf_packed"] += 1
         return packing.packed_forward_outputs(self.model, micro, self.device, role=self.role,
                                               with_entropy=with_entropy, entropy_metric=entropy_metric)
 
-    def _response_logits(self, micro: Batch, *, valid_only: bool = False) -> torch.Tensor:
+    def _response_logits(self, micro: Batch, *, valid_only: bool = False,
+                         inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         if self._lean_logits is None:
             return super()._response_logits(micro)
         # the lean forward (an FSDP forward method) skips the model's forward pre-hooks, among them the one that
         # brings parked shards home (handover.py, park=True): restore first, or FSDP would all-gather freed storage
         handover.restore_training_shards(self)
-        inputs = forward.model_inputs(micro, self.device)
+        inputs = inputs if inputs is not None else forward.model_inputs(micro, self.device)
         length = forward.response_length(micro)
         logits: torch.Tensor = self._lean_logits(inputs["input_ids"], inputs["attention_mask"],
                                                  inputs["position_ids"], length, remove_padding=self.packed,
@@ -324,15 +341,6 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.lean = None
         self.optimizer = None
         self.scheduler = None
-
-
-def _repeats_prompts(micro: Batch) -> bool:
-    """Whether some row repeats the previous row's prompt (ids and mask): a rollout's n samples of one prompt."""
-    prompt_width = micro["input_ids"].shape[1] - forward.response_length(micro)
-    if prompt_width <= 0 or len(micro) < 2:
-        return False
-    ids, mask = micro["input_ids"][:, :prompt_width], micro["attention_mask"][:, :prompt_width]
-    return bool(((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).all(-1).any())
 
 
 def resolve_fsdp_units(setting: object, model: torch.nn.Module, *, lean: bool) -> str:
