@@ -69,12 +69,30 @@ class _Index:
         for name, pieces in layout.pieces(rank).items():
             for piece in pieces:
                 self.by_canonical.setdefault(piece.canonical, []).append((name, piece))
+        self._found: dict[tuple[str, Box], tuple[str, tuple[slice, ...]]] = {}
+
+    @classmethod
+    def of(cls, plan: ReshardPlan, which: str, rank: int) -> _Index:
+        """The index of ``plan``'s ``source``, ``staging`` or ``target`` layout on ``rank``, built once per plan."""
+        return plan.memoized(("index", which, rank), lambda: cls(getattr(plan, which), rank))
 
     def locate(self, canonical: str, box: Box) -> tuple[str, tuple[slice, ...]]:
+        found = self._found.get((canonical, box))
+        if found is not None:
+            return found
         for name, piece in self.by_canonical.get(canonical, []):
             if all(p0 <= b0 and b1 <= p1 for (p0, p1), (b0, b1) in zip(piece.box, box, strict=True)):
-                return name, piece.local_slices(box)
+                found = self._found[(canonical, box)] = name, piece.local_slices(box)
+                return found
         raise ReshardError(f"box {box} of {canonical!r} is not held locally; the plan does not match the layouts.")
+
+
+def _local_shapes(plan: ReshardPlan, which: str, rank: int) -> dict[str, tuple[int, ...] | None]:
+    """Every parameter's local shard shape on ``rank`` in ``plan``'s ``source`` or ``staging`` layout (None where the
+    rank holds none of it), computed once per plan."""
+    layout: ModelLayout = getattr(plan, which)
+    return plan.memoized(("shapes", which, rank),
+                         lambda: {name: spec.local_shape(layout.mesh, rank) for name, spec in layout.params.items()})
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,16 +150,17 @@ def execute_reshard(
                 f"plan expects {world} ranks with this one at {rank}; the process group has "
                 f"{dist.get_world_size(group)} ranks and this process is {dist.get_rank(group)}."
             )
-    _check_shards(plan.source, local_shards, rank)
+    _check_shards(plan, local_shards, rank)
     device = next(iter(local_shards.values())).device if local_shards else torch.device("cpu")
     memory = _Memory()
     source_bytes = sum(_nbytes(t) for t in local_shards.values())
     memory.add(source_bytes)
-    src_index, stage_index = _Index(plan.source, rank), _Index(plan.staging, rank)
+    src_index, stage_index = _Index.of(plan, "source", rank), _Index.of(plan, "staging", rank)
     staged_mode = plan.staging is not plan.target
     if on_release is not None and staged_mode:
         raise ReshardError(f"on_release needs a direct plan; strategy {plan.strategy!r} stages full tensors first.")
-    tgt_index = _Index(plan.target, rank) if staged_mode else stage_index
+    tgt_index = _Index.of(plan, "target", rank) if staged_mode else stage_index
+    staging_shapes = _local_shapes(plan, "staging", rank)
     if world > 1:
         for ranks in plan.collective_groups():
             _subgroup(group, ranks)
@@ -149,13 +168,14 @@ def execute_reshard(
     targets: dict[str, torch.Tensor] = {}
     sent = received = aliased = 0
     kept: set[str] = set()  # source shards some target views: their storage stays after release
-    for bucket in plan.buckets:
+    for bucket_index, bucket in enumerate(plan.buckets):
         viewed: set[str] = set()
         for name in bucket.params:
-            shape = plan.staging.params[name].local_shape(plan.staging.mesh, rank)
+            shape = staging_shapes[name]
             if shape is None:
                 continue
-            view = _local_view(plan, bucket, name, rank, local_shards, src_index) if views and not staged_mode else None
+            view = (_local_view(plan, bucket_index, name, rank, local_shards, src_index)
+                    if views and not staged_mode else None)
             if view is not None:
                 staging[name], source_name = view
                 viewed.add(name)
@@ -203,10 +223,25 @@ def execute_reshard(
     return targets, stats
 
 
-def _local_view(plan: ReshardPlan, bucket: Any, name: str, rank: int, shards: MutableMapping[str, torch.Tensor],
-                src: _Index) -> tuple[torch.Tensor, str] | None:
+def _local_view(plan: ReshardPlan, bucket_index: int, name: str, rank: int,
+                shards: MutableMapping[str, torch.Tensor], src: _Index) -> tuple[torch.Tensor, str] | None:
     """A contiguous view of the source shard holding target ``name``'s whole (single, unfused) piece on ``rank``,
     with that source's name; None when the piece is not held whole locally or any byte of it arrives remotely."""
+    where = plan.memoized(("view", bucket_index, name, rank),
+                          lambda: _local_view_place(plan, plan.buckets[bucket_index], name, rank, src))
+    if where is None:
+        return None
+    source_name, slices, expected = where
+    view = shards[source_name][slices]
+    if tuple(view.shape) != expected or not view.is_contiguous():
+        return None
+    return view, source_name
+
+
+def _local_view_place(plan: ReshardPlan, bucket: Any, name: str, rank: int,
+                      src: _Index) -> tuple[str, tuple[slice, ...], tuple[int, ...] | None] | None:
+    """Where :func:`_local_view` finds target ``name`` on ``rank`` (source name, slices, expected shape), from the
+    plan alone; None when no source shard can hold it whole."""
     spec = plan.staging.params[name]
     pieces = spec.pieces(plan.staging.mesh, rank)
     if spec.fused is not None or len(pieces) != 1 or pieces[0].canonical != name:
@@ -219,17 +254,13 @@ def _local_view(plan: ReshardPlan, bucket: Any, name: str, rank: int, shards: Mu
         source_name, slices = src.locate(name, piece.box)
     except ReshardError:
         return None
-    view = shards[source_name][slices]
-    expected = spec.local_shape(plan.staging.mesh, rank)
-    if tuple(view.shape) != expected or not view.is_contiguous():
-        return None
-    return view, source_name
+    return source_name, slices, spec.local_shape(plan.staging.mesh, rank)
 
 
-def _check_shards(layout: ModelLayout, shards: MutableMapping[str, torch.Tensor], rank: int) -> None:
-    expected = {name: spec.local_shape(layout.mesh, rank) for name, spec in layout.params.items()}
-    expected = {name: shape for name, shape in expected.items() if shape is not None}
-    if set(shards) != set(expected):
+def _check_shards(plan: ReshardPlan, shards: MutableMapping[str, torch.Tensor], rank: int) -> None:
+    layout = plan.source
+    expected = {name: shape for name, shape in _local_shapes(plan, "source", rank).items() if shape is not None}
+    if shards.keys() != expected.keys():
         missing, extra = sorted(set(expected) - set(shards)), sorted(set(shards) - set(expected))
         raise ReshardError(
             f"rank {rank}: local shards do not match the source layout; missing {missing[:5]}, unexpected "

@@ -41,7 +41,7 @@ def parking_cells(plan: ReshardPlan, rank: int) -> dict[str, tuple[tuple[Home, .
     A (non-empty) piece lying whole inside one target piece is one home (fused sources, e.g. Megatron's qkv, have one
     per component); any other piece is cut along the boundaries of the target pieces it meets, each cell a home or
     aside (a ZeRO-3 flat row range under a column split: the rank's columns go home, the others aside)."""
-    return _cells_of(plan.source.pieces(rank), plan, rank)
+    return dict(plan.memoized(("parking_cells", rank), lambda: _cells_of(plan.source.pieces(rank), plan, rank)))
 
 
 def _cells_of(sources: Mapping[str, tuple[Piece, ...]], plan: ReshardPlan,

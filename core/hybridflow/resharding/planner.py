@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, cast, get_args
 
 from hybridflow.errors import LayoutError, ReshardError
 from hybridflow.resharding.assign import (
@@ -28,6 +29,7 @@ Strategy = Literal["hybridflow", "full_gather", "consecutive", "per_tensor_allga
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 DEFAULT_BUCKET_BYTES = 64 << 20
 Segment = tuple[str, tuple[tuple[int, int], ...]]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,15 @@ class ReshardPlan:
     strategy: Strategy
     bucket_bytes: int
     buckets: tuple[Bucket, ...]
+    #: what running the plan derives from it per rank and never changes (indices, shapes, views, parking cells, the
+    #: lower bound), computed on a rank's first run: a plan reused every step pays for it once
+    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def memoized(self, key: tuple[Any, ...], compute: Callable[[], _T]) -> _T:
+        """``compute()``, remembered under ``key`` for the plan's life (it must depend on the plan and key only)."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return cast("_T", self.memo[key])
 
     @property
     def world_size(self) -> int:
@@ -88,7 +99,7 @@ class ReshardPlan:
 
     def lower_bound_bytes(self, rank: int) -> int:
         """Bytes ``rank`` must receive at least: its target shards minus what it already holds."""
-        return lower_bound_bytes(self.source, self.target, rank)
+        return self.memoized(("lower_bound_bytes", rank), lambda: lower_bound_bytes(self.source, self.target, rank))
 
     def max_bucket_cost(self) -> int:
         """Largest planned bucket cost; above ``bucket_bytes`` only when one parameter alone exceeds it."""

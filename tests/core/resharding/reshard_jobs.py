@@ -73,3 +73,34 @@ def check_plan_fills_exactly(plan: ReshardPlan) -> None:
         for canonical, mask in counts.items():
             assert int((mask == 0).sum()) == 0, f"rank {rank}: parts of {canonical} never filled"
             assert int((mask > 1).sum()) == 0, f"rank {rank}: parts of {canonical} filled twice"
+
+
+def reshard_twice_job(rank: int, world: int, group: Any, source: ModelLayout, target: ModelLayout,
+                      bucket_bytes: int) -> dict[str, Any]:
+    """One plan run twice, with views (as the FSDP handover does every step) on different weights: each run's shards
+    against the reference, and how often the second run asked a spec for its pieces (the layout arithmetic a reused
+    plan should not redo)."""
+    from hybridflow.resharding.specs import ParamShardSpec
+
+    plan = plan_reshard(source, target, strategy="hybridflow", bucket_bytes=bucket_bytes)
+    original = ParamShardSpec.pieces
+    calls = [0]
+
+    def counted(self: ParamShardSpec, mesh: Any, rank_: int) -> Any:
+        calls[0] += 1
+        return original(self, mesh, rank_)
+
+    mismatched, counts = [], []
+    ParamShardSpec.pieces = counted  # type: ignore[method-assign]
+    try:
+        for seed in (5, 6):
+            full = full_weights(source, seed)
+            local = source.extract_shards(full, rank)
+            calls[0] = 0
+            out, _ = execute_reshard(plan, local, rank=rank, group=group, views=True)
+            counts.append(calls[0])
+            reference = plan.target.extract_shards(full, rank)
+            mismatched.append(sorted(name for name in reference if not torch.equal(out[name], reference[name])))
+    finally:
+        ParamShardSpec.pieces = original  # type: ignore[method-assign]
+    return {"mismatched": mismatched, "pieces_calls": counts, "lower_bound": plan.lower_bound_bytes(rank)}

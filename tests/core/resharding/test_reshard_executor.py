@@ -20,7 +20,7 @@ from hybridflow.resharding import (
 )
 from hybridflow.resharding.local_cluster import GlooCluster
 
-from reshard_jobs import full_weights, reshard_job
+from reshard_jobs import full_weights, reshard_job, reshard_twice_job
 
 SHAPES = tiny_llama_shapes(bias=True)
 BUCKET = 48 << 10
@@ -83,6 +83,19 @@ def test_inside_a_subgroup_of_two_ranks(gloo_cluster: GlooCluster) -> None:
     target = build_tensor_parallel_layout(SHAPES, mesh=GenerationLayout(tensor=1, training=source.mesh))
     results = gloo_cluster.run(reshard_job, source, target, "hybridflow", BUCKET, 3, size=2)
     _check(results, exact_lower_bound=True, bucket=BUCKET)
+
+
+def test_a_reused_plan_runs_without_redoing_its_layout_arithmetic(gloo_cluster: GlooCluster) -> None:
+    """The trainer hands over with one plan every step: the per-rank indices, shapes and views are derived on the
+    first run and kept on the plan (weights never are), so the second run on new weights is bit-exact too and asks
+    no parameter spec for its pieces."""
+    source = build_fsdp_layout(SHAPES, data=2)
+    target = build_tensor_parallel_layout(SHAPES, mesh=GenerationLayout(tensor=1, training=source.mesh))
+    results = gloo_cluster.run(reshard_twice_job, source, target, BUCKET, size=2)
+    for rank, result in enumerate(results):
+        assert result["mismatched"] == [[], []], (rank, result["mismatched"])
+        first, second = result["pieces_calls"]
+        assert first > 0 and second == 0, (rank, result["pieces_calls"])
 
 
 def test_single_rank_needs_no_process_group() -> None:
