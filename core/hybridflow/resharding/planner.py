@@ -73,7 +73,7 @@ class ReshardPlan:
     buckets: tuple[Bucket, ...]
     #: what running the plan derives from it per rank and never changes (indices, shapes, views, parking cells, the
     #: lower bound), computed on a rank's first run: a plan reused every step pays for it once
-    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, compare=False, repr=False)
+    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def memoized(self, key: tuple[Any, ...], compute: Callable[[], _T]) -> _T:
         """``compute()``, remembered under ``key`` for the plan's life (it must depend on the plan and key only)."""

@@ -178,8 +178,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                          entropy_metric: bool = False) -> dict[str, torch.Tensor]:
         if not self.packed:
             return super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
-        inputs = forward.model_inputs(micro, self.device)
-        if self._lean_logits is not None and shares_prompts(inputs, forward.response_length(micro)):
+        inputs = forward.model_inputs(micro, self.device) if self._lean_logits is not None else None
+        if inputs is not None and shares_prompts(inputs, forward.response_length(micro)):
             # the lean forward removes the padding itself (valid tokens' logits only) and computes each repeated
             # prompt once; rows that share nothing pack through HF's modules, whose per-row causal attention is
             # faster on them (bench/packing.py: the lean forward 0.88-0.95x there)
