@@ -213,6 +213,9 @@ class TrainerConfig(_Section):
     # dispatch the next iteration's generation while the actor update runs (same calls, same order on the workers;
     # off before a checkpoint and on the last step); see docs/controller.md
     lookahead: bool = True
+    # verl's balance_batch: the updates' rows are dealt to the data-parallel ranks by token count, whole prompt groups
+    # each (protocol mesh_balanced, docs/controller.md); false splits them in order (mesh)
+    balance_batch: bool = True
     # validation (docs/validation.md): every val_every steps, before the first and after the last (0 = off), on
     # data.val_files or data.task.num_val_prompts; greedy, plus val_n samples per prompt when val_n > 1
     val_every: int = Field(default=0, ge=0)

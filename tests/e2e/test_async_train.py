@@ -421,8 +421,10 @@ STREAM = (*SMALL, "trainer.total_steps=3", "rollout.pool=gen", "trainer.stream_m
 def _streamed_run(tiny_config: Any, run_dir: Path, *, stream: bool) -> tuple[K1Run, dict[str, list[Any]]]:
     """The STREAM run, its chunks claimed one by one (``stream``) or all at once (the barrier: one update of the
     concatenated chunks, one optimizer step per mini-batch = chunk): metrics, final weights and the records of the
-    rollout pool's generations and the actor's updates, in the order the workers finished them."""
-    config = tiny_config(run_dir, *STREAM)
+    rollout pool's generations and the actor's updates, in the order the workers finished them. Both split the rows
+    over the ranks in order (``trainer.balance_batch=false``): balancing deals a whole step's prompt groups by tokens
+    but a streamed step's chunk by chunk, so the two would train the same rows in different mini-batches."""
+    config = tiny_config(run_dir, *STREAM, "trainer.balance_batch=false")
     trainer = Trainer(config, progress=False)
     assert trainer.async_rollout is not None
     trainer.async_rollout.stream = stream

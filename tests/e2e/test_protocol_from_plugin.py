@@ -85,7 +85,7 @@ def test_plugin_protocol_chosen_by_config_drives_generation(tmp_path: Path, plug
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["protocols"]["actor.generate"] == "front_loaded"
-    assert manifest["protocols"]["actor.update_policy"] == "mesh"  # only the overridden method changed
+    assert manifest["protocols"]["actor.update_policy"] == "mesh_balanced"  # only the overridden method changed
     assert manifest["config"]["actor"]["protocols"] == {"generate": "front_loaded"}
     assert {"name": "frontloaded", "distribution": "hybridflow-frontloaded", "version": "1.0", "disabled": False,
             "error": None} in manifest["plugins"]

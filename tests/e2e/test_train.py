@@ -66,6 +66,9 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
         assert metrics["perf/throughput"] * 2 == pytest.approx(metrics["throughput/prompt_response_tokens_per_s"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["algorithm"] == "grpo" and manifest["protocols"]["actor.generate"] == "generation_mesh"
+    # the update's rows are dealt to the ranks by token count, whole prompt groups each (protocol mesh_balanced):
+    # the lean_forward_share below stays 1.0 only while every rank's micro-batch holds each prompt's samples together
+    assert manifest["protocols"]["actor.update_policy"] == "mesh_balanced"
     # what the engines chose under auto, as rank 0 reported it: fp32 at 77K, one FSDP unit, gloo (under 4 MiB)
     training, rollout = manifest["engine_options"]["actor"]["training"], manifest["engine_options"]["actor"]["rollout"]
     assert (training["mixed_precision"], training["fsdp_units"], training["comm"]) == ("none", "model",

@@ -242,10 +242,21 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
         if trainable:
             options.update(mini_batch_size=section.mini_batch_size, epochs=section.ppo_epochs)
         plans.append(RolePlan(role=declaration.name, pool=section.pool, worker=declaration.worker,
-                              protocols=dict(getattr(section, "protocols", None) or {}), spec=RoleSpec(
+                              protocols=_role_protocols(config, declaration.worker, section), spec=RoleSpec(
             role=kind, name=declaration.name, engine=section.engine, device=device, threads=threads,
             engine_config=engine_config, output_key=declaration.output_key, **options)))
     return plans
+
+
+def _role_protocols(config: Config, worker: type, section: Any) -> dict[str, str]:
+    """A role's protocol overrides: ``<section>.protocols``, over ``mesh`` for the methods that deal rows by tokens
+    (``mesh_balanced``: the updates) when ``trainer.balance_batch`` is off."""
+    from hybridflow.controller.decorator import dispatch_of
+
+    defaults = {} if config.trainer.balance_batch else {
+        name: "mesh" for name in dir(worker)
+        if (dispatch := dispatch_of(getattr(worker, name, None))) is not None and dispatch.protocol == "mesh_balanced"}
+    return {**defaults, **dict(getattr(section, "protocols", None) or {})}
 
 
 def role_mapping(config: Config, plans: list[RolePlan]) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,5 @@
 """The built-in transfer protocols: ``one_to_all``, ``all_to_all``, ``dp_compute``, ``dp_compute_padded``,
-``rank_zero``, ``mesh`` and ``generation_mesh``.
+``rank_zero``, ``mesh``, ``mesh_balanced`` and ``generation_mesh``.
 
 Each only maps arguments to ranks and names the ranks that form the result; the controller moves the bytes.
 """
@@ -21,7 +21,9 @@ __all__ = [
     "DataParallelCompute",
     "RankZero",
     "Mesh",
+    "BalancedMesh",
     "GenerationMesh",
+    "balanced_order",
     "BUILTIN_PROTOCOLS",
     "concat_or_list",
 ]
@@ -213,6 +215,75 @@ class GenerationMesh(Mesh):
                 for rank, info in enumerate(infos)]
 
 
+class BalancedMesh(Mesh):
+    """Protocol ``mesh`` with the rows first reordered so that every data-parallel group gets about the same number of
+    tokens (``attention_mask`` sums), as verl's ``trainer.balance_batch``: a rank with long responses would otherwise
+    keep the others waiting at every collective of an update. Whole prompt groups (consecutive rows sharing a
+    ``uid``: a rollout's n samples) stay together and in order, so each group's prompt is still computed once, and
+    every group gets the same number of rows. Groups are dealt largest first to the group with the fewest tokens so
+    far (among those with room); the order is kept where it already splits no worse (:func:`balanced_order`).
+
+    The rows come back in the balanced order, so it suits methods whose result is not a row per input row (the
+    updates, which return metrics): a method returning a Batch raises on collect. A row-splittable argument that is
+    not a Batch on the driver (a future), or whose groups do not divide over the data-parallel groups, is split as
+    ``mesh`` splits it.
+    """
+
+    concatenates = False  # its rows are reordered: a lazy result (a row-concatenating BatchFuture) would misalign
+
+    def distribute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: TransferContext
+    ) -> list[RankInput | None]:
+        dp_size, _ = self._validated(context)
+
+        def balanced(value: Any) -> Any:
+            if not isinstance(value, Batch) or "attention_mask" not in value:
+                return value
+            order = balanced_order(value, dp_size)
+            return value if order is None else value.index(order)
+
+        return super().distribute(tuple(balanced(value) for value in args),
+                                  {key: balanced(value) for key, value in kwargs.items()}, context)
+
+    def collect(self, outputs: list[Any], context: TransferContext) -> Any:
+        if any(isinstance(output, Batch) for output in outputs):
+            raise ConfigError(
+                f"protocol mesh_balanced reorders the rows of {context.role}.{context.method} across its ranks, so "
+                "its Batch result would not line up with the input rows; expected a method that returns metrics "
+                f"(an update). Fix: set {context.role}.protocols.{context.method}=mesh")
+        return concat_or_list(outputs)
+
+
+def balanced_order(batch: Batch, parts: int) -> list[int] | None:
+    """A row order of ``batch`` whose ``parts`` equal consecutive chunks hold about equal token counts, keeping each
+    run of consecutive rows with the same ``uid`` (one row each without ``uid``) whole, in order, in one chunk, and
+    every chunk the same number of runs; None when the batch's own order splits no worse (the busiest chunk holds no
+    more tokens), when it cannot be split so (runs of unequal length, or not a multiple of ``parts``), or with one
+    part."""
+    rows = len(batch)
+    if parts <= 1 or rows % parts:
+        return None
+    tokens = batch["attention_mask"].reshape(rows, -1).sum(-1).tolist()
+    uids = batch.non_tensors.get("uid")
+    starts = [0] + [row for row in range(1, rows) if uids is None or uids[row] != uids[row - 1]]
+    runs = [(start, stop) for start, stop in zip(starts, [*starts[1:], rows])]
+    size = runs[0][1] - runs[0][0]
+    if len(runs) % parts or any(stop - start != size for start, stop in runs):
+        return None
+    run_tokens = [sum(tokens[start:stop]) for start, stop in runs]
+    per_part = len(runs) // parts
+    loads = [0] * parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    for run in sorted(range(len(runs)), key=lambda r: -run_tokens[r]):  # largest first; ties in order
+        part = min((p for p in range(parts) if len(members[p]) < per_part), key=lambda p: (loads[p], p))
+        loads[part] += run_tokens[run]
+        members[part].append(run)
+    contiguous = max(sum(run_tokens[p * per_part:(p + 1) * per_part]) for p in range(parts))
+    if contiguous <= max(loads):
+        return None
+    return [row for part in members for run in sorted(part) for row in range(*runs[run])]
+
+
 #: name → protocol instance registered by the core (``hybridflow.builtins``)
 BUILTIN_PROTOCOLS: dict[str, Any] = {
     "one_to_all": OneToAll(),
@@ -221,5 +292,6 @@ BUILTIN_PROTOCOLS: dict[str, Any] = {
     "dp_compute_padded": DataParallelCompute(pad=True),
     "rank_zero": RankZero(),
     "mesh": Mesh(),
+    "mesh_balanced": BalancedMesh(),
     "generation_mesh": GenerationMesh(),
 }

@@ -254,7 +254,7 @@ class ActorRolloutWorker(_TrainingRole):
         maybe_fail("actor.log_probs", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return _only(self.engine.compute_log_probs(batch), batch, old_log_probs="log_probs")
 
-    @register(protocol="mesh", blocking=True, idempotent=False)
+    @register(protocol="mesh_balanced", blocking=True, idempotent=False)
     def update_policy(self, batch: Batch) -> dict[str, float]:
         self._check_version(batch, "update_policy")
         metrics: dict[str, float] = {}
@@ -271,7 +271,7 @@ class ActorRolloutWorker(_TrainingRole):
         self._record_resident("training")
         return metrics
 
-    @register(protocol="mesh", blocking=True, idempotent=False)
+    @register(protocol="mesh_balanced", blocking=True, idempotent=False)
     def update_policy_chunk(self, batch: Batch, final: bool) -> dict[str, float]:
         """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/async.md): its optimizer step(s) now;
         the policy version moves at the ``final`` chunk only, so a step is one version however it arrives."""
@@ -319,7 +319,7 @@ class CriticWorker(_TrainingRole):
         maybe_fail("critic.values", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         return output
 
-    @register(protocol="mesh", blocking=True, idempotent=False)
+    @register(protocol="mesh_balanced", blocking=True, idempotent=False)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for _ in range(self.spec.epochs):

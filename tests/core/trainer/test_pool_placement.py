@@ -66,3 +66,13 @@ def test_the_actors_pool_is_checked_when_the_config_loads() -> None:
         config(*SPLIT, "data.batch_size=3")
     with pytest.raises(ConfigError, match=r"actor.pool is 'nowhere', not one of resource_pools \(a, b\)"):
         config(*SPLIT, "actor.pool=nowhere")
+
+
+def test_balance_batch_off_splits_the_updates_in_order_and_a_role_override_still_wins() -> None:
+    """``trainer.balance_batch`` (verl's key, default on) keeps the updates' registered ``mesh_balanced``; off, the
+    update methods of every role are split in order (``mesh``), unless ``<role>.protocols`` names another."""
+    assert all(plan.protocols == {} for plan in plans(config(*SPLIT)).values())
+    planned = plans(config(*SPLIT, "trainer.balance_batch=false", "critic.protocols={update_critic: dp_compute}"))
+    assert planned["actor"].protocols == {"update_policy": "mesh", "update_policy_chunk": "mesh"}
+    assert planned["critic"].protocols == {"update_critic": "dp_compute"}
+    assert planned["reference"].protocols == {} and planned["reward_model"].protocols == {}

@@ -34,7 +34,7 @@ def context(world: int, mesh: list[MeshInfo] | None = None) -> TransferContext:
 def test_builtins_registered_by_core_owner() -> None:
     names = protocol_names()
     for name in ("one_to_all", "all_to_all", "dp_compute", "dp_compute_padded", "rank_zero", "mesh",
-                 "generation_mesh"):
+                 "mesh_balanced", "generation_mesh"):
         assert name in names
         assert registries.transfer_protocols.owner(name) == CORE_OWNER
     with pytest.raises(UnknownNameError, match='Did you mean "dp_compute"'):
@@ -69,6 +69,56 @@ def test_mesh_replicates_inside_dp_groups_and_collects_one_rank_per_group() -> N
     broken = [MeshInfo(dp_rank=r // 2, dp_size=2, is_collect=True) for r in range(4)]
     with pytest.raises(ConfigError, match="exactly one collect rank per dp_rank"):
         protocol.collect_ranks(context(4, broken))
+
+
+def rollout(lengths: list[int], samples: int, width: int = 12) -> Batch:
+    """A GRPO-shaped batch: prompt group g's ``samples`` rows hold ``lengths[g]`` valid tokens each (uid ``p{g}``)."""
+    rows = len(lengths) * samples
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for row in range(rows):
+        mask[row, : lengths[row // samples]] = 1
+    return Batch({"attention_mask": mask, "row": torch.arange(rows)},
+                 {"uid": [f"p{row // samples}" for row in range(rows)]})
+
+
+def test_mesh_balanced_evens_the_tokens_per_dp_rank_keeping_prompt_groups_whole() -> None:
+    # long groups first: mesh gives dp rank 0 the 4 long groups (4·4·12 = 192 tokens) and rank 1 the short ones (32)
+    batch = rollout([12, 12, 12, 12, 2, 2, 2, 2], samples=4)
+    mesh = [MeshInfo(dp_rank=r // 2, dp_size=2, is_collect=r % 2 == 0) for r in range(4)]  # dp 2 × tp 2
+    plain = get_protocol("mesh").distribute((batch,), {}, context(4, mesh))
+    assert [int(i.args[0]["attention_mask"].sum()) for i in plain[::2]] == [192, 32]
+    balanced = get_protocol("mesh_balanced").distribute((batch,), {"final": True}, context(4, mesh))
+    parts = [i.args[0] for i in balanced]
+    assert [int(part["attention_mask"].sum()) for part in parts[::2]] == [112, 112]
+    assert [len(part) for part in parts] == [16] * 4 and balanced[0].kwargs == {"final": True}
+    assert parts[0].equals(parts[1]) and parts[2].equals(parts[3])  # replicated inside each dp group
+    rows = torch.cat([part["row"] for part in parts[::2]]).tolist()
+    assert sorted(rows) == list(range(32))  # every row once
+    for part in parts[::2]:  # whole groups of 4 consecutive rows, each group in its original row order
+        uids, ids = list(part.non_tensors["uid"]), part["row"].tolist()
+        assert all(len(set(uids[g:g + 4])) == 1 for g in range(0, 16, 4))
+        assert all(ids[g:g + 4] == list(range(ids[g], ids[g] + 4)) for g in range(0, 16, 4))
+    # the update returns metrics: one per dp group, as mesh collects them; a Batch result would not line up
+    assert get_protocol("mesh_balanced").collect([{"loss": 1.0}, {"loss": 2.0}], context(4, mesh)) == [
+        {"loss": 1.0}, {"loss": 2.0}]
+    with pytest.raises(ConfigError, match=r"protocols\.m=mesh"):
+        get_protocol("mesh_balanced").collect(parts[::2], context(4, mesh))
+    assert not get_protocol("mesh_balanced").concatenates  # nor may a non-blocking result stay lazy
+
+
+def test_mesh_balanced_keeps_the_order_where_it_cannot_do_better() -> None:
+    from hybridflow.transfer.builtin_protocols import balanced_order
+
+    mesh = [MeshInfo(dp_rank=r, dp_size=2, is_collect=True) for r in range(2)]
+    even = rollout([5, 9, 9, 5], samples=2)  # already 28 tokens a rank
+    assert balanced_order(even, 2) is None
+    assert [i.args[0]["row"].tolist() for i in get_protocol("mesh_balanced").distribute((even,), {}, context(2, mesh))
+            ] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert balanced_order(rollout([9, 9, 5], samples=2), 2) is None  # 3 groups cannot split evenly over 2 ranks
+    assert balanced_order(rollout([12, 1], samples=2), 1) is None
+    # without uids every row is its own group (PPO's n = 1): rows 0 and 1 (12 tokens) go to different ranks
+    single = Batch({"attention_mask": rollout([12, 12, 1, 1], samples=1)["attention_mask"]})
+    assert balanced_order(single, 2) == [0, 2, 1, 3]
 
 
 def test_generation_mesh_follows_the_generation_positions() -> None:
