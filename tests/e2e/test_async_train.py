@@ -465,8 +465,11 @@ def test_streamed_mini_batches_train_as_the_barrier_does(tmp_path: Path, tiny_co
     streamed, stream_calls = _streamed_run(tiny_config, tmp_path / "stream", stream=True)
     barrier, barrier_calls = _streamed_run(tiny_config, tmp_path / "barrier", stream=False)
     assert len(streamed.rows) == len(barrier.rows) == 3
+    # the ranks' token counts (global_seqlen/...) are not compared: the barrier splits the step's rows over the ranks
+    # once, the stream each chunk's, so a rank holds other rows (the optimizer steps still see the same ones)
     for step, (expected, got) in enumerate(zip(barrier.rows, streamed.rows)):
-        compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
+        compared = {key: value for key, value in expected.items()
+                    if not key.startswith((*UNCOMPARED, "global_seqlen/"))}
         assert {key: got[key] for key in compared} == compared, f"step {step}"
         assert got["optimizer_steps"] == 2 and got["actor/policy_version"] == step + 1
         assert got["async/staleness_max"] == 0

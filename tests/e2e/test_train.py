@@ -78,6 +78,11 @@ def test_grpo_reward_rises(grpo_run: tuple[Path, list[dict[str, float]]]) -> Non
     # (each prompt's samples arrive on one rank, consecutive, so each micro-batch computes its prompts once)
     assert training["forward"] == "lean_packed", training
     assert [m["lean_forward_share"] for m in history] == [1.0] * 40
+    # verl's global_seqlen/*: the tokens each of the 2 ranks trained, from the ranks' own counts
+    for metrics in history:
+        low, high = metrics["global_seqlen/min"], metrics["global_seqlen/max"]
+        assert 0 < low <= high and metrics["global_seqlen/minmax_diff"] == high - low, metrics
+        assert metrics["global_seqlen/mean"] * 2 == metrics["tokens/prompt_and_response"] == low + high
     assert (rollout["dtype"], rollout["tensor_parallel_size"], rollout["decoder"]) == ("float32", 1, "lean"), rollout
     assert {p["distribution"] for p in manifest["plugins"]} >= {"hybridflow-fsdp"}
 

@@ -31,13 +31,23 @@ def fill_old_log_probs(batch: Batch) -> Batch:
     return batch
 
 
+#: an update's tokens on one data-parallel rank (its ``attention_mask`` sum), reported by the actor's update;
+#: :func:`mean_over_ranks` turns the ranks' values into verl's ``global_seqlen/min|max|minmax_diff|mean``
+RANK_TOKENS_METRIC = "global_seqlen/rank"
+
+
 def mean_over_ranks(metrics: Any) -> dict[str, float]:
-    """Average per-rank metric dicts (a blocking data-parallel call returns one per rank)."""
-    if isinstance(metrics, dict):
-        return {k: float(v) for k, v in metrics.items()}
-    rows = [m for m in metrics if m]
-    keys = sorted({k for m in rows for k in m})
-    return {k: sum(float(m[k]) for m in rows if k in m) / sum(1 for m in rows if k in m) for k in keys}
+    """Average per-rank metric dicts (a blocking data-parallel call returns one per rank); the ranks' update tokens
+    (:data:`RANK_TOKENS_METRIC`) become their min, max, spread and mean (how evenly ``mesh_balanced`` dealt them)."""
+    rows = [{k: float(v) for k, v in metrics.items()}] if isinstance(metrics, dict) else [m for m in metrics if m]
+    keys = sorted({k for m in rows for k in m} - {RANK_TOKENS_METRIC})
+    out = {k: sum(float(m[k]) for m in rows if k in m) / sum(1 for m in rows if k in m) for k in keys}
+    tokens = [float(m[RANK_TOKENS_METRIC]) for m in rows if RANK_TOKENS_METRIC in m]
+    if tokens:
+        out.update({"global_seqlen/min": min(tokens), "global_seqlen/max": max(tokens),
+                    "global_seqlen/minmax_diff": max(tokens) - min(tokens),
+                    "global_seqlen/mean": sum(tokens) / len(tokens)})
+    return out
 
 
 def stream_chunk_count(config: Any) -> int:

@@ -262,7 +262,7 @@ class ActorRolloutWorker(_TrainingRole):
             metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
             # weights already stepped
             maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
-        return self._next_version(metrics)
+        return self._next_version(_with_rank_tokens(metrics, batch))
 
     def _next_version(self, metrics: dict[str, float]) -> dict[str, float]:
         """An update's end: the policy version moves on (reported in ``metrics``) and resident bytes are recorded."""
@@ -276,7 +276,8 @@ class ActorRolloutWorker(_TrainingRole):
         """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/async.md): its optimizer step(s) now;
         the policy version moves at the ``final`` chunk only, so a step is one version however it arrives."""
         self._check_version(batch, "update_policy_chunk")
-        metrics = self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size)
+        metrics = _with_rank_tokens(
+            self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size), batch)
         maybe_fail("actor.update", iteration=_iteration(batch), rank=self.rank, plan=self.faults)
         self._mid_step = not final
         return self._next_version(metrics) if final else metrics
@@ -348,3 +349,12 @@ class RewardModelWorker(_TrainingRole):
 def worker_environment() -> dict[str, str]:
     """Environment every worker process gets (one torch thread: more only slow a 2-core box)."""
     return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _with_rank_tokens(metrics: dict[str, float], batch: Batch) -> dict[str, float]:
+    """The update's metrics with the tokens this rank trained (``global_seqlen/...`` once the driver combines them)."""
+    from hybridflow.algorithms.helpers import RANK_TOKENS_METRIC
+
+    if "attention_mask" in batch:
+        metrics[RANK_TOKENS_METRIC] = float(batch["attention_mask"].sum())
+    return metrics

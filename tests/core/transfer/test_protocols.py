@@ -174,3 +174,12 @@ def test_concat_batches_matches_batch_concat_on_the_parallel_path() -> None:
     assert fast.equals(Batch.concat(parts)) and fast["b"].dtype == torch.bfloat16
     with pytest.raises(VersionMismatchError, match="policy_version"):
         concat_batches([parts[0], parts[1].with_meta(policy_version=2), parts[2]])
+
+
+def test_the_ranks_update_tokens_become_verls_global_seqlen_metrics() -> None:
+    from hybridflow.algorithms.helpers import RANK_TOKENS_METRIC, mean_over_ranks
+
+    merged = mean_over_ranks([{"loss": 1.0, RANK_TOKENS_METRIC: 120.0}, {"loss": 3.0, RANK_TOKENS_METRIC: 100.0}])
+    assert merged == {"loss": 2.0, "global_seqlen/min": 100.0, "global_seqlen/max": 120.0,
+                      "global_seqlen/minmax_diff": 20.0, "global_seqlen/mean": 110.0}
+    assert mean_over_ranks({"loss": 1.0}) == {"loss": 1.0}
