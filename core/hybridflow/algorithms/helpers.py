@@ -31,14 +31,12 @@ def fill_old_log_probs(batch: Batch) -> Batch:
     return batch
 
 
-#: an update's tokens on one data-parallel rank (its ``attention_mask`` sum), reported by the actor's update;
-#: :func:`mean_over_ranks` turns the ranks' values into verl's ``global_seqlen/min|max|minmax_diff|mean``
-RANK_TOKENS_METRIC = "global_seqlen/rank"
-
-
 def mean_over_ranks(metrics: Any) -> dict[str, float]:
     """Average per-rank metric dicts (a blocking data-parallel call returns one per rank); the ranks' update tokens
-    (:data:`RANK_TOKENS_METRIC`) become their min, max, spread and mean (how evenly ``mesh_balanced`` dealt them)."""
+    (:data:`hybridflow.workers.base.RANK_TOKENS_METRIC`) become verl's ``global_seqlen/min|max|minmax_diff|mean``
+    (how evenly ``mesh_balanced`` dealt them)."""
+    from hybridflow.workers.base import RANK_TOKENS_METRIC
+
     rows = [{k: float(v) for k, v in metrics.items()}] if isinstance(metrics, dict) else [m for m in metrics if m]
     keys = sorted({k for m in rows for k in m} - {RANK_TOKENS_METRIC})
     out = {k: sum(float(m[k]) for m in rows if k in m) / sum(1 for m in rows if k in m) for k in keys}

@@ -20,7 +20,11 @@ from hybridflow.engines import MeshInfo, RolloutEngineConfig, SamplingParams, Tr
 from hybridflow.errors import VersionMismatchError
 from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
 
-__all__ = ["RoleSpec"]
+#: an update's tokens on one data-parallel rank (its ``attention_mask`` sum), which the actor's update reports; the
+#: driver's ``mean_over_ranks`` turns the ranks' values into verl's ``global_seqlen/min|max|minmax_diff|mean``
+RANK_TOKENS_METRIC = "global_seqlen/rank"
+
+__all__ = ["RANK_TOKENS_METRIC", "RoleSpec"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

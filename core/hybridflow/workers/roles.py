@@ -29,7 +29,7 @@ from hybridflow.controller import register
 from hybridflow.engines import MeshInfo, RolloutEngine, SamplingParams
 from hybridflow.errors import ConfigError, EngineError, LayoutError, VersionMismatchError
 from hybridflow.reliability.faults import maybe_fail
-from hybridflow.workers.base import RoleSpec, _iteration, _only, _TrainingRole
+from hybridflow.workers.base import RANK_TOKENS_METRIC, RoleSpec, _iteration, _only, _TrainingRole
 
 if TYPE_CHECKING:
     from hybridflow.agent.worker import AgentRollout
@@ -353,8 +353,6 @@ def worker_environment() -> dict[str, str]:
 
 def _with_rank_tokens(metrics: dict[str, float], batch: Batch) -> dict[str, float]:
     """The update's metrics with the tokens this rank trained (``global_seqlen/...`` once the driver combines them)."""
-    from hybridflow.algorithms.helpers import RANK_TOKENS_METRIC
-
     if "attention_mask" in batch:
         metrics[RANK_TOKENS_METRIC] = float(batch["attention_mask"].sum())
     return metrics

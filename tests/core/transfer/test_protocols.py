@@ -177,7 +177,8 @@ def test_concat_batches_matches_batch_concat_on_the_parallel_path() -> None:
 
 
 def test_the_ranks_update_tokens_become_verls_global_seqlen_metrics() -> None:
-    from hybridflow.algorithms.helpers import RANK_TOKENS_METRIC, mean_over_ranks
+    from hybridflow.algorithms.helpers import mean_over_ranks
+    from hybridflow.workers.base import RANK_TOKENS_METRIC
 
     merged = mean_over_ranks([{"loss": 1.0, RANK_TOKENS_METRIC: 120.0}, {"loss": 3.0, RANK_TOKENS_METRIC: 100.0}])
     assert merged == {"loss": 2.0, "global_seqlen/min": 100.0, "global_seqlen/max": 120.0,
