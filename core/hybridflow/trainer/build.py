@@ -252,10 +252,11 @@ def _role_protocols(config: Config, worker: type, section: Any) -> dict[str, str
     """A role's protocol overrides: ``<section>.protocols``, over ``mesh`` for the methods that deal rows by tokens
     (``mesh_balanced``: the updates) when ``trainer.balance_batch`` is off."""
     from hybridflow.controller.decorator import dispatch_of
+    from hybridflow.controller.handles import registered_methods
 
     defaults = {} if config.trainer.balance_batch else {
-        name: "mesh" for name in dir(worker)
-        if (dispatch := dispatch_of(getattr(worker, name, None))) is not None and dispatch.protocol == "mesh_balanced"}
+        name: "mesh" for name in registered_methods(worker)
+        if getattr(dispatch_of(getattr(worker, name)), "protocol", None) == "mesh_balanced"}
     return {**defaults, **dict(getattr(section, "protocols", None) or {})}
 
 
