@@ -9,8 +9,8 @@ from typing import Any
 
 from hybridflow.batch import Batch
 
-__all__ = ["combine_chunk_metrics", "decode_batch", "fill_old_log_probs", "mean_over_ranks", "split_prompt_chunks",
-           "stream_chunk_count"]
+__all__ = ["combine_chunk_metrics", "decode_batch", "fill_old_log_probs", "mean_over_chunks_and_ranks",
+           "mean_over_ranks", "split_prompt_chunks", "stream_chunk_count"]
 
 
 def decode_batch(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
@@ -37,15 +37,41 @@ def mean_over_ranks(metrics: Any) -> dict[str, float]:
     (how evenly ``mesh_balanced`` dealt them)."""
     from hybridflow.workers.base import RANK_TOKENS_METRIC
 
-    rows = [{k: float(v) for k, v in metrics.items()}] if isinstance(metrics, dict) else [m for m in metrics if m]
+    rows = _rank_rows(metrics)
     keys = sorted({k for m in rows for k in m} - {RANK_TOKENS_METRIC})
     out = {k: sum(float(m[k]) for m in rows if k in m) / sum(1 for m in rows if k in m) for k in keys}
-    tokens = [float(m[RANK_TOKENS_METRIC]) for m in rows if RANK_TOKENS_METRIC in m]
-    if tokens:
-        out.update({"global_seqlen/min": min(tokens), "global_seqlen/max": max(tokens),
-                    "global_seqlen/minmax_diff": max(tokens) - min(tokens),
-                    "global_seqlen/mean": sum(tokens) / len(tokens)})
+    out.update(_global_seqlen([float(m[RANK_TOKENS_METRIC]) for m in rows if RANK_TOKENS_METRIC in m]))
     return out
+
+
+def mean_over_chunks_and_ranks(chunks: list[Any]) -> dict[str, float]:
+    """One streamed update's metrics from its chunks' per-rank results (in chunk order, each as
+    :func:`mean_over_ranks` takes it): the chunks' rank means combined by :func:`combine_chunk_metrics`, and
+    ``global_seqlen/*`` of the tokens each rank trained over the whole step (its chunks' counts summed), as a step
+    trained in one update reports them."""
+    from hybridflow.workers.base import RANK_TOKENS_METRIC
+
+    per_chunk = [_rank_rows(chunk) for chunk in chunks]
+    out = combine_chunk_metrics([mean_over_ranks([{k: v for k, v in m.items() if k != RANK_TOKENS_METRIC}
+                                                  for m in rows]) for rows in per_chunk])
+    totals: dict[int, float] = {}
+    for rows in per_chunk:
+        for rank, m in enumerate(rows):
+            if RANK_TOKENS_METRIC in m:
+                totals[rank] = totals.get(rank, 0.0) + float(m[RANK_TOKENS_METRIC])
+    out.update(_global_seqlen(list(totals.values())))
+    return out
+
+
+def _rank_rows(metrics: Any) -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in metrics.items()}] if isinstance(metrics, dict) else [m for m in metrics if m]
+
+
+def _global_seqlen(tokens: list[float]) -> dict[str, float]:
+    if not tokens:
+        return {}
+    return {"global_seqlen/min": min(tokens), "global_seqlen/max": max(tokens),
+            "global_seqlen/minmax_diff": max(tokens) - min(tokens), "global_seqlen/mean": sum(tokens) / len(tokens)}
 
 
 def stream_chunk_count(config: Any) -> int:

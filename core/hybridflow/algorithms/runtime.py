@@ -17,9 +17,9 @@ from hybridflow.algorithms.advantages import build_token_level_rewards, masked_m
 from hybridflow.algorithms.coefficients import ENTROPY_CONTROLLER
 from hybridflow.algorithms.dynamic_sampling import fill_informative_groups
 from hybridflow.algorithms.helpers import (
-    combine_chunk_metrics,
     decode_batch,
     fill_old_log_probs,
+    mean_over_chunks_and_ranks,
     mean_over_ranks,
     split_prompt_chunks,
 )
@@ -173,7 +173,8 @@ class Runtime:
         prompt groups), the moment its rollout arrives: score it, set its advantages (``advantages(chunk)``: they
         must need nothing beyond the chunk's prompt groups) and dispatch the actor's update of it, while the rollout
         pool generates the next chunks (the final chunk's update moves the policy version). Returns the chunks'
-        rollouts concatenated and the update's metrics (:func:`~hybridflow.algorithms.helpers.combine_chunk_metrics`).
+        rollouts concatenated and the update's metrics
+        (:func:`~hybridflow.algorithms.helpers.mean_over_chunks_and_ranks`).
         Without streaming (one chunk) it is :meth:`rollout`, ``advantages`` and ``actor.update_policy``."""
         if self.stream_chunks == 1:
             batch = self.rollout(prompts)
@@ -187,7 +188,7 @@ class Runtime:
             advantages(batch)
             updates.append(self.actor.update_policy_chunk.submit(batch, final=index == len(chunks) - 1))
             scored.append(batch)
-        metrics = combine_chunk_metrics([mean_over_ranks(update.get(timeout=self.timeout_s)) for update in updates])
+        metrics = mean_over_chunks_and_ranks([update.get(timeout=self.timeout_s) for update in updates])
         batch = Batch.concat(scored)
         for key in ("chunk", "chunks"):
             batch.meta.pop(key, None)

@@ -184,3 +184,17 @@ def test_the_ranks_update_tokens_become_verls_global_seqlen_metrics() -> None:
     assert merged == {"loss": 2.0, "global_seqlen/min": 100.0, "global_seqlen/max": 120.0,
                       "global_seqlen/minmax_diff": 20.0, "global_seqlen/mean": 110.0}
     assert mean_over_ranks({"loss": 1.0}) == {"loss": 1.0}
+
+
+def test_a_streamed_updates_global_seqlen_is_of_each_ranks_tokens_over_the_step() -> None:
+    """Chunks of one streamed step: each rank's tokens summed over the chunks, then min/max/mean over the ranks (a
+    mean over chunks of each chunk's min and max would be the step's tokens split in the wrong places)."""
+    from hybridflow.algorithms.helpers import mean_over_chunks_and_ranks
+    from hybridflow.workers.base import RANK_TOKENS_METRIC
+
+    chunks = [[{"loss": 1.0, RANK_TOKENS_METRIC: 100.0}, {"loss": 3.0, RANK_TOKENS_METRIC: 120.0}],
+              [{"loss": 5.0, RANK_TOKENS_METRIC: 80.0}, {"loss": 7.0, RANK_TOKENS_METRIC: 40.0}]]
+    assert mean_over_chunks_and_ranks(chunks) == {
+        "loss": 4.0, "global_seqlen/min": 160.0, "global_seqlen/max": 180.0, "global_seqlen/minmax_diff": 20.0,
+        "global_seqlen/mean": 170.0}
+    assert mean_over_chunks_and_ranks([{"loss": 1.0}, {"loss": 2.0}]) == {"loss": 1.5}
