@@ -21,7 +21,11 @@ def count_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     partition: the bytes :class:`~hybridflow.resharding.StorageParking` kept that no generation shard holds)."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        # a DTensor's shard: its ``_local_tensor`` attribute where it has one (to_local() builds a new tensor through
+        # an autograd function, ~8 us a parameter: the trainer counts twice a step)
+        local = getattr(tensor, "_local_tensor", None)
+        if not isinstance(local, torch.Tensor):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         partition = getattr(tensor, "ds_tensor", None)
         held_tensors = [local, partition] if isinstance(partition, torch.Tensor) else [local]
         held_tensors += [aside for t in held_tensors if isinstance(aside := getattr(t, "parked_aside", None),
