@@ -18,7 +18,6 @@ from torch import nn
 
 from hybridflow_fsdp.kv_reuse import PastKV, write_past
 from hybridflow_fsdp.lean_forward import LeanForward, _Linear, _Norm, lean_decoder_unsupported_reason
-from hybridflow_fsdp.lean_forward import _distinct_prompt_rows as _distinct_prompt_rows  # re-exported (tests)
 
 __all__ = ["LeanDecoder", "PastKV", "build_lean_decoder", "lean_decoder_unsupported_reason"]
 

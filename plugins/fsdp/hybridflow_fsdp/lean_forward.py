@@ -8,14 +8,16 @@ architectures, sliding windows, non-default RoPE) keep the HF forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanForward", "lean_decoder_unsupported_reason", "shares_prompts", "upcast_for_backward"]
+from hybridflow_fsdp.prompt_sharing import distinct_prompt_rows
+
+__all__ = ["LeanForward", "lean_decoder_unsupported_reason", "upcast_for_backward"]
 
 _ARCHITECTURES = ("qwen2", "llama")
 
@@ -193,7 +195,7 @@ class LeanForward:
         share of that grid is gigabytes).
         """
         prompt_width = input_ids.shape[1] - response_width
-        firsts = _distinct_prompt_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
+        firsts = distinct_prompt_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
                                        position_ids[:, :prompt_width]) if prompt_width > 0 else None
         if firsts is None and remove_padding and prompt_width > 0:  # every row its own prompt
             every = torch.arange(input_ids.shape[0], device=input_ids.device)
@@ -380,28 +382,3 @@ def upcast_for_backward(query: torch.Tensor) -> bool:
     """
     return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
             and torch.is_grad_enabled() and query.requires_grad)
-
-
-def shares_prompts(inputs: Mapping[str, torch.Tensor], response_length: int) -> bool:
-    """Whether some row of ``inputs`` (``input_ids``, ``attention_mask``, ``position_ids``: left-padded prompts then
-    ``response_length`` response columns) repeats the previous row's prompt, as a rollout's n samples do: the lean
-    forward then computes that prompt once (:func:`_distinct_prompt_rows` is the rule)."""
-    width = inputs["input_ids"].shape[1] - response_length
-    if width <= 0:
-        return False
-    return _distinct_prompt_rows(inputs["input_ids"][:, :width], inputs["attention_mask"][:, :width],
-                                 inputs["position_ids"][:, :width]) is not None
-
-
-def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                          prompt_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(first row of each run of identical consecutive prompts, run index of every row), or None when no two
-    consecutive rows share their prompt (nothing to share)."""
-    if prompt_ids.shape[0] < 2:
-        return None
-    same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])
-            & (prompt_positions[1:] == prompt_positions[:-1])).all(-1)
-    if not bool(same.any()):
-        return None
-    starts = torch.cat((torch.ones(1, dtype=torch.bool, device=same.device), ~same))
-    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1

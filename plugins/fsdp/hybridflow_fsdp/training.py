@@ -25,10 +25,10 @@ from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
 from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
 from hybridflow_fsdp.engine_base import TRAINABLE_ROLES, HFTrainingEngineBase, enable_gradient_checkpointing
 from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsupported_reason
-from hybridflow_fsdp.lean_forward import shares_prompts
 from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler, count_state_bytes
+from hybridflow_fsdp.prompt_sharing import shares_prompts
 from hybridflow_fsdp.shm_comm import install_shm_comm
 
 if TYPE_CHECKING:

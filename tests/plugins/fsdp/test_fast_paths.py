@@ -14,8 +14,9 @@ from hybridflow.engines import ModelSpec, OptimConfig, RolloutEngineConfig, Samp
 from hybridflow.testing.contracts.rollout import build_prompt_batch
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID, tiny_model_config
-from hybridflow_fsdp.fast_decode import LeanDecoder, _distinct_prompt_rows, build_lean_decoder
+from hybridflow_fsdp.fast_decode import LeanDecoder, build_lean_decoder
 from hybridflow_fsdp.models import build_model, compute_position_ids
+from hybridflow_fsdp.prompt_sharing import distinct_prompt_rows
 from hybridflow_fsdp.rollout import HFRolloutEngine
 from hybridflow_fsdp.sampling import sample_tokens
 from hybridflow_fsdp.training import FSDPTrainingEngine
@@ -142,7 +143,7 @@ def test_shared_prompt_forward_matches_full_forward_and_gradients(fixture: str) 
     attention_mask = torch.cat([mask, response_mask], 1)
     positions = compute_position_ids(attention_mask)
     decoder = LeanDecoder(model)
-    firsts = _distinct_prompt_rows(ids, mask, compute_position_ids(mask))  # the shared path is the one taken
+    firsts = distinct_prompt_rows(ids, mask, compute_position_ids(mask))  # the shared path is the one taken
     assert firsts is not None and firsts[0].tolist() == [0, 3, 4, 8, 10]
     assert_same_log_probs_and_gradients(
         model, responses, response_mask,
@@ -152,7 +153,7 @@ def test_shared_prompt_forward_matches_full_forward_and_gradients(fixture: str) 
     # without shared prompts too (each row its own prompt), and padding-removed logits hold 0 at padding
     alone = firsts[0]  # one row of each prompt
     ids_a, mask_a, pos_a = input_ids[alone], attention_mask[alone], positions[alone]
-    assert _distinct_prompt_rows(ids_a[:, :6], mask_a[:, :6], pos_a[:, :6]) is None
+    assert distinct_prompt_rows(ids_a[:, :6], mask_a[:, :6], pos_a[:, :6]) is None
     assert_same_log_probs_and_gradients(
         model, responses[alone], response_mask[alone],
         lambda: decoder.forward_logits(ids_a, mask_a, pos_a, last=width + 1)[:, :-1],
