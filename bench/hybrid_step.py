@@ -59,7 +59,10 @@ def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision
         actor = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
             model=spec, optim=OptimConfig(lr=1e-3), micro_batch_size=32, mixed_precision=precision,  # type: ignore[arg-type]
             extra={"handover_unshard": unshard, "reduce_dtype": reduce_dtype}))
-        rollout = HFRolloutEngine(config=RolloutEngineConfig(model=generation_spec, pad_token_id=0, eos_token_id=1,
+        # EOS = the vocabulary's size: an id never sampled, so every row generates all 16 tokens as the trained
+        # fixture's rows do (with EOS = 1 the random model ended rows early and the update saw short sequences)
+        rollout = HFRolloutEngine(config=RolloutEngineConfig(model=generation_spec, pad_token_id=0,
+                                                             eos_token_id=int(spec.config["vocab_size"]),
                                                              max_prompt_length=8))
         rollout.sleep()
         engines[unshard], rows[unshard] = (actor, rollout), []
@@ -80,7 +83,8 @@ def _rank(rank: int, world_size: int, size: str, steps: int, out: str, precision
             counter.phase = "update"
             actor.train_step(rollout_batch, loss_fn=sequence_mean_nll)
             marks.append((time.perf_counter(), time.process_time()))
-            rows[unshard].append({"wall": [b[0] - a[0] for a, b in itertools.pairwise(marks)],
+            rows[unshard].append({"response_tokens": int(rollout_batch["response_mask"].sum()),
+                                  "wall": [b[0] - a[0] for a, b in itertools.pairwise(marks)],
                                   "cpu": [b[1] - a[1] for a, b in itertools.pairwise(marks)], "counts": counter.take()})
     counter.close()
     Path(f"{out}.{rank}").write_text(json.dumps({str(k): v for k, v in rows.items()}))
@@ -114,6 +118,7 @@ def main() -> None:
             cpu = {p: round(statistics.median(r["cpu"][i] for r in kept), 4) for i, p in enumerate(PHASES)}
             wall = {p: round(statistics.median(r["wall"][i] for r in kept), 4) for i, p in enumerate(PHASES)}
             result[key] = {"cpu_s": cpu, "cpu_s_step": round(sum(cpu.values()), 4), "wall_s": wall,
+                           "response_tokens": statistics.median(r["response_tokens"] for r in kept),
                            "collectives": kept[-1]["counts"]}
     print("RESULT " + json.dumps(result), flush=True)
 
