@@ -21,10 +21,11 @@ from hybridflow.batch import Batch, check_versions
 from hybridflow.controller.decorator import Dispatch, dispatch_of
 from hybridflow.controller.future import FAILURE_GRACE_S, BatchFuture, CallHandle
 from hybridflow.controller.handles import BoundMethod, RoleHandle, check_protocol_overrides, registered_methods
-from hybridflow.controller.host import FetchArg, RankPayload, WorkerHost
+from hybridflow.controller.host import RankPayload, WorkerHost
 from hybridflow.controller.pool import ResourcePool
 from hybridflow.controller.records import CallObserver
 from hybridflow.controller.runtime import is_local_ray
+from hybridflow.controller.staging import settle_argument, stage_argument
 from hybridflow.controller.watchdog import raise_deadline_exceeded
 from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError, WorkerError
@@ -340,8 +341,8 @@ class WorkerGroup:
         protocol = get_protocol(dispatch.protocol)
         context = TransferContext(world_size=self.world_size, role=role, method=method,
                                   mesh_provider=lambda: self.mesh(role))
-        args = tuple(_settle(value) for value in args)
-        kwargs = {key: _settle(value) for key, value in kwargs.items()}
+        args = tuple(settle_argument(value) for value in args)
+        kwargs = {key: settle_argument(value) for key, value in kwargs.items()}
         metas = [value.meta for value in [*args, *kwargs.values()] if isinstance(value, (Batch, BatchFuture))]
         check_versions(metas, what=f"inputs of {self.name}.{role}.{method}")
         inputs = protocol.distribute(args, kwargs, context)
@@ -364,8 +365,8 @@ class WorkerGroup:
             if rank_input is None:
                 continue
             payload = RankPayload(
-                args=tuple(_stage(value, puts, slices) for value in rank_input.args),
-                kwargs={key: _stage(value, puts, slices) for key, value in rank_input.kwargs.items()},
+                args=tuple(stage_argument(value, puts, slices) for value in rank_input.args),
+                kwargs={key: stage_argument(value, puts, slices) for key, value in rank_input.kwargs.items()},
                 padding_rows=rank_input.padding_rows, deadline_at=started + limit,
             )
             data_refs[rank], info_refs[rank] = self._hosts[rank].execute.remote(role, method, payload)
@@ -384,32 +385,3 @@ class WorkerGroup:
     def __repr__(self) -> str:
         return (f"WorkerGroup({self.name!r}, roles={sorted(self.roles)}, pool={self.pool.name!r}, "
                 f"alive={bool(self._hosts)})")
-
-
-def _settle(value: Any) -> Any:
-    """A future whose result cannot stay lazy (not a row-concatenated Batch) is fetched; everything else kept."""
-    if isinstance(value, BatchFuture) and not value.is_batch:
-        return value.get()
-    return value
-
-
-#: batches up to this many tensor bytes travel inside the call (Ray's own inline limit is 100 KiB); larger ones are
-#: stored once in the object store and fetched zero-copy by each rank
-INLINE_BATCH_BYTES = 90 * 1024
-
-
-def _stage(value: Any, puts: dict[int, tuple[Any, Any]], slices: dict[tuple[Any, int, int], Any]) -> Any:
-    """Replace a Batch by a ref the rank fetches (stored once per call; small ones inline) and a future by its
-    shard's refs."""
-    if isinstance(value, BatchFuture):
-        return value.to_fetch_arg(slices)
-    if isinstance(value, Batch) and value.nbytes() <= INLINE_BATCH_BYTES:
-        return FetchArg(refs=(), inline=value)
-    if isinstance(value, Batch):
-        key = id(value)
-        if key not in puts:
-            puts[key] = (value, ray.put(value))  # keep the batch alive so id() stays unique during this call
-        return FetchArg(refs=(puts[key][1],))
-    return value
-
-

@@ -23,6 +23,7 @@ from hybridflow.controller import (
     WorkerGroup,
     register,
 )
+from hybridflow.controller.staging import INLINE_BATCH_BYTES
 from hybridflow.engines import MeshInfo
 from hybridflow.errors import ConfigError, UnknownNameError, VersionMismatchError, WorkerError
 
@@ -266,8 +267,8 @@ def test_small_batches_travel_inline_large_ones_through_the_object_store(
     monkeypatch.setattr(group_module.ray, "put", lambda value, **kw: (puts.append(id(value)), real_put(value, **kw))[1])
     wide = groups["wide"]
     small = make(8, columns=16)  # 1 KiB
-    large = make(8, columns=group_module.INLINE_BATCH_BYTES // 8 // 2 + 64)  # shards of 2 rows
-    assert small.nbytes() <= group_module.INLINE_BATCH_BYTES < large.nbytes() // 4
+    large = make(8, columns=INLINE_BATCH_BYTES // 8 // 2 + 64)  # shards of 2 rows
+    assert small.nbytes() <= INLINE_BATCH_BYTES < large.nbytes() // 4
     for batch, stored in ((small, False), (large, True)):
         puts.clear()
         out = wide.actor.row_sums(batch)
@@ -354,7 +355,7 @@ def test_a_blocking_dp_call_costs_one_put_per_shard_one_get_and_one_copy(
     monkeypatch.setattr(group_module, "RankPayload", payload)
     wide = groups["wide"]
     batch = make(64, columns=1024)  # 512 KiB: 128 KiB shards, above the inline limit
-    assert batch.nbytes() // 4 > group_module.INLINE_BATCH_BYTES
+    assert batch.nbytes() // 4 > INLINE_BATCH_BYTES
     copied = dict(concat_module.COPY_STATS)
     out = wide.actor.row_sums(batch)
     assert out["sum"].tolist() == batch["ids"].sum(dim=1).tolist() and out.meta == batch.meta
