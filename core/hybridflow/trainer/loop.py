@@ -18,7 +18,7 @@ from hybridflow.algorithms.roles import check_algorithm_state, load_algorithm_st
 from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
 from hybridflow.config import Config, check_registered_names
-from hybridflow.data import PromptDataset, PromptLoader, load_rows, make_task_rows
+from hybridflow.data import PromptLoader
 from hybridflow.errors import CheckpointError, ConfigError, HybridflowError
 from hybridflow.ledger import Ledger
 from hybridflow.manifest import build_manifest, write_manifest
@@ -28,37 +28,17 @@ from hybridflow.rewards_remote import RewardPool, build_reward_function
 from hybridflow.trainer.async_loop import AsyncRollout, use_weight_exporting_actor
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles, role_mapping, start_ray
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
+from hybridflow.trainer.datasets import load_datasets
 from hybridflow.trainer.iteration_record import IterationRecorder
 from hybridflow.trainer.progress import MetricsWriter, Progress
 from hybridflow.trainer.rollouts import RolloutWriter
 from hybridflow.trainer.timing import timing_metrics
-from hybridflow.trainer.validation import Validation, build_validation
 
 if TYPE_CHECKING:
     from hybridflow.controller import CallObserver
     from hybridflow.placement.advisor import RunAdvisor
 
 __all__ = ["Trainer"]
-
-
-def _load_datasets(config: Config, tokenizer: Any) -> tuple[PromptDataset, Validation | None]:
-    """The training prompts, and the validation (``data.val_files`` or the task's held-out prompts) if any."""
-    data = config.data
-    held_out: list[dict[str, Any]] = []
-    if data.train_files:
-        rows: list[dict[str, Any]] = []
-        for file in data.train_files:
-            rows.extend(load_rows(file))
-        source = ", ".join(data.train_files)
-    else:
-        assert data.task is not None
-        rows, held_out = make_task_rows(data.task)
-        source = f"task {data.task.name}"
-    from hybridflow.agent.worker import prompt_tool_schemas
-
-    train = PromptDataset.from_rows(rows, tokenizer, max_prompt_length=data.max_prompt_length, source=source,
-                                    tools=prompt_tool_schemas(config))
-    return train, build_validation(config, tokenizer, held_out)
 
 
 class Trainer:
@@ -72,7 +52,7 @@ class Trainer:
         check_registered_names(config)
         self.algorithm = registries.algorithms.get(config.algorithm.name)
         self.tokenizer = build_tokenizer(config.role_model(config.actor))
-        train, self.validation = _load_datasets(config, self.tokenizer)
+        train, self.validation = load_datasets(config, self.tokenizer)
         self.validation_history: list[dict[str, float]] = []  # this process's validation rows, with their step
         self.loader = PromptLoader(train, batch_size=config.data.batch_size, seed=config.trainer.seed,
                                    shuffle=config.data.shuffle)
