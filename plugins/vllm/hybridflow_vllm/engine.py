@@ -21,12 +21,15 @@ from hybridflow.engines import RolloutEngineConfig, SamplingParams, TokenComplet
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_vllm.columns import build_rollout_columns, prompt_token_lists
 from hybridflow_vllm.launcher import (
+    check_external_launcher,
     external_launcher_identity,
     release_vllm_groups,
+    restore_random_states,
+    save_random_states,
     shared_memory_identity,
     unlink_shared_memory,
 )
-from hybridflow_vllm.layout import tensor_parallel_shard_shapes
+from hybridflow_vllm.layout import check_vocabulary_split, tensor_parallel_shard_shapes
 from hybridflow_vllm.model_dir import prepare_model_dir, read_checkpoint_shapes
 from hybridflow_vllm.options import ENGINE_ENVIRONMENT, VllmOptions, WeightUpdateStats
 from hybridflow_vllm.worker_extension import WORKER_EXTENSION
@@ -35,23 +38,6 @@ if TYPE_CHECKING:
     import tempfile
 
 __all__ = ["VllmOptions", "WeightUpdateStats", "VllmRolloutEngine"]
-
-def _save_random_states() -> tuple[Any, ...]:
-    import random
-
-    import numpy
-
-    return random.getstate(), numpy.random.get_state(), torch.random.get_rng_state()
-
-
-def _restore_random_states(states: tuple[Any, ...]) -> None:
-    import random
-
-    import numpy
-
-    random.setstate(states[0])
-    numpy.random.set_state(states[1])
-    torch.random.set_rng_state(states[2])
 
 
 def _sleep_mode_available() -> bool:
@@ -92,11 +78,11 @@ class VllmRolloutEngine:
             os.environ.setdefault(key, value)
         self._broken: str | None = None
         if self.tensor_groups is not None:
-            self._check_external_launcher()
+            check_external_launcher(self.config.tensor_parallel_size, self.tensor_groups, self.options.llm_kwargs)
         self.model_dir, self._model_holder = prepare_model_dir(config.model)
         self.weight_shapes = read_checkpoint_shapes(self.model_dir)
         if self.weights_sharded:
-            self._check_vocabulary_split()
+            check_vocabulary_split(self.weight_shapes)
             self.weight_shapes = tensor_parallel_shard_shapes(self.weight_shapes, config.tensor_parallel_size)
         try:
             self._llm = self._start()
@@ -123,50 +109,6 @@ class VllmRolloutEngine:
 
         return int(get_tensor_model_parallel_rank())
 
-    def _check_external_launcher(self) -> None:
-        """The caller's processes are vLLM's tensor-parallel workers: vLLM's ``external_launcher`` executor reuses the
-        initialised torch.distributed world and groups its ranks into tensor groups of consecutive ranks
-        (``vllm.distributed.parallel_state.initialize_model_parallel``: ``arange(world).reshape(..., tp)``). It fits
-        the hybrid engine's generation layout when that layout is one tensor group over the whole world."""
-        import torch.distributed as dist
-
-        tensor, groups = self.config.tensor_parallel_size, self.tensor_groups
-        if tensor == 1:
-            return
-        if not dist.is_available() or not dist.is_initialized():
-            raise ConfigError(
-                f"extra['tensor_groups'] with tensor_parallel_size={tensor} runs vLLM on the caller's processes "
-                "(external_launcher), which needs torch.distributed initialised first (the actor's training engine "
-                "does it); got an uninitialised default process group")
-        world = dist.get_world_size()
-        if groups != [list(range(world))]:
-            raise ConfigError(
-                f"the vllm engine generates tensor-parallel on the actor's own ranks only as one tensor group over "
-                f"the whole world (vLLM's external_launcher groups consecutive ranks; the hybrid engine's generation "
-                f"layout draws strided groups once the world is larger than tg): expected tensor_groups "
-                f"[{list(range(world))}], got {groups}. Fix: set rollout.tensor_parallel_size to the actor's world "
-                f"size {world}, or 1")
-        backend = self.options.llm_kwargs.get("distributed_executor_backend", "external_launcher")
-        if backend != "external_launcher":
-            raise ConfigError(
-                f"extra.llm_kwargs.distributed_executor_backend={backend!r}, but the vllm engine of the hybrid engine "
-                "generates on the actor's own processes, which needs 'external_launcher'. Fix: remove "
-                "distributed_executor_backend from rollout.extra.llm_kwargs")
-
-    def _check_vocabulary_split(self) -> None:
-        """vLLM pads the vocabulary to a multiple of 64 before splitting it over the tensor ranks; the generation
-        layout splits the unpadded rows evenly. The two agree when the vocabulary is a multiple of 64."""
-        from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
-
-        vocab = self.weight_shapes.get("model.embed_tokens.weight", (0,))[0]
-        if vocab % DEFAULT_VOCAB_PADDING_SIZE:
-            raise ConfigError(
-                f"tensor-parallel generation with vllm loads each rank's vocabulary shard as is: vLLM pads the "
-                f"vocabulary to a multiple of {DEFAULT_VOCAB_PADDING_SIZE} and gives rank r rows [r * padded / tp, "
-                f"...), the generation layout rows [r * vocab / tp, ...); they agree for a vocabulary that is a "
-                f"multiple of {DEFAULT_VOCAB_PADDING_SIZE}, got vocab_size {vocab}. Fix: pad the model's vocab_size "
-                f"to a multiple of {DEFAULT_VOCAB_PADDING_SIZE}, or set rollout.tensor_parallel_size=1")
-
     def _start(self) -> Any:
         from vllm import LLM
 
@@ -189,7 +131,7 @@ class VllmRolloutEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"  # the caller's ranks are vLLM's TP workers
         kwargs.update(options.llm_kwargs)
         set_num_threads = torch.set_num_threads
-        random_states = _save_random_states()
+        random_states = save_random_states()
         launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         identity = self.shared_memory_identity = shared_memory_identity() if launcher else None
         try:
@@ -212,7 +154,7 @@ class VllmRolloutEngine:
                 torch.set_num_threads = set_num_threads
             # vLLM seeds the global RNGs of the process it runs in; the caller's streams (e.g. a colocated trainer's)
             # continue as if no engine had started
-            _restore_random_states(random_states)
+            restore_random_states(random_states)
 
     # --- RolloutEngine ----------------------------------------------------------------------------------------
     @property

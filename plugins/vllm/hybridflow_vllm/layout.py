@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from hybridflow.errors import LayoutError
+from hybridflow.errors import ConfigError, LayoutError
 from hybridflow.resharding import ModelLayout, build_tensor_parallel_layout
 from hybridflow.resharding.specs import Mesh
 
-__all__ = ["build_vllm_layout", "tensor_parallel_shard_shapes"]
+__all__ = ["build_vllm_layout", "check_vocabulary_split", "tensor_parallel_shard_shapes"]
 
 #: Hugging Face name endings vLLM splits on dim 0 (column-parallel, vocabulary-parallel) and dim 1 (row-parallel)
 _COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
@@ -89,3 +89,18 @@ def tensor_parallel_shard_shapes(named_shapes: Mapping[str, Sequence[int]], tens
             dims[dim] //= tensor
         shapes[name] = tuple(dims)
     return shapes
+
+
+def check_vocabulary_split(weight_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """vLLM pads the vocabulary to a multiple of 64 before splitting it over the tensor ranks; the generation
+    layout splits the unpadded rows evenly. The two agree when the vocabulary is a multiple of 64."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
+
+    vocab = weight_shapes.get("model.embed_tokens.weight", (0,))[0]
+    if vocab % DEFAULT_VOCAB_PADDING_SIZE:
+        raise ConfigError(
+            f"tensor-parallel generation with vllm loads each rank's vocabulary shard as is: vLLM pads the "
+            f"vocabulary to a multiple of {DEFAULT_VOCAB_PADDING_SIZE} and gives rank r rows [r * padded / tp, "
+            f"...), the generation layout rows [r * vocab / tp, ...); they agree for a vocabulary that is a "
+            f"multiple of {DEFAULT_VOCAB_PADDING_SIZE}, got vocab_size {vocab}. Fix: pad the model's vocab_size "
+            f"to a multiple of {DEFAULT_VOCAB_PADDING_SIZE}, or set rollout.tensor_parallel_size=1")

@@ -165,3 +165,38 @@ def test_config_only_model_spec_writes_a_seeded_hf_directory() -> None:
     assert not path.exists()
     with pytest.raises(ConfigError, match=r"config\.json"):
         prepare_model_dir(ModelSpec(path=str(path)))
+
+
+def test_tensor_parallel_generation_on_the_callers_ranks_is_checked_before_vllm_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """external_launcher: torch.distributed initialised, one tensor group over the whole world, that executor; tp = 1
+    needs none of it."""
+    import torch.distributed as dist
+
+    from hybridflow_vllm.launcher import check_external_launcher
+
+    check_external_launcher(1, None, {})
+    with pytest.raises(ConfigError, match="uninitialised"):
+        check_external_launcher(2, [[0, 1]], {})
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    with pytest.raises(ConfigError, match=r"expected tensor_groups \[\[0, 1, 2, 3\]\], got \[\[0, 2\], \[1, 3\]\]"):
+        check_external_launcher(2, [[0, 2], [1, 3]], {})
+    with pytest.raises(ConfigError, match="distributed_executor_backend='mp'"):
+        check_external_launcher(4, [[0, 1, 2, 3]], {"distributed_executor_backend": "mp"})
+    check_external_launcher(4, [[0, 1, 2, 3]], {})
+
+
+def test_random_states_survive_what_vllm_start_up_does_to_them() -> None:
+    import random
+
+    from hybridflow_vllm.launcher import restore_random_states, save_random_states
+
+    states = save_random_states()
+    expected = (random.random(), torch.rand(3))
+    restore_random_states(states)
+    random.seed(0)
+    torch.manual_seed(0)  # what vLLM's start-up does to the process's global generators
+    restore_random_states(states)
+    got = (random.random(), torch.rand(3))
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1])
