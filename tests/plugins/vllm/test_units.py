@@ -200,3 +200,12 @@ def test_random_states_survive_what_vllm_start_up_does_to_them() -> None:
     restore_random_states(states)
     got = (random.random(), torch.rand(3))
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+
+
+def test_tensor_parallel_generation_needs_a_vocabulary_vllm_splits_as_the_layout_does() -> None:
+    pytest.importorskip("vllm")
+    from hybridflow_vllm.layout import check_vocabulary_split
+
+    check_vocabulary_split({"model.embed_tokens.weight": (128, 64)})
+    with pytest.raises(ConfigError, match="multiple of 64, got vocab_size 45"):
+        check_vocabulary_split({"model.embed_tokens.weight": (45, 64)})
