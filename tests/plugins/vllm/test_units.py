@@ -1,4 +1,5 @@
-"""Parts of hybridflow-vllm that need no vLLM: rollout columns, the fused layout, capabilities and registration."""
+"""Parts of hybridflow-vllm that need no vLLM engine running: rollout columns, the fused layout, capabilities,
+registration, and the checks made before an engine starts."""
 
 from __future__ import annotations
 
