@@ -177,6 +177,7 @@ def test_tensor_parallel_generation_on_the_callers_ranks_is_checked_before_vllm_
     from hybridflow_vllm.launcher import check_external_launcher
 
     check_external_launcher(1, None, {})
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # whatever an earlier test in this process set up
     with pytest.raises(ConfigError, match="uninitialised"):
         check_external_launcher(2, [[0, 1]], {})
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
