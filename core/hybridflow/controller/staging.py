@@ -39,5 +39,3 @@ def stage_argument(value: Any, puts: dict[int, tuple[Any, Any]], slices: dict[tu
             puts[key] = (value, ray.put(value))  # keep the batch alive so id() stays unique during this call
         return FetchArg(refs=(puts[key][1],))
     return value
-
-

@@ -4,6 +4,8 @@ registration, and the checks made before an engine starts."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,24 +171,36 @@ def test_config_only_model_spec_writes_a_seeded_hf_directory() -> None:
 
 
 def test_tensor_parallel_generation_on_the_callers_ranks_is_checked_before_vllm_starts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """external_launcher: torch.distributed initialised, one tensor group over the whole world, that executor; tp = 1
-    needs none of it."""
+    needs none of it. Checked against this process's real gloo world (one rank, made here unless an earlier test
+    left one)."""
     import torch.distributed as dist
 
     from hybridflow_vllm.launcher import check_external_launcher
 
     check_external_launcher(1, None, {})
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # whatever an earlier test in this process set up
-    with pytest.raises(ConfigError, match="uninitialised"):
-        check_external_launcher(2, [[0, 1]], {})
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    with pytest.raises(ConfigError, match=r"expected tensor_groups \[\[0, 1, 2, 3\]\], got \[\[0, 2\], \[1, 3\]\]"):
-        check_external_launcher(2, [[0, 2], [1, 3]], {})
-    with pytest.raises(ConfigError, match="distributed_executor_backend='mp'"):
-        check_external_launcher(4, [[0, 1, 2, 3]], {"distributed_executor_backend": "mp"})
-    check_external_launcher(4, [[0, 1, 2, 3]], {})
+    made = not dist.is_initialized()
+    if made:
+        with pytest.raises(ConfigError, match="uninitialised"):
+            check_external_launcher(2, [[0, 1]], {})
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    else:  # the uninitialised case, in a process where an earlier test initialised the world
+        with monkeypatch.context() as patch:
+            patch.setattr(dist, "is_initialized", lambda: False)
+            with pytest.raises(ConfigError, match="uninitialised"):
+                check_external_launcher(2, [[0, 1]], {})
+    try:
+        world = list(range(dist.get_world_size()))
+        strided = [world[0::2], world[1::2]] if len(world) > 1 else [[0, 1]]
+        with pytest.raises(ConfigError, match=re.escape(f"expected tensor_groups [{world}], got {strided}")):
+            check_external_launcher(2, strided, {})
+        with pytest.raises(ConfigError, match="distributed_executor_backend='mp'"):
+            check_external_launcher(2, [world], {"distributed_executor_backend": "mp"})
+        check_external_launcher(2, [world], {})
+    finally:
+        if made:
+            dist.destroy_process_group()
 
 
 def test_random_states_survive_what_vllm_start_up_does_to_them() -> None:
