@@ -25,7 +25,8 @@ def _check_ledger(run_dir: Path, tensor: int, model_bytes: int, norm_bytes: int)
     assert ledger
     for row in ledger:
         edge = next(e for e in row["edges"] if e["target"] == "actor.rollout_engine")
-        # the planner's path, bytes counted from the buffers the executor sent and received, = the lower bound
+        # the reshard path (tg = 2: the planner's executor; tg = 1: FSDP's all-gather, actor.extra.handover_unshard
+        # auto for this small fp32 model), bytes counted from the buffers received, = the lower bound
         assert edge["protocol"] == "reshard", edge
         assert edge["bytes_per_rank"] == edge["lower_bound_bytes_per_rank"], edge
         assert len(edge["bytes_per_rank"]) == 2 and min(edge["bytes_per_rank"]) > 0, edge

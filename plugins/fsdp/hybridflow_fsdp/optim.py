@@ -13,7 +13,7 @@ import torch
 from hybridflow.engines import OptimConfig
 from hybridflow.errors import ConfigError
 
-__all__ = ["build_optimizer", "build_scheduler", "compute_lr_factor", "count_state_bytes"]
+__all__ = ["build_optimizer", "build_scheduler", "compute_lr_factor", "count_state_bytes", "clip_sharded_grad_norm_"]
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], config: OptimConfig, *,
@@ -51,6 +51,36 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> to
     """A ``LambdaLR`` following :func:`compute_lr_factor`; call ``step()`` after every optimizer step."""
     compute_lr_factor(config.total_steps, config)  # validate the schedule now, not at step N
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: compute_lr_factor(step, config))
+
+
+def clip_sharded_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float | None:
+    """``torch.nn.utils.clip_grad_norm_`` for FSDP2's dim-sharded gradients, on their local shards: one
+    ``_foreach_norm`` over this rank's shards, one all-reduce of the summed squares over the mesh's group, one
+    ``_foreach_mul_`` by ``min(1, max_norm / (norm + 1e-6))`` (torch's coefficient); returns the global 2-norm.
+
+    The same arithmetic as torch's on DTensors, without DTensor's dispatch: at 77K parameters on two ranks torch's
+    DTensor path took ~3 ms of a ~30 ms update (py-spy, 2026-12-03), this ~0.2 ms. Returns None, touching nothing,
+    when some gradient is not a DTensor sharded along one dim of a one-dimensional mesh (a replicated gradient
+    would be counted once per rank): the caller then clips with torch's."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
+    shards: list[torch.Tensor] = []
+    for grad in grads:
+        if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and grad.device_mesh.ndim == 1
+                and isinstance(grad.placements[0], Shard)):
+            return None
+        shards.append(grad._local_tensor)
+    assert mesh is not None
+    squares = torch.stack([norm.float() for norm in torch._foreach_norm(shards, 2.0)]).square().sum()
+    torch.distributed.all_reduce(squares, group=mesh.get_group())
+    total = squares.sqrt()
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(shards, coefficient)
+    return float(total)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,22 @@ from hybridflow.engines import ROLES, LossFn, TrainingEngineConfig
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_fsdp import checkpoint, forward, handover, packing
-from hybridflow_fsdp.distributed import FSDP_UNITS, apply_fsdp, build_data_parallel_mesh, ensure_process_group
+from hybridflow_fsdp.distributed import apply_fsdp, build_data_parallel_mesh, ensure_process_group
 from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
 from hybridflow_fsdp.engine_base import LOSS_SCALE_TOKENS as LOSS_SCALE_TOKENS
 from hybridflow_fsdp.engine_base import TRAINABLE_ROLES, HFTrainingEngineBase, enable_gradient_checkpointing
+from hybridflow_fsdp.engine_options import (
+    ONE_UNIT_MAX_BYTES,
+    REDUCE_DTYPES,
+    UNSHARD_HANDOVER_FP32_MAX_BYTES,
+    resolve_fsdp_units,
+    resolve_reduce_dtype,
+    resolve_unshard_handover,
+)
 from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsupported_reason
 from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
-from hybridflow_fsdp.optim import build_optimizer, build_scheduler, count_state_bytes
+from hybridflow_fsdp.optim import build_optimizer, build_scheduler, clip_sharded_grad_norm_, count_state_bytes
 from hybridflow_fsdp.prompt_sharing import shares_prompts
 from hybridflow_fsdp.shm_comm import install_shm_comm
 
@@ -37,12 +45,9 @@ if TYPE_CHECKING:
     from hybridflow.resharding import ReshardPlan
 
 __all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "resolve_fsdp_units", "resolve_reduce_dtype",
-           "TRAINABLE_ROLES", "ONE_UNIT_MAX_BYTES", "REDUCE_DTYPES"]
+           "TRAINABLE_ROLES", "ONE_UNIT_MAX_BYTES", "REDUCE_DTYPES", "resolve_unshard_handover",
+           "UNSHARD_HANDOVER_FP32_MAX_BYTES"]
 
-#: ``extra.reduce_dtype`` values besides ``auto`` (:func:`resolve_reduce_dtype`)
-REDUCE_DTYPES = ("float32", "bfloat16")
-#: ``extra.fsdp_units: auto`` makes the whole model one FSDP unit up to this many bytes of weights
-ONE_UNIT_MAX_BYTES = 1 << 30
 #: the method name the lean forward gets on the FSDP root, so FSDP's forward hooks run around it
 LEAN_FORWARD_METHOD = "hybridflow_lean_response_logits"
 
@@ -101,6 +106,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         if not self.trainable:
             model.requires_grad_(False)
         model.to(self.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # before sharding: the whole
         # one rank in full precision: nothing to shard, so the plain module runs without FSDP's per-op DTensor cost
         self.sharded = self.world_size > 1 or config.mixed_precision != "none" or bool(config.extra.get("fsdp_always"))
         # generating at tg > 1: shard row-parallel weights along dim 1, as the generation layout splits them, so each
@@ -130,11 +136,12 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.shm_comm_unused_reason = install_shm_comm(self.model, setting=self.comm, device=self.device, role=role)
         self._handover_plans: dict[int, ReshardPlan] = {}  # by tg, built by handover.handover_plan on first use
         # the tg = 1 handover of a one-unit trainable actor (no LoRA) is FSDP's own all-gather, whose gathered
-        # weights generation binds and the update's forward then uses: one all-gather a step instead of two (opt-in
-        # in fp32, where it costs the parking's memory budget; the default under bf16, where the gathered bf16
-        # weights are the generation weights and nothing is parked)
+        # weights generation binds and the update's forward then uses: one all-gather a step instead of two
+        # (resolve_unshard_handover: the default under bf16 and for small fp32 models)
         self.unshard_handover = (self._one_unit and self.trainable and role == "actor" and config.lora is None
-                                 and bool(config.extra.get("handover_unshard", config.mixed_precision == "bf16"))
+                                 and resolve_unshard_handover(config.extra.get("handover_unshard", "auto"),
+                                                              mixed_precision=config.mixed_precision,
+                                                              weight_bytes=weight_bytes)
                                  and handover.unshard_handover_unsupported_reason(self) is None)
         self.lean = None
         if lean_possible and (not self.sharded or self.fsdp_units == "model"):
@@ -239,8 +246,12 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
     def _optimizer_step(self) -> float:
         assert self.optimizer is not None and self.scheduler is not None
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self._fused or None)
-        norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # sharded: on the local shards with one scalar all-reduce (DTensor's dispatch cost more than the math at small
+        # sizes); torch's for plain tensors and any gradient layout that helper does not take
+        norm_value = clip_sharded_grad_norm_(self.model.parameters(), max_norm) if self.sharded else None
+        if norm_value is None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self._fused or None)
+            norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(norm_value):
             self.optimizer.step()
             self._version += 1
@@ -341,37 +352,6 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.lean = None
         self.optimizer = None
         self.scheduler = None
-
-
-def resolve_fsdp_units(setting: object, model: torch.nn.Module, *, lean: bool) -> str:
-    """``extra.fsdp_units``: ``layers`` (a unit per decoder layer, then the root: the HF forward, one layer's weights
-    gathered at a time), ``model`` (one unit: the lean forward where it applies, one all-gather and one reduce-scatter
-    a step, all weights gathered from forward to backward) or ``auto``: ``model`` when the lean forward applies and
-    the weights take at most :data:`ONE_UNIT_MAX_BYTES`, else ``layers``."""
-    if setting == "auto":
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        return "model" if lean and size <= ONE_UNIT_MAX_BYTES else "layers"
-    if setting not in FSDP_UNITS:
-        raise ConfigError(f"actor.extra.fsdp_units must be one of {['auto', *FSDP_UNITS]}, got {setting!r}")
-    return str(setting)
-
-
-def resolve_reduce_dtype(setting: object, *, role: str, mixed_precision: str, device: torch.device) -> str:
-    """``extra.reduce_dtype`` (verl's ``mixed_precision.reduce_dtype``): the dtype gradients are reduce-scattered in
-    under ``mixed_precision=bf16`` (fp32 compute reduces in fp32). ``auto``: ``bfloat16`` on CPU, ``float32`` on GPUs.
-
-    On CPU the reduction is gloo over host memory and costs as much as the backward it follows: at 18.9M parameters
-    on two ranks a bf16 reduce-scatter made the whole GRPO step 1.26-1.32x faster than an fp32 one in one alternating
-    pair of runs (no fp32 copy of the bf16 gradients, half the bytes; docs/fsdp.md has a noisier pair too). Its cost
-    in precision is one bf16 rounding of each summed gradient element per reduction step (at two ranks: of a + b), on
-    gradients already computed in bf16; the fp32 master weights and AdamW state are unchanged. GPUs keep verl's fp32
-    reduction.
-    """
-    if setting == "auto":
-        return "bfloat16" if mixed_precision == "bf16" and device.type == "cpu" else "float32"
-    if setting not in REDUCE_DTYPES:
-        raise ConfigError(f"{role}.extra.reduce_dtype must be one of {['auto', *REDUCE_DTYPES]}, got {setting!r}")
-    return str(setting)
 
 
 def _row_dim_one_placement(model: torch.nn.Module) -> Callable[[torch.nn.Parameter], Any]:
