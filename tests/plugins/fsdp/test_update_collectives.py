@@ -1,8 +1,9 @@
 """What the fsdp actor's train_step on two gloo ranks (the default one FSDP unit) runs besides its compute, counted by
 wrapping ``torch.distributed``: one all-reduce of 32 bytes (the mini-batch's global rows and tokens, carrying the
-equal-rows check as Σn and Σn²), FSDP's one all-gather and one reduce-scatter of half the weights — and no
-``all_gather_object`` (the equal-rows check used to pickle one every step). With two mini-batches the second one's
-counts take one more all-reduce of 16 bytes. Rows differing across ranks still raise on every rank, naming each
+equal-rows check as Σn and Σn²), one of 4 bytes per optimizer step (the gradient norm's summed squares: clipping on
+the local shards), FSDP's one all-gather and one reduce-scatter of half the weights — and no ``all_gather_object``
+(the equal-rows check used to pickle one every step). With two mini-batches the second one's counts take one more
+all-reduce of 16 bytes and its optimizer step one more of 4. Rows differing across ranks still raise on every rank, naming each
 rank's rows, before any other collective; the memory metrics stay exact when they are counted once."""
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ def test_train_step_runs_one_small_all_reduce_and_no_pickled_collective(tmp_path
         half = results["model_bytes"] // 2
         one_mini, again, two_minis = results["steps"]
         for counts in (one_mini, again):
-            assert counts == {"all_reduce": (1, 32), "all_gather_single": (1, half),
+            assert counts == {"all_reduce": (2, 32 + 4), "all_gather_single": (1, half),
                               "reduce_scatter_single": (1, half)}, counts
         # the second mini-batch's counts: one more all-reduce of rows and tokens (no check); the weights are
-        # gathered and reduce-scattered once per mini-batch (one optimizer step each)
-        assert two_minis == {"all_reduce": (2, 48), "all_gather_single": (2, 2 * half),
+        # gathered and reduce-scattered once per mini-batch (one optimizer step each, one norm all-reduce each)
+        assert two_minis == {"all_reduce": (4, 48 + 2 * 4), "all_gather_single": (2, 2 * half),
                              "reduce_scatter_single": (2, 2 * half)}, two_minis
         for reported, counted in results["metrics"]:
             assert reported == counted, (reported, counted)
