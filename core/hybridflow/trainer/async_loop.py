@@ -37,6 +37,7 @@ from hybridflow.controller.handles import node_method
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
+from hybridflow.trainer.rollout_sync import WeightSyncs
 from hybridflow.trainer.staleness import (
     STALENESS_COLUMN,
     TOKEN_VERSIONS,
@@ -45,7 +46,6 @@ from hybridflow.trainer.staleness import (
     partial_rollout_metrics,
     use_weight_exporting_actor,
 )
-from hybridflow.workers.rollout import WeightsRef
 
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
 
@@ -77,9 +77,9 @@ class AsyncRollout:
         #: per-node deadlines (reliability.deadlines["rollout.generate"], ...) of the rollout pool's calls, counted
         #: from dispatch: a generation queued ahead waits inside its deadline
         self.deadlines = dict(config.reliability.deadlines)
-        self.bucket_bytes = config.rollout.weight_sync_bucket_bytes
         self.weight_sync = config.rollout.weight_sync
-        self._rendezvous: Any = None  # the collective sync group's store (built at the first collective sync)
+        #: the weight syncs from the actor: the version last sent, the ones not yet checked, the mailbox (partial)
+        self.syncs = WeightSyncs(config, self.pool_name, timeout_s=self.timeout_s)
         #: dispatch the sync and the next generation right behind the step's update (else once the step returned:
         #: a driver round trip later, the schedule before; bench/async.py's ablation)
         self.sync_behind_update = True
@@ -89,7 +89,6 @@ class AsyncRollout:
         self.stream = self.chunks > 1
         #: rollout.partial_rollout: the weight mailbox (a Ray actor, built at start) every export is posted to
         self.partial = config.rollout.partial_rollout
-        self._mailbox: Any = None
         self._partial_claimed: dict[int, dict[str, float]] = {}  # iteration → its partial-rollout metrics
         self.loader = loader
         actor = next(plan for plan in plans if plan.role == "actor")
@@ -98,21 +97,17 @@ class AsyncRollout:
         self.pool: Any = None
         self.group: Any = None
         self.pending: deque[PendingRollout] = deque()
-        self.synced_version: int | None = None
         self.dropped_total = 0
-        self._syncs: list[tuple[int, Any, Any]] = []  # (version, export future, load future) not yet checked
         self._step: int | None = None  # the step between begin_step and end_step
         self._sent_after_update: int | None = None  # the step whose update the sync was dispatched behind
         self._last_dispatched: int | None = None  # the last iteration queued on the rollout pool
         self._before_update: tuple[Any, int | None, int | None] | None = None  # (shadow loader, synced, last)
-        self._force_sync = False  # a sync was forgotten: the rollout pool may hold other weights than synced_version
         self._claimed_batch: tuple[int, list[str], Batch] | None = None  # the current step's rollout, once claimed
         self._streamed: PendingRollout | None = None  # a streamed step's generation, once its first chunk is claimed
         self._claimed_chunks: dict[int, Batch] = {}  # its chunks claimed so far (a retry gets the same rows)
         self._shadow: PromptLoader | None = None
         self._current: Batch | None = None
         self._stats: dict[str, float] = {}
-        self._retry_actor: Any = None  # the actor handle of the last sync (a regeneration syncs from it again)
         # iteration → (staleness of each row handed to the step, rows dropped): a retried step whose journal reuses
         # the rollout it was handed (claim not called again) reports the same numbers
         self._claimed: dict[int, tuple[list[int], int, bool]] = {}
@@ -125,12 +120,8 @@ class AsyncRollout:
 
         init: dict[str, Any] = {"spec": self.spec}
         if self.partial:
-            from hybridflow.workers.partial_rollout import start_weight_mailbox
-
-            if self._mailbox is None:
-                self._mailbox = start_weight_mailbox()
             init.update(partial_rollout_tokens=self.config.rollout.partial_rollout_tokens,
-                        weight_mailbox=self._mailbox)
+                        weight_mailbox=self.syncs.start_mailbox())
         self.pool = build_resource_pool(self.pool_name, self.config.resource_pools[self.pool_name])
         self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": init},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
@@ -153,20 +144,15 @@ class AsyncRollout:
         self.reset()
         release_worker_group(self.group, self.pool)
         self.group = self.pool = None
-        self._rendezvous = None  # the sync group's store (its members are gone)
-        self._mailbox = None  # its last handle: Ray ends the actor
+        self.syncs.close()
 
     def reset(self) -> None:
         """Forget the generations in flight (the next step starts over from the actor's weights)."""
         self.pending.clear()
-        self._syncs.clear()
+        self.syncs.clear()
         self._shadow = self._current = self._claimed_batch = self._before_update = self._streamed = None
         self._step = self._sent_after_update = self._last_dispatched = None
         self._claimed_chunks = {}
-        self.synced_version = None
-        self._forget_posted()
-        if self._rendezvous is not None:  # a sync may be half done on the old group: the next one builds a new one
-            self._rendezvous.renew()
 
     def abort_step(self) -> None:
         """A failed step, to be retried: keep the generations queued before it and the rollout it claimed (their
@@ -175,23 +161,19 @@ class AsyncRollout:
         dispatched behind its update (the retry dispatches them again). A restarted rollout pool forgets everything
         (:meth:`reset`, called by recovery), as does the collective sync (a broadcast may be half done)."""
         step = self._step
-        self._forget_posted()  # the exports of the failed attempt (the retry posts its own)
+        self.syncs.forget_posted()  # the exports of the failed attempt (the retry posts its own)
         if step is None or self.weight_sync == "collective" or (not self.pending and self._claimed_batch is None
                                                                  and self._streamed is None):
             self.reset()
             return
         if self._sent_after_update == step and self._before_update is not None:
-            self._syncs = [sync for sync in self._syncs if sync[0] <= step]
+            self.syncs.keep_through(step)
             self.pending = deque(entry for entry in self.pending if entry.version <= step)
-            shadow, self.synced_version, self._last_dispatched = self._before_update
+            shadow, self.syncs.synced_version, self._last_dispatched = self._before_update
             if self._shadow is not None:
                 self._shadow.load_state_dict(shadow)
-            self._force_sync = True  # its load may still run on the rollout pool: sync before the next dispatch
+            self.syncs.force = True  # its load may still run on the rollout pool: sync before the next dispatch
         self._current = self._step = self._sent_after_update = self._before_update = None
-
-    def _forget_posted(self) -> None:
-        if self._mailbox is not None:
-            self._mailbox.clear.remote()
 
     def wrap_actor(self, actor: Any) -> Any:
         """The actor handle the algorithm's step gets: its ``generate`` of the step's prompts comes from here."""
@@ -241,7 +223,7 @@ class AsyncRollout:
         following = step + 1 + self.max_staleness
         if following < self.total_steps:
             assert self._shadow is not None
-            self._before_update = (self._shadow.state_dict(), self.synced_version, self._last_dispatched)
+            self._before_update = (self._shadow.state_dict(), self.syncs.synced_version, self._last_dispatched)
             self._sync(actor, step + 1)
             self._dispatch(following, self._shadow.next_batch())
 
@@ -298,9 +280,9 @@ class AsyncRollout:
         self.dropped_total += dropped
         all_stale = kept is None
         if kept is None:  # everything stale: generate this step again under the actor's current weights
-            if self._retry_actor is None:
+            if self.syncs.retry_actor is None:
                 raise VersionMismatchError(f"every sample of iteration {step} was beyond the staleness bound")
-            self._sync(self._retry_actor, step)
+            self._sync(self.syncs.retry_actor, step)
             regenerated = self._dispatch(step, entry.prompts, queue=False)
             kept, _ = enforce_staleness(self._fetch(regenerated), version=step, max_staleness=self.max_staleness)
             assert kept is not None  # generated at the current version: staleness 0
@@ -329,11 +311,11 @@ class AsyncRollout:
                                            f"step asks for iteration {step}; the trainer must call begin_step first")
             stale_rows = 0
             if step - entry.version > self.max_staleness:
-                if self._retry_actor is None:
+                if self.syncs.retry_actor is None:
                     raise VersionMismatchError(f"iteration {step} was generated beyond the staleness bound")
                 stale_rows = len(entry.prompts) * self.config.rollout.n
                 self.dropped_total += stale_rows
-                self._sync(self._retry_actor, step)
+                self._sync(self.syncs.retry_actor, step)
                 entry = self._dispatch(step, entry.prompts, queue=False)
             self._streamed = entry
             self._claimed[step] = ([], stale_rows, stale_rows > 0)
@@ -356,17 +338,7 @@ class AsyncRollout:
         """The rollout of ``entry`` with each row tagged with the version it was generated at (a tag already on a
         row is kept; ``chunk``: that chunk's only, else every chunk's concatenated); the weight syncs it queued
         behind are checked too (a failed one raises here)."""
-        behind = [sync for sync in self._syncs if sync[0] <= entry.version]
-        self._syncs = [sync for sync in self._syncs if sync[0] > entry.version]
-        for _, export, load in behind:
-            loaded = load.get(timeout=self.timeout_s)[0]  # one_to_all: one report per rank, alike
-            export.wait(timeout=self.timeout_s)  # its record reaches the ledger
-            for key in ("bytes", "buckets", "wait_s", "load_s"):
-                self._stats[f"async/weight_sync_{key}"] += loaded[key]
-            if self.partial:  # loaded between two segments of a generation (else by the queued load)
-                self._stats["async/weight_sync_in_flight"] += loaded.get("in_flight", 0.0)
-            peak = "async/weight_sync_peak_bucket_bytes"
-            self._stats[peak] = max(self._stats[peak], loaded["peak_bucket_bytes"])
+        self.syncs.check_through(entry.version, self._stats)
         sources = entry.source if isinstance(entry.source, list) else [entry.source]
         if chunk is not None:
             sources = [sources[chunk]]
@@ -388,37 +360,8 @@ class AsyncRollout:
         return batch
 
     def _sync(self, actor: Any, version: int) -> None:
-        """Send the actor's weights (which must be ``version`` once its queued calls end) to the rollout pool,
-        behind what each has queued: the export is the actor's call output, fetched by the rollout worker itself."""
-        self._retry_actor = actor
-        if self.synced_version == version and not self._force_sync:
-            return
-        self._force_sync = False
-        started = time.perf_counter()
-        if self.weight_sync == "collective":  # the actor's rank 0 broadcasts, the rollout ranks receive
-            group = self._sync_group()
-            export = actor.broadcast_generation_weights.submit(group, self.bucket_bytes)
-            load = self._rollout_call("receive_weights")(group, version)
-        else:  # the rollout worker fetches the export from the actor's output in the object store
-            export = actor.export_generation_weights.submit(self.bucket_bytes)
-            if self._mailbox is not None:  # a generation in flight may load it between two segments
-                self._mailbox.post.remote(version, [export.output_ref(0)])
-            load = self._rollout_call("load_weights")(WeightsRef(export.output_ref(0)), version)
-        self._syncs.append((version, export, load))
-        self._stats["async/weight_sync_driver_s"] += time.perf_counter() - started
-        self.synced_version = version
-
-    def _sync_group(self) -> Any:
-        """The collective sync group's spec (its rendezvous store built on first use): the actor's rank 0 and every
-        rollout rank; NCCL when both pools are on CUDA, else gloo; every collective bounded by the step deadline."""
-        if self._rendezvous is None:
-            from hybridflow.workers.weight_sync import SyncRendezvous
-
-            pools = self.config.resource_pools
-            cuda = pools[self.config.actor.pool].device == pools[self.pool_name].device == "cuda"
-            self._rendezvous = SyncRendezvous(world_size=1 + pools[self.pool_name].world_size,
-                                              backend="nccl" if cuda else "gloo", timeout_s=self.timeout_s)
-        return self._rendezvous.spec()
+        """Send the actor's weights (``version`` once its queued calls end) to the rollout pool (WeightSyncs.send)."""
+        self.syncs.send(actor, version, self._rollout_call, self._stats)
 
     def _rollout_call(self, method: str) -> Any:
         """The rollout pool's ``method`` with its ``reliability.deadlines["rollout.<method>"]`` (else the pool's
@@ -426,15 +369,16 @@ class AsyncRollout:
         return node_method(self.group.rollout, "rollout", method, self.deadlines)
 
     def _dispatch(self, iteration: int, prompts: Batch, *, queue: bool = True) -> PendingRollout:
-        assert self.synced_version is not None
-        tagged = prompts.with_meta(iteration=iteration, policy_version=self.synced_version)
+        version = self.syncs.synced_version
+        assert version is not None
+        tagged = prompts.with_meta(iteration=iteration, policy_version=version)
         source: Any  # one call, or one per chunk (streamed; queued in order, so the first is done first)
         generate = self._rollout_call("generate")
         if self.chunks > 1:
             source = [generate(part) for part in split_prompt_chunks(tagged, self.chunks)]
         else:
             source = generate(tagged)
-        entry = PendingRollout(iteration=iteration, prompts=prompts, version=self.synced_version, source=source)
+        entry = PendingRollout(iteration=iteration, prompts=prompts, version=version, source=source)
         if queue:
             self.pending.append(entry)
             self._last_dispatched = iteration
