@@ -3,8 +3,8 @@ wrapping ``torch.distributed``: one all-reduce of 32 bytes (the mini-batch's glo
 equal-rows check as Σn and Σn²), one of 4 bytes per optimizer step (the gradient norm's summed squares: clipping on
 the local shards), FSDP's one all-gather and one reduce-scatter of half the weights — and no ``all_gather_object``
 (the equal-rows check used to pickle one every step). With two mini-batches the second one's counts take one more
-all-reduce of 16 bytes and its optimizer step one more of 4. Rows differing across ranks still raise on every rank, naming each
-rank's rows, before any other collective; the memory metrics stay exact when they are counted once."""
+all-reduce of 16 bytes and its optimizer step one more of 4. Rows differing across ranks still raise on every rank,
+naming each rank's rows, before any other collective; the memory metrics stay exact when they are counted once."""
 
 from __future__ import annotations
 
