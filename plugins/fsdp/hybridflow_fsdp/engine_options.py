@@ -21,14 +21,13 @@ ONE_UNIT_MAX_BYTES = 1 << 30
 UNSHARD_HANDOVER_FP32_MAX_BYTES = 64 << 20
 
 
-def resolve_fsdp_units(setting: object, model: torch.nn.Module, *, lean: bool) -> str:
+def resolve_fsdp_units(setting: object, weight_bytes: int, *, lean: bool) -> str:
     """``extra.fsdp_units``: ``layers`` (a unit per decoder layer, then the root: the HF forward, one layer's weights
     gathered at a time), ``model`` (one unit: the lean forward where it applies, one all-gather and one reduce-scatter
     a step, all weights gathered from forward to backward) or ``auto``: ``model`` when the lean forward applies and
-    the weights take at most :data:`ONE_UNIT_MAX_BYTES`, else ``layers``."""
+    the model's weights (``weight_bytes``, unsharded) take at most :data:`ONE_UNIT_MAX_BYTES`, else ``layers``."""
     if setting == "auto":
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        return "model" if lean and size <= ONE_UNIT_MAX_BYTES else "layers"
+        return "model" if lean and weight_bytes <= ONE_UNIT_MAX_BYTES else "layers"
     if setting not in FSDP_UNITS:
         raise ConfigError(f"actor.extra.fsdp_units must be one of {['auto', *FSDP_UNITS]}, got {setting!r}")
     return str(setting)

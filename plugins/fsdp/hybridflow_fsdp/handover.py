@@ -15,8 +15,8 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   engine's ``end_generation()``) gives each FSDP shard its storage back from that generation shard, parameter by
   parameter, bit for bit; a forward or a state_dict call on the model does it first too.
   At tg = 1, when the engine is one FSDP unit that keeps its weights gathered from its forward into its backward
-  (the trainable actor without LoRA: ``engine.unshard_handover``, opt-in in fp32 with
-  ``extra.handover_unshard``, the default under ``mixed_precision=bf16``), the handover instead *is* FSDP's own
+  (the trainable actor without LoRA: ``engine.unshard_handover``, ``extra.handover_unshard: auto`` takes it under
+  ``mixed_precision=bf16`` and for fp32 models up to 64 MiB of weights), the handover instead *is* FSDP's own
   all-gather (:func:`unshard_generation_weights`): generation binds views of FSDP's unsharded parameters, and the
   update's forward that follows finds them gathered and does not gather again — one all-gather of the weights per
   step instead of two, the same bytes on the wire as the planner's (the lower bound, Shard(0) without padding; in

@@ -122,7 +122,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         lean_possible = (role in ("actor", "reference") and not checkpointing
                          and config.lora is None and bool(config.extra.get("lean_forward", True))
                          and lean_decoder_unsupported_reason(model) is None)
-        self.fsdp_units = resolve_fsdp_units(config.extra.get("fsdp_units", "auto"), model, lean=lean_possible)
+        self.fsdp_units = resolve_fsdp_units(config.extra.get("fsdp_units", "auto"), weight_bytes, lean=lean_possible)
         # one unit of a trainable model stays gathered from its forward through its backward (one all-gather a step)
         self._one_unit = self.sharded and self.fsdp_units == "model"
         self.reduce_dtype = resolve_reduce_dtype(config.extra.get("reduce_dtype", "auto"), role=role,

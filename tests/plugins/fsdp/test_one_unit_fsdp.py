@@ -16,7 +16,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.testing.contracts.spawn import run_rank_groups
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
 from hybridflow.testing.fixtures import tiny_model_config
-from hybridflow_fsdp.training import FSDPTrainingEngine, resolve_fsdp_units
+from hybridflow_fsdp.training import ONE_UNIT_MAX_BYTES, FSDPTrainingEngine, resolve_fsdp_units
 
 ROWS = 12  # 6 a rank, micro-batches of 2: three backward passes per optimizer step
 
@@ -65,8 +65,10 @@ def test_fsdp_units_setting() -> None:
     from hybridflow_fsdp.models import build_model
 
     model = build_model(ModelSpec(config=tiny_model_config()), role="actor")
-    assert resolve_fsdp_units("auto", model, lean=True) == "model"
-    assert resolve_fsdp_units("auto", model, lean=False) == "layers"
-    assert resolve_fsdp_units("layers", model, lean=True) == "layers"
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert resolve_fsdp_units("auto", size, lean=True) == "model"
+    assert resolve_fsdp_units("auto", size, lean=False) == "layers"
+    assert resolve_fsdp_units("auto", ONE_UNIT_MAX_BYTES + 1, lean=True) == "layers"  # too large for one unit
+    assert resolve_fsdp_units("layers", size, lean=True) == "layers"
     with pytest.raises(ConfigError, match="fsdp_units must be one of"):
-        resolve_fsdp_units("layer", model, lean=True)
+        resolve_fsdp_units("layer", size, lean=True)
