@@ -76,12 +76,12 @@ def _rank_work(size: str, rows: int, shard: int, shards: int, repeats: int, barr
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
     dtype = torch.bfloat16 if _precision(size) == "bf16" else torch.float32
     model = model.to(dtype)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    # the fp32 master slice this rank's optimizer owns: the shard-th of every parameter, as FSDP2 shards dim 0
-    slices = [p.detach().view(-1).chunk(shards)[shard] if shard < len(p.view(-1).chunk(shards)) else None
-              for p in parameters]
-    masters = [s.float().clone() for s in slices if s is not None]
-    optimizer = torch.optim.AdamW(masters, lr=1e-4, foreach=True)
+    # the fp32 master slice this rank's optimizer owns: the shard-th of every parameter (flattened), as FSDP2 shards
+    # dim 0; (parameter, its slice in the compute weights, the slice's fp32 master), parameters too small for a slice
+    # of their own left to the other rank
+    owned = [(p, chunks[shard], chunks[shard].float().clone()) for p in model.parameters() if p.requires_grad
+             for chunks in [p.detach().view(-1).chunk(shards)] if shard < len(chunks)]
+    optimizer = torch.optim.AdamW([master for _, _, master in owned], lr=1e-4, foreach=True)
     vocab = int(model.config.vocab_size)
     generator = torch.Generator().manual_seed(shard)
     prompts = torch.randint(3, vocab, (rows // SAMPLES, PROMPT_LENGTH), generator=generator)
@@ -103,13 +103,12 @@ def _rank_work(size: str, rows: int, shard: int, shards: int, repeats: int, barr
         logits = lean.response_logits(ids, mask, positions, NEW_TOKENS, remove_padding=True, valid_only=True)
         picked = torch.log_softmax(logits.float(), -1).gather(-1, responses.reshape(-1, 1))
         (-picked.mean()).backward()
-        grads = [p.grad.view(-1).chunk(shards)[shard].float() for p, s in zip(parameters, slices)
-                 if s is not None and p.grad is not None]
-        for master, grad in zip(masters, grads):
-            master.grad = grad
+        for parameter, _, master in owned:
+            assert parameter.grad is not None
+            master.grad = parameter.grad.view(-1).chunk(shards)[shard].float()
         optimizer.step()
         with torch.no_grad():
-            for target, master in zip((s for s in slices if s is not None), masters):
+            for _, target, master in owned:
                 target.copy_(master)
         model.zero_grad(set_to_none=True)
 
