@@ -21,8 +21,10 @@ from hybridflow.config_sections import (
     CriticConfig,
     LoraSection,
     ModelConfig,
+    OneOrMany,
     OptimSection,
     ParallelSection,
+    PathList,
     PoolConfig,
     RayConfig,
     ReferenceConfig,
@@ -170,8 +172,9 @@ class TaskConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_files: list[str] = Field(default_factory=list)
-    val_files: list[str] = Field(default_factory=list)  # validation prompts (same formats), see trainer.val_every
+    # one path or a list of them, ``~`` expanded (verl's data.train_files=~/data/gsm8k/train.parquet works as is)
+    train_files: PathList = Field(default_factory=list)
+    val_files: PathList = Field(default_factory=list)  # validation prompts (same formats), see trainer.val_every
     task: TaskConfig | None = TaskConfig()
     max_prompt_length: int = Field(default=8, gt=0)
     batch_size: int = Field(default=16, gt=0)
@@ -198,7 +201,7 @@ class TrainerConfig(_Section):
     progress: bool = True
     # where metrics go (docs/operations.md): console (the progress display), jsonl (metrics.jsonl, which `hybridflow
     # report` reads), tensorboard, wandb (offline unless WANDB_MODE), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI)
-    loggers: list[LoggerName] = Field(default_factory=lambda: list(DEFAULT_LOGGERS))
+    loggers: OneOrMany[LoggerName] = Field(default_factory=lambda: list(DEFAULT_LOGGERS))
     tensorboard: bool = True  # false drops tensorboard from trainer.loggers (the older switch)
     # decoded samples per step appended to RUN_DIR/rollouts.jsonl (prompt, response, reward, length); 0 = off
     log_rollouts: int = Field(default=4, ge=0)
@@ -291,7 +294,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(explain_errors(exc.errors())) from None
+        raise ConfigError(explain_errors(exc.errors(), Config)) from None
 
 
 def _anchor_reward_functions(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:

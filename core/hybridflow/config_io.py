@@ -4,10 +4,15 @@ name the key path and the fix."""
 from __future__ import annotations
 
 import copy
+import difflib
+import types
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from hybridflow.errors import ConfigError
 from hybridflow.yaml12 import load_yaml
@@ -19,7 +24,55 @@ def _format_location(loc: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in loc if not str(part).startswith("function-")) or "(top level)"
 
 
-def explain_errors(errors: list[Any]) -> str:
+def _section_at(root: type[BaseModel], path: Sequence[Any]) -> type[BaseModel] | None:
+    """The section model ``path`` (a validation error's location without its last key) leads to from ``root``;
+    through optional sections and dicts / lists of sections (``resource_pools.main``). None where it is no section."""
+    node: Any = root
+    parts = [str(part) for part in path if not str(part).startswith("function-")]
+    while True:
+        origin = typing.get_origin(node)
+        if origin is typing.Union or origin is types.UnionType:
+            sections = [arg for arg in typing.get_args(node) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+            if len(sections) != 1:
+                return None
+            node = sections[0]
+        elif origin is dict or origin is list:
+            if not parts:
+                return None
+            parts.pop(0)  # the dict's key or the list's index
+            node = typing.get_args(node)[-1]
+        elif isinstance(node, type) and issubclass(node, BaseModel):
+            if not parts:
+                return node
+            field = node.model_fields.get(parts.pop(0))
+            if field is None:
+                return None
+            node = field.annotation
+        else:
+            return None
+
+
+def _unknown_key(root: type[BaseModel] | None, loc: tuple[Any, ...], given: Any) -> str:
+    """``Unknown config key "trainer.total_stepz"`` with the nearest key of that section, or the keys it takes."""
+    key = _format_location(loc)
+    section = _section_at(root, loc[:-1]) if root is not None and loc else None
+    if section is None:
+        return f'Unknown config key "{key}" (given {given!r}). Fix: remove it or check its spelling.'
+    parent = _format_location(loc[:-1])
+    prefix = f"{parent}." if parent != "(top level)" else ""
+    known = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if close:
+        return (f'Unknown config key "{key}" (given {given!r}). Did you mean "{prefix}{close[0]}"? '
+                f"Fix: rename it to {prefix}{close[0]}, or remove it.")
+    where = parent if prefix else "the top level"
+    return (f'Unknown config key "{key}" (given {given!r}); {where} takes: {", ".join(known)}. '
+            "Fix: remove it or check its spelling.")
+
+
+def explain_errors(errors: list[Any], root: type[BaseModel] | None = None) -> str:
+    """One line per validation error naming its key path, what was wrong and the fix; an unknown key gets the
+    nearest known key of its section (from ``root``, the validated model)."""
     lines = []
     for error in errors:
         key = _format_location(tuple(error["loc"]))
@@ -30,7 +83,7 @@ def explain_errors(errors: list[Any]) -> str:
             where = f"{key}.{context.get('key')}" if key != "(top level)" else str(context.get("key"))
             lines.append(f"{where}: {error['msg']}.")
         elif kind == "extra_forbidden":
-            lines.append(f"{key}: unknown key (given {given!r}). Fix: remove it or check its spelling.")
+            lines.append(_unknown_key(root, tuple(error["loc"]), given))
         elif kind == "missing":
             lines.append(f"{key}: required but missing. Fix: set {key} in the YAML or as {key}=VALUE.")
         elif kind == "value_error" and isinstance(given, dict):

@@ -7,13 +7,36 @@ The sections of what the run does (rollout, reward, algorithm, data, trainer) an
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import os
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = ["RayConfig", "PoolConfig", "ModelConfig", "ParallelSection", "OptimSection", "LoraSection", "ActorConfig",
-           "CriticConfig", "RoleSection", "ReferenceConfig"]
+           "CriticConfig", "RoleSection", "ReferenceConfig", "PathList", "OneOrMany"]
+
+_Item = TypeVar("_Item")
+
+
+def _one_or_many(value: Any) -> Any:
+    """A single value where a list is expected is the one-element list (verl takes either)."""
+    return [value] if isinstance(value, str) else value
+
+
+def _one_or_many_paths(value: Any) -> Any:
+    """File paths: a single path or a list of them (as verl's ``data.train_files``), each with ``~`` expanded."""
+    value = _one_or_many(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError("path_list", "expected a file path or a list of file paths (e.g. "
+                                  "~/data/gsm8k/train.parquet or [a.parquet, b.jsonl])")
+    return [os.path.expanduser(item) if isinstance(item, str) else item for item in value]
+
+
+#: a list that also takes one string as the one-element list (``trainer.loggers=wandb``)
+OneOrMany = Annotated[list[_Item], BeforeValidator(_one_or_many)]
+#: file paths: one path or a list, ``~`` expanded (``data.train_files=~/data/gsm8k/train.parquet``)
+PathList = Annotated[list[str], BeforeValidator(_one_or_many_paths)]
 
 
 class _Section(BaseModel):

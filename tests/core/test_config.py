@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,8 @@ def test_example_loads_and_overrides_apply() -> None:
     ("actor.optim.lr=abc", "actor.optim.lr", "valid number"),
     ("actor.optim.lr=-1", "actor.optim.lr", "greater than 0"),
     ("rollout.top_p=2", "rollout.top_p", "less than or equal to 1"),
-    ("actr.lr=1", "actr", "unknown key"),
-    ("rollout.temprature=0.5", "rollout.temprature", "unknown key"),
+    ("actr.lr=1", '"actr"', 'Did you mean "actor"?'),
+    ("rollout.temprature=0.5", '"rollout.temprature"', 'Did you mean "rollout.temperature"?'),
     ("actor.pool=gpu", "actor.pool", "not one of resource_pools"),
     ("actor.parallel.tensor_parallel_size=3", "actor.parallel", "does not divide"),
     ("data.batch_size=3", "data.batch_size", "multiple of the actor's data-parallel size"),
@@ -81,6 +82,67 @@ def test_cli_unknown_engine_suggests_nearest(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert 'rollout.engine: Unknown rollout engine "vlm"' in result.stderr and 'Did you mean "vllm"?' in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- what verl users type (issue 40, item 5) -----------------------------------------------------------------------
+def _prompts_file(path: Path, n: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "data_source": "probe", "reward_model": {
+        "ground_truth": str(i + 1)}}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_single_data_file_is_a_one_element_list_with_home_expanded(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data.train_files=~/data/gsm8k/train.parquet`` as verl's examples write it: from the overrides `hybridflow
+    train` passes to load_config, and from a YAML file; the expanded paths are the ones the trainer reads."""
+    from hybridflow.char_tokenizer import build_char_tokenizer
+    from hybridflow.trainer.datasets import load_datasets
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    train = _prompts_file(tmp_path / "data" / "gsm8k" / "train.jsonl", 8)
+    val = _prompts_file(tmp_path / "data" / "gsm8k" / "test.jsonl", 3)
+    config = load_config(EXAMPLE, ["data.train_files=~/data/gsm8k/train.jsonl",
+                                   "data.val_files=~/data/gsm8k/test.jsonl"])
+    assert config.data.train_files == [str(train)] and config.data.val_files == [str(val)]
+    dataset, validation = load_datasets(config, build_char_tokenizer())
+    assert len(dataset) == 8 and validation is not None and len(validation.dataset) == 3
+
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("data:\n  train_files: ~/data/gsm8k/train.jsonl\n  val_files: [~/data/gsm8k/test.jsonl]\n"
+                         "trainer:\n  loggers: jsonl\n")
+    from_yaml = load_config(yaml_file)
+    assert from_yaml.data.train_files == [str(train)] and from_yaml.data.val_files == [str(val)]
+    assert from_yaml.trainer.loggers == ["jsonl"]  # verl's trainer.logger takes one name too
+    # a list stays a list, and what is neither a path nor a list says what it expects
+    assert load_config(EXAMPLE, [f"data.train_files=[{train}, {train}]"]).data.train_files == [str(train)] * 2
+    with pytest.raises(ConfigError, match=r"data\.train_files: expected a file path or a list of file paths"):
+        load_config(EXAMPLE, ["data.train_files=3"])
+
+
+def test_unknown_keys_suggest_the_nearest_known_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The `hybridflow train` command (in process: it stops at the config, before any worker) and a YAML file."""
+    from hybridflow.trainer.cli import main as train_main
+
+    assert train_main([str(EXAMPLE), "trainer.total_stepz=3", f"trainer.run_dir={tmp_path}"]) == 2
+    stderr = capsys.readouterr().err
+    assert 'Unknown config key "trainer.total_stepz" (given 3). Did you mean "trainer.total_steps"?' in stderr
+    assert "Traceback" not in stderr
+
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("trainer:\n  total_steps: 3\nresource_pools:\n  main:\n    devices_per_node: [2]\n"
+                         "    cpus_per_workr: 1\nactor:\n  optim:\n    warmup_step: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file)
+    message = str(info.value)
+    # nested sections, through a dict of pools too; one line per key
+    assert 'Unknown config key "resource_pools.main.cpus_per_workr" (given 1). Did you mean ' \
+           '"resource_pools.main.cpus_per_worker"?' in message
+    assert 'Unknown config key "actor.optim.warmup_step" (given 2). Did you mean "actor.optim.warmup_steps"?' in message
+    # nothing close: the section's keys are listed instead
+    with pytest.raises(ConfigError, match=r'Unknown config key "trainer\.zzzz" \(given 1\); trainer takes: '
+                                          r"total_steps, run_dir, .*Fix: remove it"):
+        load_config(EXAMPLE, ["trainer.zzzz=1"])
 
 
 # --- keys that did nothing are refused with the reason and the fix (issue 15, item 7) ---------------------------------

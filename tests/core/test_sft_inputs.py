@@ -101,7 +101,8 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
         SFTTrainer(load_sft_config(SFT_EXAMPLE, _config(tmp_path, "data.max_response_length=2")))
     with pytest.raises(ConfigError, match=r"data.batch_size = 3 rows must be a multiple of the 2 ranks"):
         load_sft_config(SFT_EXAMPLE, _config(tmp_path, "data.batch_size=3"))
-    with pytest.raises(ConfigError, match=r"trainer\.totl_steps: unknown key"):
+    with pytest.raises(ConfigError, match=r'Unknown config key "trainer\.totl_steps" \(given 3\)\. Did you mean '
+                                          r'"trainer\.total_steps"\?'):
         load_sft_config(SFT_EXAMPLE, _config(tmp_path, "trainer.totl_steps=3"))
 
 
@@ -121,6 +122,25 @@ def test_example_files_resolve_from_the_config_folder(tmp_path: Path, monkeypatc
     trainer = SFTTrainer(config)
     assert len(trainer.train_rows) == 80 and len(trainer.val_rows) == 20
     assert isinstance(trainer.train_batch, Batch)
+
+
+def test_a_single_demonstrations_path_is_a_list_anchored_or_home_expanded(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's ``data.train_files: file`` (one path, not a list): relative to the YAML's folder, ``~`` expanded."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    row = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
+    (folder / "demos.jsonl").write_text(row * 3)
+    (tmp_path / "val.jsonl").write_text(row)
+    yaml_file = folder / "sft.yaml"
+    yaml_file.write_text("data:\n  train_files: demos.jsonl\n  val_files: ~/val.jsonl\n")
+    config = load_sft_config(yaml_file, _config(tmp_path))
+    assert config.data.train_files == [str(folder / "demos.jsonl")]
+    assert config.data.val_files == [str(tmp_path / "val.jsonl")]
+    assert len(load_demonstrations(config.data.val_files, prompt_key="prompt", response_key="response")) == 1
+    overridden = load_sft_config(yaml_file, _config(tmp_path, "data.train_files=~/val.jsonl"))
+    assert overridden.data.train_files == [str(tmp_path / "val.jsonl")]
 
 
 def test_exact_reward_of_the_main_job_gives_no_partial_credit() -> None:

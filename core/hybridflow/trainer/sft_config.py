@@ -19,7 +19,7 @@ from hybridflow.config import (
     RayConfig,
 )
 from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
-from hybridflow.config_sections import _Section
+from hybridflow.config_sections import PathList, _Section
 from hybridflow.errors import ConfigError
 
 __all__ = ["SFTConfig", "SFTDataSection", "load_sft_config"]
@@ -27,8 +27,8 @@ __all__ = ["SFTConfig", "SFTDataSection", "load_sft_config"]
 
 # --- configuration -----------------------------------------------------------------------------------------------
 class SFTDataSection(_Section):
-    train_files: list[str] = Field(min_length=1)
-    val_files: list[str] = Field(default_factory=list)
+    train_files: PathList = Field(min_length=1)  # one path or a list, ``~`` expanded (as the RL run's)
+    val_files: PathList = Field(default_factory=list)
     prompt_key: str = "prompt"      # verl: data.prompt_key
     response_key: str = "response"  # verl: data.response_key
     # verl: data.prompt_dict_keys / response_dict_keys — keys into a dict column (e.g. prompt_key: extra_info,
@@ -117,6 +117,8 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     files = data.get("data")
     if isinstance(files, dict):
         for key in ("train_files", "val_files"):
+            if isinstance(files.get(key), str):  # one path (as verl takes it) is the one-element list
+                files[key] = [files[key]]
             if isinstance(files.get(key), list):
                 files[key] = [_anchor(str(file), base) for file in files[key]]
     reward = data.get("reward")
@@ -125,7 +127,7 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     try:
         return SFTConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(explain_errors(exc.errors())) from None
+        raise ConfigError(explain_errors(exc.errors(), SFTConfig)) from None
 
 
 def _anchor(file: str, base: Path) -> str:
