@@ -44,6 +44,20 @@ if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1 && command -
       >/dev/null || echo "setup.sh: could not install chromium (apt-get install -y chromium)" >&2
   fi
 fi
+# bubblewrap: the kernel boundary of the `python` tool (docs/agent.md), which refuses to start without it. From the
+# distribution's packages where apt-get exists and we are root; otherwise say how to get it (not fatal: only
+# model-code tools need it, and tests/core/tools/test_sandbox_redteam.py fails under HYBRIDFLOW_REQUIRE_ENGINES=1)
+if ! command -v bwrap >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        bubblewrap >/dev/null || echo "setup.sh: could not install bubblewrap (apt-get install -y bubblewrap)" >&2
+    fi
+  else
+    echo "setup.sh: bubblewrap (bwrap) is not installed; the python tool needs it: apt-get install bubblewrap" \
+      "(Debian/Ubuntu) or dnf install bubblewrap (Fedora)" >&2
+  fi
+fi
 if [ "$with_deepspeed" = 1 ]; then
   # pure Python on CPU (its CUDA/C++ ops are JIT-built on first use, and the deepspeed engine uses none of them)
   "$py" -m pip install --quiet deepspeed==0.19.8 torch==2.13.0

@@ -13,6 +13,7 @@ __all__ = [
     "DuplicateNameError",
     "UnknownNameError",
     "ConfigError",
+    "SandboxUnavailableError",
     "DatasetError",
     "RewardError",
     "VersionMismatchError",
@@ -21,6 +22,7 @@ __all__ = [
     "LayoutError",
     "ReshardError",
     "CheckpointError",
+    "UnsafeCheckpointError",
     "PlacementError",
     "EngineError",
 ]
@@ -78,6 +80,11 @@ class ConfigError(HybridflowError, ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
 
+class SandboxUnavailableError(ConfigError):
+    """A tool that runs model-written code cannot get its kernel-enforced sandbox here (and the config did not opt
+    out); the message names what is missing and how to install it."""
+
+
 class DatasetError(HybridflowError, ValueError):
     """A dataset file is missing, empty, unreadable or lacks a required column."""
 
@@ -115,6 +122,24 @@ class ReshardError(HybridflowError):
 
 class CheckpointError(HybridflowError):
     """A checkpoint is missing, incomplete or corrupted."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds a pickled object outside the allow-list of what hybridflow writes (a class or function
+    that unpickling would import and could call): the file was refused before anything in it ran.
+
+    ``path`` is the file, ``found`` what was refused (a global such as ``posix.system``, or the unpickler's reason).
+    """
+
+    def __init__(self, path: str, found: str) -> None:
+        self.path = path
+        self.found = found
+        super().__init__(
+            f"checkpoint file {path} holds a pickled object outside the allow-list: {found} (expected only tensors, "
+            "plain values and the checkpoint classes hybridflow itself writes). It was not loaded: unpickling it "
+            "could run code. Fix: if this checkpoint did not come from your own run, delete it; if hybridflow wrote "
+            "it, re-save it with this version (resume from an earlier checkpoint), or report the class named above"
+        )
 
 
 class PlacementError(HybridflowError):

@@ -36,6 +36,16 @@ def _ray_cluster(config: Config) -> dict[str, Any] | None:
     return {"address": config.ray.address, "gcs_address": context.gcs_address, "driver_node_id": context.get_node_id()}
 
 
+def _tools(config: Config) -> dict[str, str]:
+    """Each agent tool of the run and the boundary its calls run under (``unisolated`` is an explicit opt-in)."""
+    section = config.rollout.multi_turn
+    if not section.enable or not section.tools:
+        return {}
+    from hybridflow.tools import build_tools, tool_isolation
+
+    return tool_isolation(build_tools(list(section.tools), section.tool_options))
+
+
 def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any],
                    placement: dict[str, dict[str, Any]] | None = None,
                    engine_options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -54,6 +64,7 @@ def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[s
         "engine_options": engine_options or {},
         "ray": _ray_cluster(config),
         "engines": {"actor": config.actor.engine, "rollout": config.rollout.engine},
+        "tools": _tools(config),
         "plugins": [
             {"name": info.name, "distribution": info.distribution, "version": info.version,
              "disabled": info.disabled, "error": str(info.error) if info.error else None}

@@ -12,6 +12,7 @@ from typing import Any
 from hybridflow.tools.base import (
     MAX_OUTPUT_CHARS,
     TOOL_STATUSES,
+    IsolatedTool,
     StatefulTool,
     Tool,
     ToolFactory,
@@ -22,7 +23,7 @@ from hybridflow.tools.base import (
 )
 
 __all__ = ["Tool", "StatefulTool", "ToolFactory", "ToolResult", "ToolStatus", "TOOL_STATUSES", "MAX_OUTPUT_CHARS",
-           "call_tool", "tool_schema", "build_tools"]
+           "call_tool", "tool_schema", "build_tools", "IsolatedTool", "tool_isolation"]
 
 
 def build_tools(names: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Tool]:
@@ -38,3 +39,9 @@ def build_tools(names: Sequence[str], options: Mapping[str, Mapping[str, Any]] |
         tool = factory(**dict(options.get(name, {})))
         tools[tool.name] = tool
     return tools
+
+
+def tool_isolation(tools: Mapping[str, Tool]) -> dict[str, str]:
+    """Each tool's boundary: its ``isolation`` if it runs model-written code (:class:`IsolatedTool`), else
+    ``"in-process"`` (it runs no model code: ``calculator``, ``search``)."""
+    return {name: tool.isolation if isinstance(tool, IsolatedTool) else "in-process" for name, tool in tools.items()}

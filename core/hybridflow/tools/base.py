@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 __all__ = [
     "Tool",
     "StatefulTool",
+    "IsolatedTool",
     "ToolFactory",
     "ToolResult",
     "ToolStatus",
@@ -79,6 +80,18 @@ class StatefulTool(Tool, Protocol):
     async def call(self, arguments: Mapping[str, Any], *, timeout_s: float, **call_kwargs: Any) -> ToolResult: ...
 
     async def release(self, instance: Any) -> None: ...
+
+
+@runtime_checkable
+class IsolatedTool(Tool, Protocol):
+    """A tool that runs model-written code and says under which boundary (stability: public).
+
+    ``isolation`` is ``"bubblewrap"`` (the kernel boundary of :mod:`hybridflow.tools.isolation`) or ``"unisolated"``
+    (an explicit ``unsafe_allow_unisolated`` opt-in); the run manifest records it per tool and each call's
+    ``ToolResult.details["isolation"]`` repeats it. A plugin tool that runs model code should offer the same.
+    """
+
+    isolation: str
 
 
 class ToolFactory(Protocol):

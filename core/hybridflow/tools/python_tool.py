@@ -1,5 +1,7 @@
-"""The built-in ``python`` and ``calculator`` tools: code or an arithmetic expression run in the sandbox of
-:mod:`hybridflow.tools.sandbox` (what it enforces is documented there and in docs/agent.md).
+"""The built-in ``python`` and ``calculator`` tools: ``python`` runs model-written code in the kernel-enforced
+sandbox of :mod:`hybridflow.tools.sandbox` (what it enforces is documented there and in docs/agent.md) and refuses
+to start where that sandbox cannot be built, unless its config opts out; ``calculator`` evaluates arithmetic
+in-process.
 
 Stability: public. They only run code; parsing calls out of model text is :mod:`hybridflow.agent`'s business.
 """
@@ -7,21 +9,27 @@ Stability: public. They only run code; parsing calls out of model text is :mod:`
 from __future__ import annotations
 
 import ast
+import logging
 import operator
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hybridflow.errors import SandboxUnavailableError
 from hybridflow.tools.base import ToolResult, tool_schema
+from hybridflow.tools.isolation import IsolationMode, isolation_status
 from hybridflow.tools.sandbox import SandboxLimits, SandboxOutcome, run_sandboxed_python
 
-__all__ = ["PythonTool", "CalculatorTool"]
+__all__ = ["PythonTool", "CalculatorTool", "UnisolatedToolWarning", "resolve_isolation"]
+
+logger = logging.getLogger(__name__)
 
 _ARITHMETIC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div,
                      ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd)
 
 
 def _result(outcome: SandboxOutcome, timeout_s: float) -> ToolResult:
-    details = {"returncode": outcome.returncode, "namespaced": outcome.namespaced}
+    details = {"returncode": outcome.returncode, "isolation": outcome.isolation}
     if outcome.timed_out:
         return ToolResult(text=f"Error: timed out after {timeout_s:g} s (the process and its children were killed).",
                           status="timeout", seconds=outcome.seconds, details=details)
@@ -34,15 +42,46 @@ def _result(outcome: SandboxOutcome, timeout_s: float) -> ToolResult:
                       details=details)
 
 
+def resolve_isolation(tool: str, *, unsafe_allow_unisolated: bool) -> IsolationMode:
+    """The isolation a code-running tool gets here: ``bubblewrap`` where the kernel boundary can be built; else
+    ``unisolated`` if the config opted in (warned about, every time), else :class:`SandboxUnavailableError`."""
+    status = isolation_status()
+    if status.available:
+        return "bubblewrap"
+    if not unsafe_allow_unisolated:
+        raise SandboxUnavailableError(
+            f"tool {tool!r} runs model-written code and needs the kernel-enforced sandbox, which is unavailable "
+            f"here: {status.reason}. To run it without isolation anyway (the code can then read and write "
+            f"everything the trainer's user can), set rollout.multi_turn.tool_options.{tool}.unsafe_allow_unisolated"
+            "=true; the run manifest records it")
+    message = (f"UNSAFE: tool {tool!r} runs model-written code WITHOUT kernel isolation "
+               f"(unsafe_allow_unisolated=true; the sandbox is unavailable: {status.reason})")
+    warnings.warn(message, UnisolatedToolWarning, stacklevel=3)
+    logger.warning(message)
+    return "unisolated"
+
+
+class UnisolatedToolWarning(UserWarning):
+    """A code-running tool was built without the kernel boundary (an explicit ``unsafe_allow_unisolated``)."""
+
+
 class PythonTool:
-    """Runs a Python snippet in a fresh sandboxed interpreter; prints the value of a bare expression."""
+    """Runs a Python snippet in a fresh sandboxed interpreter; prints the value of a bare expression.
+
+    Options (``rollout.multi_turn.tool_options.python``): ``cpu_seconds``, ``memory_mb``, ``scratch_mb``,
+    ``max_processes``, ``allow_fork``; ``unsafe_allow_unisolated`` runs it without the kernel boundary where that
+    is unavailable (refused otherwise, at start-up). ``isolation`` says which boundary its calls run under; every
+    result's ``details["isolation"]`` repeats it.
+    """
 
     name = "python"
 
-    def __init__(self, *, cpu_seconds: int = 5, memory_mb: int = 512, allow_fork: bool = False,
-                 isolate_namespaces: bool = True, **_: Any) -> None:
-        self.limits = SandboxLimits(cpu_seconds=cpu_seconds, memory_bytes=memory_mb * 2**20, allow_fork=allow_fork,
-                                    isolate_namespaces=isolate_namespaces)
+    def __init__(self, *, cpu_seconds: int = 5, memory_mb: int = 512, scratch_mb: int = 16, max_processes: int = 16,
+                 allow_fork: bool = False, unsafe_allow_unisolated: bool = False) -> None:
+        self.isolation: IsolationMode = resolve_isolation(self.name, unsafe_allow_unisolated=unsafe_allow_unisolated)
+        self.limits = SandboxLimits(cpu_seconds=cpu_seconds, memory_bytes=memory_mb * 2**20,
+                                    scratch_bytes=scratch_mb * 2**20, max_processes=max_processes,
+                                    allow_fork=allow_fork, isolation=self.isolation)
         self.description = tool_schema(
             self.name, "Run Python code (no network, no files outside a scratch dir); a bare expression prints "
             "its value.", {"code": {"type": "string", "description": "Python source"}}, ["code"])
@@ -50,7 +89,8 @@ class PythonTool:
     async def call(self, arguments: Mapping[str, Any], *, timeout_s: float) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str):
-            return ToolResult(text='Error: python needs {"code": "<python source>"}.', status="bad_call")
+            return ToolResult(text='Error: python needs {"code": "<python source>"}.', status="bad_call",
+                              details={"isolation": self.isolation})
         return _result(await run_sandboxed_python(code, timeout_s=timeout_s, limits=self.limits), timeout_s)
 
 
@@ -99,8 +139,8 @@ class CalculatorTool:
     Only those syntax nodes are accepted and integer sizes are bounded (:data:`MAX_CALCULATOR_BITS`) before any
     operation runs, so it evaluates in-process in microseconds: no code runs, nothing can hang or allocate much.
     (It used to start a sandboxed interpreter per call; 64 of those at once, from a rollout worker on a busy CPU,
-    took longer than the tool timeout.) ``cpu_seconds``/``memory_mb``/``isolate_namespaces`` are still accepted
-    and ignored.
+    took longer than the tool timeout.) The python tool's options are accepted and ignored, so one options dict
+    can serve both.
     """
 
     name = "calculator"

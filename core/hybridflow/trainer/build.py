@@ -212,14 +212,22 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
             extra=dict(getattr(section, "extra", {})))
         options: dict[str, Any] = {}
+        rollout = config.rollout
+        # multi-turn: a later turn's prefix holds up to multi_turn.max_tokens earlier ids, and a generate call asks
+        # every row for the batch's widest remaining budget (up to rollout.max_new_tokens)
+        max_response = rollout.max_new_tokens + rollout.multi_turn.max_tokens if rollout.multi_turn.enable \
+            else rollout.max_new_tokens
+        # seq-mean-token-sum-norm's constant divisor (Dr. GRPO): the key's, else the longest response possible
+        loss_scale_factor = None if getattr(section, "loss_agg", None) != "seq-mean-token-sum-norm" else (
+            section.loss_scale_factor or float(max_response))
         if kind == "actor":
-            rollout = config.rollout
             options = {
                 "loss": make_actor_loss_fn(PolicyLossConfig(
-                    clip_ratio_low=section.clip_ratio_low, clip_ratio_high=section.clip_ratio_high,
+                    loss_mode=section.loss_mode, clip_ratio_low=section.clip_ratio_low,
+                    clip_ratio_high=section.clip_ratio_high, dual_clip_c=section.clip_ratio_c,
                     entropy_coef=section.entropy_coef, adaptive_entropy=section.entropy_target is not None,
                     kl_loss_coef=section.kl_loss_coef,
-                    kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg,
+                    kl_loss_kind=section.kl_loss_kind, loss_agg=section.loss_agg, loss_scale_factor=loss_scale_factor,
                     rollout_correction=config.algorithm.rollout_correction,
                     rollout_correction_threshold=config.algorithm.rollout_correction_threshold,
                     rollout_correction_level=config.algorithm.rollout_correction_level)),
@@ -227,18 +235,15 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                 "rollout_config": RolloutEngineConfig(
                     model=rollout_model_spec(model, rollout.dtype, precision),
                     tensor_parallel_size=rollout.tensor_parallel_size,
-                    max_prompt_length=config.data.max_prompt_length,
-                    # multi-turn: a later turn's prefix holds up to multi_turn.max_tokens earlier ids, and a generate
-                    # call asks every row for the batch's widest remaining budget (up to rollout.max_new_tokens)
-                    max_new_tokens=rollout.max_new_tokens + rollout.multi_turn.max_tokens
-                    if rollout.multi_turn.enable else rollout.max_new_tokens,
+                    max_prompt_length=config.data.max_prompt_length, max_new_tokens=max_response,
                     pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, seed=seed, extra=dict(rollout.extra)),
                 "sampling": SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                            top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed),
                 "extra": {"multi_turn": _multi_turn_options(config, tokenizer)}}
         elif kind == "critic":
             options = {"loss": make_critic_loss_fn(ValueLossConfig(clip_range=section.value_clip or None,
-                                                                   loss_agg=section.loss_agg))}
+                                                                   loss_agg=section.loss_agg,
+                                                                   loss_scale_factor=loss_scale_factor))}
         if trainable:
             options.update(mini_batch_size=section.mini_batch_size, epochs=section.ppo_epochs)
         plans.append(RolePlan(role=declaration.name, pool=section.pool, worker=declaration.worker,
@@ -292,6 +297,11 @@ def _multi_turn_options(config: Config, tokenizer: Any) -> dict[str, Any]:
         raise ConfigError("rollout.multi_turn.enable needs a tokenizer with a chat template (it writes the tool "
                           "turns); the model's tokenizer has none (the presets' char tokenizer never does). Fix: "
                           "set actor.model.path to an HF model directory saved with a chat tokenizer")
+    if section.enable:
+        # fail closed before any worker starts: a code-running tool without its sandbox raises here, naming the fix
+        from hybridflow.tools import build_tools
+
+        build_tools(list(section.tools), section.tool_options)
     return section.model_dump()
 
 
