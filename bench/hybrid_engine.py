@@ -73,8 +73,9 @@ def _case(rank: int, world: int, group: Any, tensor: int) -> dict[str, Any]:
     from hybridflow_fsdp.training import FSDPTrainingEngine
 
     spec = ModelSpec(config=model_config(), seed=1)
-    engine = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(model=spec, extra={
-        "generation_tensor_parallel_size": tensor, "handover_bucket_bytes": BUCKET_BYTES}), device="cpu")
+    engine = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
+        model=spec, generation_tensor_parallel_size=tensor, extra={"handover_bucket_bytes": BUCKET_BYTES}),
+        device="cpu")
     training = list(engine.model.parameters())
     shapes = {name: tuple(p.shape) for name, p in engine.model.named_parameters()}
     model_bytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())

@@ -72,9 +72,10 @@ def build_rollout(spec: Any, tensor: int, groups: list[list[int]] | None) -> Any
     from hybridflow.engines import RolloutEngineConfig
     from hybridflow_fsdp.rollout import HFRolloutEngine
 
-    extra = {"tensor_groups": groups} if tensor > 1 else {}
+    groups_arg = tuple(tuple(group) for group in groups) if tensor > 1 else None
     return HFRolloutEngine(config=RolloutEngineConfig(model=spec, tensor_parallel_size=tensor, pad_token_id=PAD_ID,
-                                                      eos_token_id=EOS_ID, max_prompt_length=16, extra=extra))
+                                                      eos_token_id=EOS_ID, max_prompt_length=16,
+                                                      tensor_groups=groups_arg))
 
 
 def hybridflow_phase(engine: Any, rollout: Any, training: Sequence[torch.Tensor], tensor: int,

@@ -115,9 +115,22 @@ def check_generation_layout(config: Any, world: int) -> None:
                          f"tensor_parallel_size {tensor})")
     if tensor == 1:
         return
-    if config.rollout.engine == "vllm" and world != tensor:
-        raise ValueError(f"rollout.engine = vllm generates tensor-parallel on the actor's own ranks with vLLM's "
-                         f"external_launcher, which groups consecutive ranks of the world into tensor groups; the "
+    rollout_info, training_info = _engine_infos(config)
+    engine = config.rollout.engine
+    if training_info is not None and "reshards_generation_weights" not in training_info.capabilities:
+        raise ValueError(f"rollout.tensor_parallel_size = {tensor} needs a training engine with capability "
+                         f'"reshards_generation_weights" (it hands the actor\'s weights over as tensor-parallel '
+                         f'generation shards); actor.engine = {config.actor.engine} declares '
+                         f"{sorted(training_info.capabilities) or 'none'}. Fix: set rollout.tensor_parallel_size=1 or "
+                         "an actor.engine that declares it (fsdp, megatron, deepspeed)")
+    if rollout_info is not None and "generates_tensor_parallel" not in rollout_info.capabilities:
+        raise ValueError(f"rollout.tensor_parallel_size = {tensor} needs a rollout engine with capability "
+                         f'"generates_tensor_parallel" (tensor-parallel generation on the actor\'s own ranks); '
+                         f"rollout.engine = {engine} declares {sorted(rollout_info.capabilities) or 'none'}. Fix: set "
+                         "rollout.tensor_parallel_size=1 or a rollout.engine that declares it (hf, vllm)")
+    if rollout_info is not None and rollout_info.tensor_parallel_world == "whole" and world != tensor:
+        raise ValueError(f"rollout.engine = {engine} generates tensor-parallel on the actor's own ranks in groups of "
+                         f"consecutive ranks of the whole world (its info record: tensor_parallel_world = whole); the "
                          f"hybrid engine's generation layout at {world} ranks / tg = {tensor} draws strided tensor "
                          f"groups (micro-DP {world // tensor}, docs/vllm.md). Expected rollout.tensor_parallel_size "
                          f"= {world} (the actor's world) or 1, got {tensor}. Fix: set rollout.tensor_parallel_size="
@@ -136,13 +149,29 @@ def check_generation_layout(config: Any, world: int) -> None:
                              f"{value} (tensor-parallel generation splits it over the tensor ranks). Fix: pick a "
                              f"size dividing it, or a model whose {key} it divides (model.preset=tiny-qwen2-4h "
                              "shards over 2)")
-    vocab = hf_config.get("vocab_size")
-    if config.rollout.engine == "vllm" and isinstance(vocab, int) and vocab % 64:
-        raise ValueError(f"rollout.engine = vllm at rollout.tensor_parallel_size = {tensor} loads each rank's "
-                         f"vocabulary shard as is, but vLLM pads the vocabulary to a multiple of 64 before splitting "
-                         f"it, so its rows per rank differ from the even split unless the vocabulary is a multiple "
-                         f"of 64: expected vocab_size % 64 == 0, got vocab_size = {vocab}. Fix: pad the model's "
-                         "vocab_size to a multiple of 64, or set rollout.tensor_parallel_size=1")
+    vocab, multiple = hf_config.get("vocab_size"), rollout_info.vocab_multiple if rollout_info is not None else 1
+    if multiple > 1 and isinstance(vocab, int) and vocab % multiple:
+        raise ValueError(f"rollout.engine = {engine} at rollout.tensor_parallel_size = {tensor} loads each rank's "
+                         f"vocabulary shard as is, but pads the vocabulary to a multiple of {multiple} before "
+                         f"splitting it (its info record: vocab_multiple = {multiple}), so its rows per rank differ "
+                         f"from the even split unless the vocabulary is such a multiple: expected vocab_size % "
+                         f"{multiple} == 0, got vocab_size = {vocab}. Fix: pad the model's vocab_size to a multiple "
+                         f"of {multiple}, or set rollout.tensor_parallel_size=1")
+
+
+def _engine_infos(config: Any) -> tuple[Any, Any]:
+    """What the run's rollout and actor engines declared at registration (plugins load here); None for a name no
+    plugin registered (check_registered_names reports it)."""
+    from hybridflow import registries
+    from hybridflow.engines import rollout_engine_info, training_engine_info
+    from hybridflow.plugins import load_plugins
+
+    load_plugins()
+    rollout = rollout_engine_info(config.rollout.engine) if config.rollout.engine in registries.rollout_engines \
+        else None
+    training = training_engine_info(config.actor.engine) if config.actor.engine in registries.training_engines \
+        else None
+    return rollout, training
 
 
 def _hf_config_of(model: Any) -> dict[str, Any] | None:

@@ -34,8 +34,13 @@ Training contract:
   hashable per prefix])`` keeps each row's keys/values under its key, and a later call with that key whose prefix
   extends the kept ids computes only the new ids (same outputs as without); ``release_cache(keys)`` frees entries
   (the agent loop passes one key per conversation and releases it when the conversation ends).
-- Engines may expose ``last_handover_stats`` (bytes received, seconds) after ``generation_weights`` is consumed,
-  and rollout engines ``resident_weight_bytes()``; the ledger reports them when present.
+- Optional capabilities beyond the base Protocols are Protocols of their own (:data:`TRAINING_CAPABILITIES`,
+  :data:`ROLLOUT_CAPABILITY_PROTOCOLS`). An engine implements each it offers and **declares** it at registration
+  with an info record (``registry.register(name, factory, info=RolloutEngineInfo(...))``); the core asks the
+  record, never the engine's attributes: what a run needs and the engine lacks is refused at config time naming
+  the capability (:func:`require_capability`), and an engine that declares a capability it does not implement is
+  refused when it is built (:func:`verify_declared_capabilities`), neither ever retried as a transient fault.
+  docs/plugin-authoring.md's table says which capability the hybrid engine uses for what.
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, EngineContractError
 
 if TYPE_CHECKING:
     import torch
 
     from hybridflow.batch import Batch
+    from hybridflow.resharding import ParallelLayout
 
 __all__ = [
     "Role",
@@ -71,15 +77,35 @@ __all__ = [
     "TokenCompletion",
     "TokenContinuationEngine",
     "KVCacheReuseEngine",
+    "HandoverReport",
+    "ReshardsGenerationWeights",
+    "ParksTrainingWeights",
+    "ReportsHandover",
+    "HoldsWeights",
+    "BindsGenerationWeights",
+    "GeneratesTensorParallel",
+    "ReportsParameterShapes",
+    "TRAINING_CAPABILITIES",
+    "ROLLOUT_CAPABILITY_PROTOCOLS",
+    "TrainingEngineInfo",
+    "RolloutEngineInfo",
+    "training_engine_info",
+    "rollout_engine_info",
+    "require_capability",
+    "verify_declared_capabilities",
     "local_mini_batch_rows",
 ]
 
 Role = Literal["actor", "critic", "reference", "reward_model"]
 ROLES: tuple[str, ...] = ("actor", "critic", "reference", "reward_model")
 
-#: optional rollout capabilities an engine may report in ``capabilities``
-ROLLOUT_CAPABILITIES = ("sleep", "update_weights_in_memory", "log_probs", "seed", "continue_from_tokens",
-                        "kv_cache_reuse")
+#: the behaviour flags a rollout engine may report in ``capabilities`` (what the core does with each):
+#: ``sleep`` - the actor worker calls ``sleep()`` after generating and ``wake()`` before the next handover, so the
+#: generation weights and KV cache are freed while training runs; ``seed`` - ``SamplingParams.seed`` makes sampling
+#: reproducible (without it the worker warns and samples unseeded); ``continue_from_tokens`` - the engine is a
+#: :class:`TokenContinuationEngine` (multi-turn rollouts need it); ``kv_cache_reuse`` - a
+#: :class:`KVCacheReuseEngine` (the agent loop passes cache keys). Flags other than these are ignored.
+ROLLOUT_CAPABILITIES = ("sleep", "seed", "continue_from_tokens", "kv_cache_reuse")
 
 
 def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
@@ -214,6 +240,10 @@ class TrainingEngineConfig:
     use_remove_padding: bool = True
     #: cut micro-batches by a token budget (rows' ``attention_mask`` counts) instead of ``micro_batch_size`` rows
     max_tokens_per_micro_batch: int | None = None
+    #: the actor's generation tensor-parallel size tg (``rollout.tensor_parallel_size``): an engine may lay its
+    #: shards out for it (fsdp: row-parallel weights sharded on dim 1); 1 for every other role
+    generation_tensor_parallel_size: int = 1
+    #: the user's engine-specific options (``<role>.extra``), passed through untouched; the core writes no key here
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -253,6 +283,11 @@ class RolloutEngineConfig:
     pad_token_id: int = 0
     eos_token_id: int = 2
     seed: int = 0
+    #: at ``tensor_parallel_size > 1`` inside the hybrid engine: every generation tensor group as global ranks in
+    #: tensor-rank order (all ranks create all groups, in this order); None: the engine forms its own
+    #: (:class:`GeneratesTensorParallel` engines read it)
+    tensor_groups: tuple[tuple[int, ...], ...] | None = None
+    #: the user's engine-specific options (``rollout.extra``), passed through untouched; the core writes no key here
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -360,6 +395,218 @@ class KVCacheReuseEngine(TokenContinuationEngine, Protocol):
     def release_cache(self, keys: Iterable[Hashable] | None = None) -> None:
         """Free the entries of ``keys`` (all when None)."""
         ...
+
+
+# --- optional capabilities -------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class HandoverReport(Protocol):
+    """What a training engine measured in its last handover (:class:`ReportsHandover`); the ledger's
+    ``handover/*`` metrics read these. ``path == "reshard"`` means the reshard planner's plan ran, so
+    ``lower_bound_bytes`` (what this rank had to receive at least) and ``bytes_sent`` are set."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def bytes_received(self) -> int: ...
+
+    @property
+    def bytes_sent(self) -> int | None: ...
+
+    @property
+    def lower_bound_bytes(self) -> int | None: ...
+
+    @property
+    def aliased_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class ReshardsGenerationWeights(Protocol):
+    """Training capability: the 3D-HybridEngine's training side at any generation tensor-parallel size tg.
+
+    ``parallel_layout()`` describes the training mesh (the generation layout is drawn inside it);
+    ``generation_weights(target=..., tensor_parallel_size=tg)`` yields this rank's generation shards of that
+    layout (tg = 1: full weights), named as ``target`` expects. Without it, the actor generates at tg = 1 only.
+    """
+
+    def parallel_layout(self) -> ParallelLayout: ...
+
+    def generation_weights(self, *, target: str = "hf", tensor_parallel_size: int = 1,
+                           park: bool = False) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+
+@runtime_checkable
+class ParksTrainingWeights(Protocol):
+    """Training capability: ``generation_weights(..., park=True)`` releases the training shards' storage once the
+    generation shards hold the same bytes, and ``end_generation()`` (called after every generate, even a failed
+    one) gives it back. With a :class:`BindsGenerationWeights` rollout engine, one copy of the weights is resident
+    while generating."""
+
+    def generation_weights(self, *, target: str = "hf", tensor_parallel_size: int = 1,
+                           park: bool = False) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    def end_generation(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsHandover(Protocol):
+    """Training capability: ``last_handover_stats`` is the :class:`HandoverReport` of the last consumed
+    ``generation_weights`` (None before the first)."""
+
+    @property
+    def last_handover_stats(self) -> HandoverReport | None: ...
+
+
+@runtime_checkable
+class HoldsWeights(Protocol):
+    """Training or rollout capability: ``weight_tensors()`` lists the tensors holding this rank's weights, so the
+    worker can count the distinct bytes resident (``handover/weight_bytes_*``; shared storages count once)."""
+
+    def weight_tensors(self) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class BindsGenerationWeights(Protocol):
+    """Rollout capability: ``update_weights(named, version=..., bind=True)`` makes the given tensors the engine's
+    weights (no copy): the handover's shards are then the only copy the rollout engine holds."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       bind: bool = False) -> None: ...
+
+
+@runtime_checkable
+class GeneratesTensorParallel(Protocol):
+    """Rollout capability: generation at ``tensor_parallel_size > 1`` on the caller's own ranks (the hybrid engine's
+    layout), in the groups of ``RolloutEngineConfig.tensor_groups``; ``tensor_rank`` is this rank's place in its
+    group. ``update_weights`` then receives this rank's tensor-parallel shards under the full parameter names
+    (row-parallel weights split on dim 1, column-parallel and the vocabulary on dim 0)."""
+
+    @property
+    def tensor_rank(self) -> int | None: ...
+
+
+@runtime_checkable
+class ReportsParameterShapes(Protocol):
+    """Rollout capability: ``parameter_shapes()`` gives the parameters as this rank holds them (at tg > 1 its
+    partition), for checking what generation keeps resident."""
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+
+#: the training capabilities, by the name a config error uses
+TRAINING_CAPABILITIES: dict[str, type] = {
+    "reshards_generation_weights": ReshardsGenerationWeights, "parks_training_weights": ParksTrainingWeights,
+    "reports_handover": ReportsHandover, "holds_weights": HoldsWeights}
+#: the rollout capabilities, by the name a config error uses
+ROLLOUT_CAPABILITY_PROTOCOLS: dict[str, type] = {
+    "binds_generation_weights": BindsGenerationWeights, "generates_tensor_parallel": GeneratesTensorParallel,
+    "reports_parameter_shapes": ReportsParameterShapes, "holds_weights": HoldsWeights}
+
+
+def _check_names(names: frozenset[str], known: Mapping[str, type], what: str) -> None:
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ConfigError(f"{what} declares unknown capabilities {unknown}; known: {sorted(known)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingEngineInfo:
+    """What a training engine declares at registration (stability: public). An engine registered without one
+    declares nothing optional."""
+
+    capabilities: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        _check_names(self.capabilities, TRAINING_CAPABILITIES, "TrainingEngineInfo")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutEngineInfo:
+    """What a rollout engine declares at registration (stability: public).
+
+    ``capabilities``: names of :data:`ROLLOUT_CAPABILITY_PROTOCOLS` it implements. ``weights_target``: how the
+    weights it loads are named (``"hf"``: transformers' names; the training side's ``generation_weights(target=)``).
+    ``vocab_multiple``: at tensor-parallel generation the vocabulary must be a multiple of this (vLLM pads to 64
+    before splitting). ``tensor_parallel_world``: ``"any"`` when its tensor groups may be any of the layout's
+    (strided) groups; ``"whole"`` when a group must be the whole actor world (an engine whose launcher groups
+    consecutive ranks).
+    """
+
+    capabilities: frozenset[str] = frozenset()
+    weights_target: str = "hf"
+    vocab_multiple: int = 1
+    tensor_parallel_world: Literal["any", "whole"] = "any"
+
+    def __post_init__(self) -> None:
+        _check_names(self.capabilities, ROLLOUT_CAPABILITY_PROTOCOLS, "RolloutEngineInfo")
+        _positive("vocab_multiple", self.vocab_multiple)
+
+
+def training_engine_info(name: str) -> TrainingEngineInfo:
+    """The info record the training engine ``name`` was registered with (an empty one when none)."""
+    from hybridflow import registries
+
+    info = registries.training_engines.entry(name).info
+    return info if isinstance(info, TrainingEngineInfo) else TrainingEngineInfo()
+
+
+def rollout_engine_info(name: str) -> RolloutEngineInfo:
+    """The info record the rollout engine ``name`` was registered with (an empty one when none)."""
+    from hybridflow import registries
+
+    info = registries.rollout_engines.entry(name).info
+    return info if isinstance(info, RolloutEngineInfo) else RolloutEngineInfo()
+
+
+def require_capability(kind: Literal["training", "rollout"], engine: str, capability: str, *, needed_for: str,
+                       fix: str) -> None:
+    """Raise a :class:`~hybridflow.errors.ConfigError` unless engine ``engine`` declared ``capability``."""
+    info: TrainingEngineInfo | RolloutEngineInfo = (
+        training_engine_info(engine) if kind == "training" else rollout_engine_info(engine))
+    if capability not in info.capabilities:
+        declared = sorted(info.capabilities) or "none"
+        raise ConfigError(f'{needed_for} needs a {kind} engine with capability "{capability}"; {kind} engine '
+                          f'"{engine}" declares {declared}. Fix: {fix}')
+
+
+def _missing_members(engine: object, protocol: type) -> list[str]:
+    """What ``engine`` lacks of ``protocol``: members it does not have, and keyword parameters of the protocol's
+    methods its own methods do not accept (``update_weights`` without ``bind``)."""
+    import inspect
+
+    missing = []
+    for member, declared in sorted(vars(protocol).items()):
+        if member.startswith("_"):
+            continue
+        if not hasattr(engine, member):
+            missing.append(member)
+            continue
+        if not inspect.isfunction(declared):
+            continue
+        try:
+            accepted = inspect.signature(getattr(engine, member)).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            continue
+        missing += [f"{member}({name}=...)" for name, parameter in inspect.signature(declared).parameters.items()
+                    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in accepted]
+    return missing
+
+
+def verify_declared_capabilities(engine: object, info: TrainingEngineInfo | RolloutEngineInfo, name: str) -> None:
+    """Refuse an engine that lacks a member of a capability it declared (a plugin bug: never retried). Checked once,
+    when the engine is built: the declaration is what the core then relies on."""
+    known = TRAINING_CAPABILITIES if isinstance(info, TrainingEngineInfo) else ROLLOUT_CAPABILITY_PROTOCOLS
+    missing = {capability: _missing_members(engine, known[capability]) for capability in sorted(info.capabilities)}
+    missing = {capability: members for capability, members in missing.items() if members}
+    if missing:
+        raise EngineContractError(
+            f'engine "{name}" ({type(engine).__module__}.{type(engine).__qualname__}) declares capabilities it does '
+            "not implement: " + "; ".join(f"{c} lacks {', '.join(m)}" for c, m in missing.items())
+            + ". Fix the plugin: implement them or drop them from its info record (docs/plugin-authoring.md)")
 
 
 class TrainingEngineFactory(Protocol):

@@ -25,6 +25,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "PlacementError",
     "EngineError",
+    "EngineContractError",
+    "is_deterministic",
 ]
 
 
@@ -101,10 +103,12 @@ class WorkerError(HybridflowError):
     """A remote worker raised; carries the rank and the worker's traceback."""
 
     def __init__(self, message: str, *, rank: int | None = None, method: str | None = None,
-                 remote_traceback: str = "") -> None:
+                 remote_traceback: str = "", deterministic: bool = False) -> None:
         self.rank = rank
         self.method = method
         self.remote_traceback = remote_traceback
+        #: the remote error was one that repeats on every retry (:func:`is_deterministic`): recovery does not retry
+        self.deterministic = deterministic
         super().__init__(message)
 
 
@@ -141,6 +145,9 @@ class UnsafeCheckpointError(CheckpointError):
             "it, re-save it with this version (resume from an earlier checkpoint), or report the class named above"
         )
 
+    def __reduce__(self) -> tuple[type[UnsafeCheckpointError], tuple[str, str]]:  # pickles (Ray, torch collectives)
+        return type(self), (self.path, self.found)
+
 
 class PlacementError(HybridflowError):
     """No placement satisfies the memory floors or the device count."""
@@ -148,3 +155,15 @@ class PlacementError(HybridflowError):
 
 class EngineError(HybridflowError):
     """A training or rollout engine was misconfigured or misused."""
+
+
+class EngineContractError(EngineError):
+    """An engine plugin breaks its declared contract (a capability it declared and does not implement, a shard it
+    cannot take): deterministic, so recovery never retries it."""
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    """Whether ``exc`` would be raised again by the same call on a fresh worker: a configuration error, a plugin
+    that breaks its declared contract, a plugin that fails validation. Recovery stops on these instead of
+    restarting worker groups to meet them again."""
+    return isinstance(exc, (ConfigError, EngineContractError, PluginValidationError))

@@ -61,8 +61,9 @@ class _OwnedRegistry:
         self._registry = registry
         self._owner = owner
 
-    def register(self, name: str, item: Any, *, owner: str | None = None, replace: bool = False) -> Any:
-        return self._registry.register(name, item, owner=owner or self._owner, replace=replace)
+    def register(self, name: str, item: Any, *, owner: str | None = None, replace: bool = False,
+                 info: object | None = None) -> Any:
+        return self._registry.register(name, item, owner=owner or self._owner, replace=replace, info=info)
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self._registry, attribute)

@@ -40,6 +40,8 @@ class RegistryEntry(Generic[T]):
     name: str
     item: T
     owner: str
+    #: what the item declares about itself at registration (engines: hybridflow.engines' info records), or None
+    info: object | None = None
 
 
 class Registry(Generic[T]):
@@ -50,8 +52,10 @@ class Registry(Generic[T]):
         self._entries: dict[str, RegistryEntry[T]] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, item: T, *, owner: str = "user code", replace: bool = False) -> T:
-        """Add ``item`` under ``name``; a duplicate raises naming both owners unless ``replace=True``."""
+    def register(self, name: str, item: T, *, owner: str = "user code", replace: bool = False,
+                 info: object | None = None) -> T:
+        """Add ``item`` under ``name`` (with its declared ``info`` record, where its kind has one); a duplicate
+        raises naming both owners unless ``replace=True``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
         with self._lock:
@@ -61,7 +65,7 @@ class Registry(Generic[T]):
                     f'{self.kind.capitalize()} "{name}" registered twice: by {existing.owner} and {owner}. '
                     f"Disable one plugin (HYBRIDFLOW_DISABLE_PLUGINS=...) or rename one {self.kind}."
                 )
-            self._entries[name] = RegistryEntry(name=name, item=item, owner=owner)
+            self._entries[name] = RegistryEntry(name=name, item=item, owner=owner, info=info)
         return item
 
     def unregister(self, name: str) -> None:

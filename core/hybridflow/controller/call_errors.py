@@ -28,6 +28,7 @@ def raised_call_error(node: str, method: str, role: str, world_size: int, failed
         f"Fix the worker code; the remote traceback follows.\n--- rank {first.rank} traceback ---\n"
         f"{first.remote_traceback}",
         rank=first.rank, method=f"{role}.{method}", remote_traceback=first.remote_traceback,
+        deterministic=first.deterministic,
     )
 
 

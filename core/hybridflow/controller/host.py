@@ -20,6 +20,7 @@ import ray
 from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.controller.worker import WorkerContext, set_context
 from hybridflow.engines import MeshInfo
+from hybridflow.errors import is_deterministic
 from hybridflow.transfer.concat import concat_batches
 
 __all__ = ["FetchArg", "RankPayload", "RankResult", "WorkerHost", "reserve_port", "tune_malloc", "value_nbytes"]
@@ -61,6 +62,8 @@ class RankResult:
     started_at: float = 0.0
     finished_at: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)
+    #: the error repeats on any retry (hybridflow.errors.is_deterministic)
+    deterministic: bool = False
 
 
 #: glibc mallopt parameters: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
@@ -262,7 +265,8 @@ class WorkerHost:
         except Exception as exc:  # noqa: BLE001 - reported to the driver as WorkerError
             return None, RankResult(rank=self.context.rank, ok=False, error=f"{type(exc).__name__}: {exc}",
                                     remote_traceback=traceback.format_exc(), bytes_in=bytes_in,
-                                    started_at=started, finished_at=time.time())
+                                    started_at=started, finished_at=time.time(),
+                                    deterministic=is_deterministic(exc))
         is_batch = isinstance(output, Batch)
         counters = getattr(self.roles[role], "counters", None)
         return output, RankResult(

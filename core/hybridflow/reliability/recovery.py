@@ -61,8 +61,12 @@ def attach_fault_plan(plans: list[Any], plan: FaultPlan) -> list[Any]:
 
 
 def _is_failure(exc: BaseException) -> bool:
-    """Errors recovery handles: worker deaths/errors, deadlines, injected faults, Ray errors escaping a fetch."""
-    if isinstance(exc, (WorkerError, DeadlineExceededError, InjectedFault)):
+    """Errors recovery handles: worker deaths/errors, deadlines, injected faults, Ray errors escaping a fetch. A
+    worker error that would repeat on any retry (a config or plugin-contract error in a worker) is not one: it
+    stops the run at once, naming itself, instead of restarting groups to meet it again."""
+    if isinstance(exc, WorkerError):
+        return not exc.deterministic
+    if isinstance(exc, (DeadlineExceededError, InjectedFault)):
         return True
     return type(exc).__module__.startswith("ray.")
 

@@ -14,20 +14,30 @@ The spec and the plumbing every role shares (engine, checkpoints, counters) are 
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING, cast
 
 from hybridflow.batch import Batch
 from hybridflow.controller import register
-from hybridflow.engines import MeshInfo, RolloutEngine, SamplingParams
-from hybridflow.errors import ConfigError, EngineError, LayoutError, VersionMismatchError
+from hybridflow.engines import (
+    BindsGenerationWeights,
+    GeneratesTensorParallel,
+    HoldsWeights,
+    MeshInfo,
+    ParksTrainingWeights,
+    ReportsHandover,
+    ReportsParameterShapes,
+    ReshardsGenerationWeights,
+    RolloutEngine,
+    SamplingParams,
+    rollout_engine_info,
+    training_engine_info,
+    verify_declared_capabilities,
+)
+from hybridflow.errors import ConfigError, EngineContractError, EngineError, LayoutError, VersionMismatchError
 from hybridflow.reliability.faults import maybe_fail
 from hybridflow.workers.base import RANK_TOKENS_METRIC, RoleSpec, _iteration, _only, _TrainingRole
 
@@ -38,15 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["RoleSpec", "ActorRolloutWorker", "CriticWorker", "ReferenceWorker", "RewardModelWorker"]
 
 
-def _weight_tensors(engine: object, *attributes: str) -> list[torch.Tensor] | None:
-    """Parameters of the first ``torch.nn.Module`` among ``engine``'s ``attributes``, None when it has none."""
-    for attribute in attributes:
-        module = getattr(engine, attribute, None)
-        if isinstance(module, torch.nn.Module):
-            return list(module.parameters())
-    return None
-
-
 class ActorRolloutWorker(_TrainingRole):
     """The hybrid engine: FSDP/Megatron training and rollout generation on the same ranks."""
 
@@ -55,27 +56,32 @@ class ActorRolloutWorker(_TrainingRole):
             raise EngineError("the actor role needs rollout_engine, rollout_config and sampling in its RoleSpec")
         tensor = int(spec.rollout_config.tensor_parallel_size)
         if tensor > 1:  # the training engine may lay its shards out for that layout (fsdp: row weights on dim 1)
-            extra = {**spec.engine_config.extra, "generation_tensor_parallel_size": tensor}
-            spec = replace(spec, engine_config=replace(spec.engine_config, extra=extra))
+            spec = replace(spec, engine_config=replace(spec.engine_config, generation_tensor_parallel_size=tensor))
         super().__init__(spec)
         assert spec.rollout_engine is not None and spec.rollout_config is not None and spec.sampling is not None
         from hybridflow import registries
 
+        # what each engine declared at registration: decided once here, never probed per call
+        self.training_info = training_engine_info(spec.engine)
+        verify_declared_capabilities(self.engine, self.training_info, spec.engine)
+        self.rollout_info = rollout_engine_info(spec.rollout_engine)
         self.generation_layout = self._build_generation_layout(tensor)
         rollout_config = spec.rollout_config
         if self.generation_layout is not None:
             layout = self.generation_layout
             # tensor groups in tensor-rank order; every rank creates every group, in this order
-            groups = [sorted(group, key=lambda r: layout.coords(r).tensor) for group in layout.tensor_groups()]
-            rollout_config = replace(rollout_config, extra={**rollout_config.extra, "tensor_groups": groups})
+            groups = tuple(tuple(sorted(group, key=lambda r: layout.coords(r).tensor))
+                           for group in layout.tensor_groups())
+            rollout_config = replace(rollout_config, tensor_groups=groups)
         factory = registries.rollout_engines.get(spec.rollout_engine)
         self.rollout: RolloutEngine = factory(config=rollout_config, device=spec.device)
+        verify_declared_capabilities(self.rollout, self.rollout_info, spec.rollout_engine)
         if self.generation_layout is not None:
             self._check_tensor_rank(self.generation_layout.coords(self.rank).tensor)
-        self._bind = "bind" in inspect.signature(self.rollout.update_weights).parameters
-        # a training engine that can park its shards in the bound generation shards (fsdp): one copy while generating
-        produce = getattr(self.engine, "generation_weights", None)
-        self._park = self._bind and produce is not None and "park" in inspect.signature(produce).parameters
+        self._bind = "binds_generation_weights" in self.rollout_info.capabilities
+        # a training engine that parks its shards in the bound generation shards (fsdp): one copy while generating
+        self._parks = "parks_training_weights" in self.training_info.capabilities
+        self._park = self._bind and self._parks
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
         #: inside a streamed step (trainer.stream_mini_batches): chunks taken, the final one not yet; the weights
@@ -95,13 +101,13 @@ class ActorRolloutWorker(_TrainingRole):
             return None
         from hybridflow.resharding import GenerationLayout
 
-        describe = getattr(self.engine, "parallel_layout", None)
-        if describe is None:
+        if "reshards_generation_weights" not in self.training_info.capabilities:  # config_checks refuses it first
             raise ConfigError(
-                f'rollout.tensor_parallel_size={tensor} needs a training engine that reshards into a tensor-parallel '
-                f'generation layout; "{self.spec.engine}" does not describe its mesh (no parallel_layout()). Set '
-                "rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron, deepspeed)")
-        training = describe()
+                f'rollout.tensor_parallel_size={tensor} needs a training engine with capability '
+                f'"reshards_generation_weights"; "{self.spec.engine}" declares '
+                f"{sorted(self.training_info.capabilities)}. "
+                "Set rollout.tensor_parallel_size=1 or use a training engine that does (fsdp, megatron, deepspeed)")
+        training = cast(ReshardsGenerationWeights, self.engine).parallel_layout()
         try:
             return GenerationLayout(tensor=tensor, training=training)
         except LayoutError as exc:
@@ -110,16 +116,17 @@ class ActorRolloutWorker(_TrainingRole):
 
     def _check_tensor_rank(self, expected: int) -> None:
         """The rollout engine must generate in the actor's processes as tensor rank ``expected`` of its group."""
-        reported = getattr(self.rollout, "tensor_rank", None)
-        if reported is None:
+        if "generates_tensor_parallel" not in self.rollout_info.capabilities:  # config_checks refuses it first
             raise ConfigError(
-                f'rollout engine "{self.spec.rollout_engine}" does not generate tensor-parallel inside the actor\'s '
-                f"processes (it reports no tensor_rank for extra['tensor_groups']), so rollout.tensor_parallel_size="
-                f"{self.rollout_tensor_parallel_size} cannot be the hybrid engine's generation layout. Set "
-                "rollout.tensor_parallel_size=1 or use an engine that does (hf, vllm)")
-        if int(reported) != expected:
-            raise EngineError(f"rollout engine reports tensor rank {reported} on rank {self.rank}; the generation "
-                              f"layout gives it tensor rank {expected} (extra['tensor_groups'] order)")
+                f'rollout.tensor_parallel_size={self.rollout_tensor_parallel_size} needs a rollout engine with '
+                f'capability "generates_tensor_parallel"; "{self.spec.rollout_engine}" declares '
+                f"{sorted(self.rollout_info.capabilities)}. Set rollout.tensor_parallel_size=1 or use an engine that "
+                "does (hf, vllm)")
+        reported = cast(GeneratesTensorParallel, self.rollout).tensor_rank
+        if reported is None or int(reported) != expected:
+            raise EngineContractError(
+                f'rollout engine "{self.spec.rollout_engine}" reports tensor rank {reported} on rank {self.rank}; the '
+                f"generation layout gives it tensor rank {expected} (RolloutEngineConfig.tensor_groups order)")
 
     @property
     def rollout_tensor_parallel_size(self) -> int:
@@ -148,14 +155,13 @@ class ActorRolloutWorker(_TrainingRole):
         exposes no module to count."""
         from hybridflow.resharding import count_storage_bytes
 
-        tensors = _weight_tensors(self.engine, "model", "module")
-        if tensors is None:
+        if "holds_weights" not in self.training_info.capabilities:
             return None
+        tensors = cast(HoldsWeights, self.engine).weight_tensors()
         if with_rollout:
-            rollout = _weight_tensors(self.rollout, "model")
-            if rollout is None:
+            if "holds_weights" not in self.rollout_info.capabilities:
                 return None
-            tensors += rollout
+            tensors = [*tensors, *cast(HoldsWeights, self.rollout).weight_tensors()]
         return count_storage_bytes(tensors)
 
     def _record_resident(self, phase: str) -> None:
@@ -171,27 +177,32 @@ class ActorRolloutWorker(_TrainingRole):
         if self._asleep:  # only what this worker put to sleep is woken (engines may refuse waking an awake engine)
             self.rollout.wake()
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank, plan=self.faults)
-        target = getattr(self.rollout, "weights_target", "hf")
+        target = self.rollout_info.weights_target
         layout = self.generation_layout
-        produce: Callable[..., Iterable[tuple[str, torch.Tensor]]] = self.engine.generation_weights
-        options: dict[str, Any] = {"park": True} if self._park else {}
-        if layout is None:
-            weights = produce(target=target, **options)
-        else:  # an engine that reshards into tensor-parallel layouts (parallel_layout() checked at start) takes tg
-            weights = produce(target=target, tensor_parallel_size=layout.tensor, **options)
+        if layout is not None:  # tg > 1: the reshards_generation_weights capability was checked at start
+            weights = cast(ReshardsGenerationWeights, self.engine).generation_weights(
+                target=target, tensor_parallel_size=layout.tensor, park=self._park)
+        elif self._park:
+            weights = cast(ParksTrainingWeights, self.engine).generation_weights(target=target, park=True)
+        else:
+            weights = self.engine.generation_weights(target=target)
         if self._bind:  # the handover's shards become the engine's weights: no second copy
-            self.rollout.update_weights(weights, version=self.policy_version, bind=True)  # type: ignore[call-arg]
+            cast(BindsGenerationWeights, self.rollout).update_weights(weights, version=self.policy_version, bind=True)
         else:
             self.rollout.update_weights(weights, version=self.policy_version)
-        stats = getattr(self.engine, "last_handover_stats", None)
         self.handover["seconds"] += time.perf_counter() - start
-        self.handover["bytes_received"] += int(getattr(stats, "bytes_received", 0) or 0)
-        lower_bound = getattr(stats, "lower_bound_bytes", None)
-        self.handover["planned"] = float(lower_bound is not None and getattr(stats, "path", "reshard") == "reshard")
-        if self.handover["planned"]:
-            self.handover["lower_bound_bytes"] = self.handover.get("lower_bound_bytes", 0) + int(lower_bound or 0)
-            self.handover["bytes_sent"] = self.handover.get("bytes_sent", 0) + int(getattr(stats, "bytes_sent", 0) or 0)
-            self.handover["aliased_bytes"] = float(getattr(stats, "aliased_bytes", 0) or 0)
+        stats = (cast(ReportsHandover, self.engine).last_handover_stats
+                 if "reports_handover" in self.training_info.capabilities else None)
+        if stats is not None:
+            self.handover["bytes_received"] += int(stats.bytes_received)
+            lower_bound = stats.lower_bound_bytes
+            self.handover["planned"] = float(lower_bound is not None and stats.path == "reshard")
+            if self.handover["planned"]:
+                self.handover["lower_bound_bytes"] = self.handover.get("lower_bound_bytes", 0) + int(lower_bound or 0)
+                self.handover["bytes_sent"] = self.handover.get("bytes_sent", 0) + int(stats.bytes_sent or 0)
+                self.handover["aliased_bytes"] = float(stats.aliased_bytes)
+        else:
+            self.handover["planned"] = 0.0
         self.handover["count"] += 1
         self._asleep = False
 
@@ -200,9 +211,8 @@ class ActorRolloutWorker(_TrainingRole):
         try:
             return self._generate(prompts, greedy)
         finally:  # parked training shards come home (after the rollout engine slept: their buffers then go)
-            end = getattr(self.engine, "end_generation", None)
-            if end is not None:
-                end()
+            if self._parks:
+                cast(ParksTrainingWeights, self.engine).end_generation()
 
     def _generate(self, prompts: Batch, greedy: bool) -> Batch:
         self._refuse_mid_step("generate")
@@ -296,11 +306,10 @@ class ActorRolloutWorker(_TrainingRole):
     def rollout_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """The rollout engine's parameters as this rank holds them (its ``parameter_shapes()``: at tg > 1 this
         rank's tensor-parallel partition), for checking what generation keeps resident."""
-        shapes = getattr(self.rollout, "parameter_shapes", None)
-        if shapes is None:
-            raise ConfigError(f'rollout engine "{self.spec.rollout_engine}" does not report its parameter shapes '
-                              "(no parameter_shapes()); expected an engine that does (vllm)")
-        return dict(shapes())
+        if "reports_parameter_shapes" not in self.rollout_info.capabilities:
+            raise ConfigError(f'rollout engine "{self.spec.rollout_engine}" does not declare capability '
+                              '"reports_parameter_shapes"; expected an engine that does (vllm)')
+        return dict(cast(ReportsParameterShapes, self.rollout).parameter_shapes())
 
     @register(protocol="one_to_all", idempotent=True)
     def export_hf(self, path: str) -> None:

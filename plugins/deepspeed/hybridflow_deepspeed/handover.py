@@ -80,6 +80,8 @@ class HandoverStats:
     seconds: float = 0.0
     parked_bytes: int = 0
     restore_bytes: int = 0
+    #: generation shards handed over as views of the training storage (none: ZeRO's flat partitions never alias)
+    aliased_bytes: int = 0
 
 
 @dataclass(slots=True)

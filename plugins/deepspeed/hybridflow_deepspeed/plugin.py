@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow.engines import TrainingEngineInfo
 from hybridflow.hookspecs import hookimpl
 
 
@@ -35,7 +36,8 @@ def export_deepspeed_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> 
 
 @hookimpl
 def hybridflow_register_training_engines(registry: Any) -> None:
-    registry.register("deepspeed", build_deepspeed_training_engine)
+    registry.register("deepspeed", build_deepspeed_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
+        "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"})))
 
 
 @hookimpl

@@ -22,10 +22,7 @@ ZERO_STAGES = (1, 2, 3)
 DEFAULT_ZERO_STAGE = 3
 #: every ``<role>.extra`` key the engine reads; anything else is refused (a typo would silently change nothing)
 EXTRA_KEYS = ("zero_stage", "offload_optimizer", "timeout_s", "handover_bucket_bytes", "attn_implementation",
-              "param_persistence_threshold",
-              # set by the actor worker from rollout.tensor_parallel_size (the fsdp engine lays its shards out for it);
-              # ZeRO's flat partitions do not change with it
-              "generation_tensor_parallel_size")
+              "param_persistence_threshold")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -151,6 +151,10 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
             return self.handover.full_weights(target=target, park=park)
         return self.handover.shard_weights(target=target, tensor=tensor_parallel_size, park=park)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's weights (capability ``holds_weights``; none once released)."""
+        return list(self.module.parameters()) if hasattr(self, "module") else []
+
     def end_generation(self) -> None:
         """Give the ZeRO-3 partitions and persistent parameters parked by ``generation_weights(park=True)`` their
         storage back (bit for bit, from the generation shards; a collective on every rank); a no-op when none is

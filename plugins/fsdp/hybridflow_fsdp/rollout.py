@@ -62,7 +62,7 @@ class HFRolloutEngine:
         self.tensor_group: TensorGroup | None = None
         if tg > 1:  # every check before the collective new_group calls, so all ranks fail alike
             check_tensor_parallel_model(build_hf_config(config.model, role="rollout"), tg)
-            self.tensor_group = resolve_tensor_group(tg, config.extra.get("tensor_groups"),
+            self.tensor_group = resolve_tensor_group(tg, config.tensor_groups,
                                                      comm=str(config.extra.get("comm", "auto")))
         model = build_model(config.model, role="rollout", attn_implementation=attn_implementation)
         model.requires_grad_(False)
@@ -129,6 +129,10 @@ class HFRolloutEngine:
             if parameter.numel() and not (owned_only and name in self._bound):
                 seen.add((parameter.data_ptr(), parameter.numel() * parameter.element_size()))
         return sum(size for _, size in seen)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the generation weights now, bound or owned (capability ``holds_weights``)."""
+        return list(self.model.parameters())
 
     def resident_weight_bytes(self) -> int:
         """Bytes of the parameters held now, bound or owned, each distinct tensor once (0 while asleep)."""

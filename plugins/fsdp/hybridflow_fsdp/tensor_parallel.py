@@ -116,8 +116,9 @@ def resolve_tensor_group(tg: int, tensor_groups: Any, *, comm: str = "auto") -> 
         )
     if not tensor_groups:
         raise ConfigError(
-            f"tensor_parallel_size={tg} needs rollout extra['tensor_groups']: a list of lists of global ranks, one "
-            f"list per tensor group (e.g. [[0, 2], [1, 3]] for tg=2 on 4 ranks); got {tensor_groups!r}"
+            f"tensor_parallel_size={tg} needs RolloutEngineConfig.tensor_groups: the tensor groups as global ranks, "
+            f"one per group (e.g. ((0, 2), (1, 3)) for tg=2 on 4 ranks; the actor worker passes its generation "
+            f"layout's); got {tensor_groups!r}"
         )
     groups = [tuple(int(rank) for rank in ranks) for ranks in tensor_groups]
     world, me = dist.get_world_size(), dist.get_rank()

@@ -111,7 +111,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.sharded = self.world_size > 1 or config.mixed_precision != "none" or bool(config.extra.get("fsdp_always"))
         # generating at tg > 1: shard row-parallel weights along dim 1, as the generation layout splits them, so each
         # FSDP shard lies inside (at d == tg: is) its tensor-parallel shard and the handover hands it over as a view
-        self.generation_tensor_parallel_size = int(config.extra.get("generation_tensor_parallel_size", 1))
+        self.generation_tensor_parallel_size = int(config.generation_tensor_parallel_size)
         placement = (_row_dim_one_placement(model) if self.generation_tensor_parallel_size > 1 and role == "actor"
                      else None)
         # the lean forward of fast_decode (same logits and gradients, less per-op overhead) for the actor and the
@@ -339,6 +339,10 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                                   f"for tg = {tensor_parallel_size}; remove actor.extra.handover (default reshard)")
             return handover.stream_generation_weights(self, target=target)
         return handover.reshard_generation_weights(self, target=target, tensor=tensor_parallel_size, park=park)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's weights (capability ``holds_weights``; none once released)."""
+        return list(self.model.parameters()) if hasattr(self, "model") else []
 
     def end_generation(self) -> None:
         """Give the FSDP shards parked by ``generation_weights(park=True)`` their storage back (bit for bit, from the

@@ -361,6 +361,10 @@ class MegatronTrainingEngine:
             return iter(self.handover.reshard(layout, name=target, views=True, park=park).items())
         return self.handover.generation_weights(target=target, park=park)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's weights (capability ``holds_weights``)."""
+        return list(self.model.parameters())
+
     def end_generation(self) -> None:
         """Give the training parameters parked by ``generation_weights(park=True)`` their storage back (bit for bit,
         from the generation shards); a no-op when none is parked. Call it on every rank: where a rank's training

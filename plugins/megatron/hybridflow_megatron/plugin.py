@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow.engines import TrainingEngineInfo
 from hybridflow.hookspecs import hookimpl
 
 
@@ -26,7 +27,8 @@ def build_megatron_training_layout(named_shapes: Any, **options: Any) -> Any:
 
 @hookimpl
 def hybridflow_register_training_engines(registry: Any) -> None:
-    registry.register("megatron", build_megatron_training_engine)
+    registry.register("megatron", build_megatron_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
+        "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"})))
 
 
 def export_megatron_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from hybridflow.engines import RolloutEngineInfo
 from hybridflow.hookspecs import hookimpl
 from hybridflow_sglang.api import SGLANG_CHECKED_VERSION
 
@@ -16,7 +17,8 @@ from hybridflow_sglang.api import SGLANG_CHECKED_VERSION
 def hybridflow_register_rollout_engines(registry: Any) -> None:
     from hybridflow_sglang.engine import build_sglang_rollout_engine
 
-    registry.register("sglang", build_sglang_rollout_engine)
+    # its tensor parallelism runs in sglang's own workers: no generation layout on the actor's ranks
+    registry.register("sglang", build_sglang_rollout_engine, info=RolloutEngineInfo(weights_target="hf"))
 
 
 @hookimpl

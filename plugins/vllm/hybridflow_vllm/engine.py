@@ -65,7 +65,8 @@ class VllmRolloutEngine:
         extra = dict(config.extra)
         #: the hybrid engine's tensor groups (``ActorRolloutWorker``): generate tensor-parallel across the caller's
         #: own processes with vLLM's ``external_launcher`` executor, each rank loading only its generation shards
-        self.tensor_groups: list[list[int]] | None = extra.pop("tensor_groups", None)
+        self.tensor_groups: list[list[int]] | None = (
+            [list(group) for group in config.tensor_groups] if config.tensor_groups is not None else None)
         self.options = VllmOptions.from_extra(extra)
         self.device = device
         self.max_model_len = config.max_prompt_length + config.max_new_tokens
@@ -102,7 +103,7 @@ class VllmRolloutEngine:
     @property
     def tensor_rank(self) -> int | None:
         """This process's vLLM tensor-parallel rank when it generates as one rank of the caller's tensor group
-        (``extra["tensor_groups"]``), else None (tp = 1, or vLLM's own workers)."""
+        (``RolloutEngineConfig.tensor_groups``), else None (tp = 1, or vLLM's own workers)."""
         if not self.weights_sharded or getattr(self, "_llm", None) is None:
             return None
         from vllm.distributed import get_tensor_model_parallel_rank

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.engines import RolloutEngineConfig
+from hybridflow.engines import RolloutEngineConfig, RolloutEngineInfo
 from hybridflow.hookspecs import hookimpl
 from hybridflow.registries import Registry
 
@@ -28,7 +28,11 @@ def build_vllm_layout(*args: Any, **kwargs: Any) -> Any:
 
 @hookimpl
 def hybridflow_register_rollout_engines(registry: Registry[Any]) -> None:
-    registry.register("vllm", build_vllm_rollout_engine)
+    # tensor-parallel generation on the caller's ranks through vLLM's external launcher, which groups consecutive
+    # ranks (a group must be the actor's whole world) and pads the vocabulary to a multiple of 64 before splitting
+    registry.register("vllm", build_vllm_rollout_engine, info=RolloutEngineInfo(
+        capabilities=frozenset({"generates_tensor_parallel", "reports_parameter_shapes"}), weights_target="hf",
+        vocab_multiple=64, tensor_parallel_world="whole"))
 
 
 @hookimpl

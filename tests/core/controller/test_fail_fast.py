@@ -12,7 +12,7 @@ import ray.cloudpickle
 import torch
 
 from hybridflow.controller import ResourcePool, Worker, WorkerGroup, register
-from hybridflow.errors import WorkerError
+from hybridflow.errors import EngineContractError, WorkerError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -35,6 +35,10 @@ class Collective(Worker):
         dist.all_reduce(value)  # rank 1 blocks here until rank 0 joins, which it never does
         return float(value)
 
+    @register(protocol="one_to_all")
+    def break_contract(self) -> None:
+        raise EngineContractError("a plugin engine lacks a capability it declared")
+
 
 @pytest.fixture
 def group(ray_session: None) -> Iterator[WorkerGroup]:
@@ -56,6 +60,10 @@ def test_a_rank_raising_before_a_collective_fails_the_call_at_once(group: Worker
     message = str(caught.value)
     assert "rank 0 failed before the collective" in message and "ranks [1] were still running" in message
     assert "in all_reduce" in caught.value.remote_traceback
+    assert not caught.value.deterministic  # a RuntimeError may not repeat: recovery retries it
+    with pytest.raises(WorkerError, match="EngineContractError: a plugin engine lacks") as contract:
+        group.break_contract()
+    assert contract.value.deterministic  # it would repeat on every retry: recovery stops instead (test_engine_contract)
 
 
 class FailsBeforeTheRendezvous(Worker):

@@ -29,7 +29,7 @@ def _generation_rank(rank: int, world_size: int, tensors: list[int], workdir: st
     spec = ModelSpec(config=preset_model_config("tiny-qwen2-4h"), seed=3)
     # row weights FSDP-sharded along dim 1 (as for tg = max(tensors)); every tg is planned from the same shards
     engine = FSDPTrainingEngine(role="actor", config=TrainingEngineConfig(
-        model=spec, optim=OptimConfig(lr=1e-2), extra={"generation_tensor_parallel_size": max(tensors)}),
+        model=spec, optim=OptimConfig(lr=1e-2), generation_tensor_parallel_size=max(tensors)),
         device="cpu")
     training = list(engine.model.parameters())
     full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

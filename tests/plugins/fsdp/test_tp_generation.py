@@ -84,7 +84,7 @@ def test_bound_weights_are_not_copied_and_sleep_drops_them(cluster: GlooCluster)
 
 
 @pytest.mark.parametrize(("change", "groups", "tg", "message"), [
-    ({}, None, 2, "needs rollout extra\\['tensor_groups'\\]"),
+    ({}, None, 2, "needs RolloutEngineConfig.tensor_groups"),
     ({"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}, [[0, 1]], 2,
      "num_key_value_heads \\(= 1\\).*num_heads=4, num_kv_heads=2"),
     ({"vocab_size": 45}, [[0, 1]], 2, "vocab_size \\(= 45\\)"),

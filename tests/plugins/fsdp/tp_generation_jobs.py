@@ -29,11 +29,9 @@ def model_config(architecture: str, tied: bool, biases: bool = False) -> dict[st
 
 def build_engine(config: dict[str, Any], tg: int, groups: list[list[int]] | None = None,
                  **extra: Any) -> HFRolloutEngine:
-    if groups is not None:
-        extra["tensor_groups"] = groups
     return HFRolloutEngine(config=RolloutEngineConfig(
         model=ModelSpec(config=config, seed=3), tensor_parallel_size=tg, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
-        max_prompt_length=16, extra=extra))
+        max_prompt_length=16, tensor_groups=None if groups is None else tuple(tuple(g) for g in groups), extra=extra))
 
 
 def full_weights(engine: HFRolloutEngine, seed: int = 5) -> dict[str, torch.Tensor]:

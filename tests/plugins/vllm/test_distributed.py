@@ -96,7 +96,7 @@ def _run_tensor_parallel_rank(rank: int, port: int, outdir: str, first: str, sec
 
     config = RolloutEngineConfig(model=ModelSpec(path=first), tensor_parallel_size=2, pad_token_id=PAD_ID,
                                  eos_token_id=EOS_ID, max_prompt_length=8, max_new_tokens=8,
-                                 extra={"tensor_groups": [[0, 1]]})
+                                 tensor_groups=((0, 1),))
     engine = VllmRolloutEngine(config=config)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     leftover = sorted(path.name for path in Path("/dev/shm").glob(f"{engine.shared_memory_identity}-*"))
