@@ -142,8 +142,22 @@ class _TrainedRole(_ModelRole):
     optim: OptimSection = OptimSection()
     mini_batch_size: int | None = Field(default=None, gt=0)
     ppo_epochs: int = Field(default=1, gt=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    # verl's loss_agg_mode; seq-mean-token-sum-norm is Dr. GRPO's: Σ_rows(token sum) / (rows · loss_scale_factor)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    # seq-mean-token-sum-norm's constant divisor (verl's loss_scale_factor); unset: the longest response the rollout
+    # may produce (rollout.max_new_tokens, + rollout.multi_turn.max_tokens with multi-turn)
+    loss_scale_factor: float | None = Field(default=None, gt=0)
     gradient_checkpointing: bool = False  # recompute activations in backward (HF gradient_checkpointing_enable)
+
+    @model_validator(mode="after")
+    def _scale_factor_needs_sum_norm(self) -> _TrainedRole:
+        if self.loss_scale_factor is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise ValueError(f"loss_scale_factor = {self.loss_scale_factor} is the constant divisor of loss_agg "
+                             f"seq-mean-token-sum-norm, but loss_agg is {self.loss_agg} (which divides by a count); "
+                             "the key would do nothing. Fix: set loss_agg: seq-mean-token-sum-norm, or remove "
+                             "loss_scale_factor")
+        return self
 
 
 _DECIDED_BY_ALGORITHM = {
@@ -182,8 +196,12 @@ class LoraSection(_Section):
 
 class ActorConfig(_TrainedRole):
     lora: LoraSection | None = None  # LoRA adapters (fsdp engine); None: full fine-tuning
+    # the policy loss (verl's policy_loss.loss_mode): vanilla (PPO's clipped surrogate), gspo or cispo
+    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"
     clip_ratio_low: float = Field(default=0.2, ge=0)
     clip_ratio_high: float = Field(default=0.2, ge=0)
+    # the dual clip (verl's clip_ratio_c; verl defaults to 3.0): a token with A < 0 loses at most c·|A|; unset: off
+    clip_ratio_c: float | None = Field(default=None, gt=1)
     entropy_coef: float = 0.0  # the entropy bonus's coefficient (its starting value with entropy_target)
     # adaptive entropy control (Skywork-OR1): steer the coefficient each step by ± entropy_coef_delta so the mean
     # token entropy (actor/entropy) stays near this target; the bonus is off while the entropy is above it
@@ -212,6 +230,24 @@ class ActorConfig(_TrainedRole):
                              f"({self.entropy_coef_min}) and ≥ 0. Fix: raise it to at least the floor")
         return self
 
+    @model_validator(mode="after")
+    def _policy_loss(self) -> ActorConfig:
+        mode = self.loss_mode
+        if self.clip_ratio_c is not None and mode != "vanilla":
+            raise ValueError(f"actor.clip_ratio_c = {self.clip_ratio_c} is the dual clip of PPO's clipped surrogate "
+                             f"(actor.loss_mode: vanilla); loss_mode {mode} has none, so the key would do nothing. "
+                             "Fix: remove actor.clip_ratio_c, or set actor.loss_mode: vanilla")
+        if mode == "gspo" and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(f"actor.loss_mode gspo averages each response's tokens, then the responses (its "
+                             f"sequence-level objective, as verl's gspo), but actor.loss_agg is {self.loss_agg}. Fix: "
+                             "set actor.loss_agg: seq-mean-token-mean (and clip ratios of GSPO's size, e.g. "
+                             "clip_ratio_low: 3e-4, clip_ratio_high: 4e-4)")
+        if mode != "cispo" and self.clip_ratio_low >= 1:
+            raise ValueError(f"actor.clip_ratio_low = {self.clip_ratio_low}: loss_mode {mode} clips the ratio to "
+                             "[1 − clip_ratio_low, 1 + clip_ratio_high], so it must be < 1 (only cispo, whose clip "
+                             "bounds a weight, takes ≥ 1: no lower bound). Fix: set it below 1, e.g. 0.2")
+        return self
+
 
 class CriticConfig(_TrainedRole):
     """The critic's own keys: no policy-loss keys (those are the actor's)."""
@@ -220,6 +256,8 @@ class CriticConfig(_TrainedRole):
         "enabled": _DECIDED_BY_ALGORITHM["critic"],
         "clip_ratio_low": _actor_only("clip_ratio_low", " (critic.value_clip clips the value loss)"),
         "clip_ratio_high": _actor_only("clip_ratio_high", " (critic.value_clip clips the value loss)"),
+        "clip_ratio_c": _actor_only("clip_ratio_c", " (critic.value_clip clips the value loss)"),
+        "loss_mode": _actor_only("loss_mode"),
         **{key: _actor_only(key) for key in ("entropy_coef", "entropy_target", "entropy_coef_delta",
                                              "entropy_coef_min", "entropy_coef_max")},
         "kl_loss_coef": _actor_only("kl_loss_coef"),
@@ -247,5 +285,5 @@ class ReferenceConfig(_ModelRole):
             "optim", "mini_batch_size", "ppo_epochs", "loss_agg", "gradient_checkpointing", "clip_ratio_low",
             "clip_ratio_high", "entropy_coef", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
             "entropy_coef_max",
-            "kl_loss_coef", "kl_loss_kind", "recompute_log_probs")},
+            "kl_loss_coef", "kl_loss_kind", "recompute_log_probs", "loss_mode", "clip_ratio_c", "loss_scale_factor")},
     }

@@ -1,5 +1,6 @@
-"""The per-token terms of the PPO losses: clipped policy surrogate, rollout-correction weights, clipped value loss,
-KL estimators, entropy bonus and their aggregation over the response tokens.
+"""The per-token terms of the PPO losses: the policy losses (registered by name: PPO's clipped surrogate with its dual
+clip, GSPO, CISPO), rollout-correction weights, clipped value loss, KL estimators, entropy bonus and their aggregation
+over the response tokens.
 
 Pure torch over ``[batch, response_length]`` tensors with a ``response_mask``; the engine ``LossFn``s that read them
 from a micro-batch, and the gradient-accumulation convention behind ``loss_scale``, are
@@ -8,7 +9,8 @@ from a micro-batch, and the gradient-accumulation convention behind ``loss_scale
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
@@ -19,6 +21,8 @@ __all__ = [
     "ENTROPY_COEF_KEY", "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation",
     "KLKind",
     "LossResult", "ROLLOUT_CORRECTIONS", "RolloutCorrection", "aggregate_loss", "ppo_policy_loss",
+    "gspo_policy_loss", "cispo_policy_loss", "PolicyLossFn", "POLICY_LOSSES", "register_policy_loss",
+    "get_policy_loss", "check_policy_loss_options",
     "ROLLOUT_CORRECTION_LEVELS", "RolloutCorrectionLevel", "compute_rollout_correction_weights", "value_loss",
     "kl_penalty", "entropy_bonus",
 ]
@@ -27,8 +31,11 @@ __all__ = [
 ENTROPY_COEF_KEY = "entropy_coef"
 LOSS_SCALE_TOKENS = "loss_scale_tokens"
 LOSS_SCALE_ROWS = "loss_scale_rows"
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm")
+#: the aggregation that divides by a constant (``loss_scale_factor``) instead of a count: Dr. GRPO's
+SUM_NORM = "seq-mean-token-sum-norm"
 KLKind = Literal["k1", "k2", "k3", "abs"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 LossResult = tuple[torch.Tensor, dict[str, float]]
@@ -61,9 +68,16 @@ def _fill_padding(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 
-def _aggregate(loss_matrix: torch.Tensor, valid: torch.Tensor, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(numerator, local denominator) of ``loss_agg`` over ``loss_matrix`` whose padding is already 0."""
+def _aggregate(loss_matrix: torch.Tensor, valid: torch.Tensor, loss_agg: str,
+               loss_scale_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, local denominator) of ``loss_agg`` over ``loss_matrix`` whose padding is already 0.
+
+    The denominator is a count (tokens for ``token-mean``, rows with a valid token otherwise) that the accumulation
+    convention may replace by the mini-batch's; ``seq-mean-token-sum-norm`` divides its numerator by the constant
+    ``loss_scale_factor`` here, so it is Σ_rows (row sum / factor) over the rows.
+    """
     _check_choice("loss_agg", loss_agg, LOSS_AGGREGATIONS)
+    _check_scale_factor(loss_agg, loss_scale_factor)
     weights = valid.to(loss_matrix.dtype)
     if loss_agg == "token-mean":
         return (loss_matrix * weights).sum(), weights.sum()
@@ -71,7 +85,23 @@ def _aggregate(loss_matrix: torch.Tensor, valid: torch.Tensor, loss_agg: str) ->
     row_sums = (loss_matrix * weights).sum(dim=1)
     if loss_agg == "seq-mean-token-mean":
         row_sums = row_sums / row_tokens.clamp(min=1)
-    return row_sums.sum(), (row_tokens > 0).to(loss_matrix.dtype).sum()
+    numerator = row_sums.sum()
+    if loss_agg == SUM_NORM:
+        assert loss_scale_factor is not None  # _check_scale_factor
+        numerator = numerator / loss_scale_factor
+    return numerator, (row_tokens > 0).to(loss_matrix.dtype).sum()
+
+
+def _check_scale_factor(loss_agg: str, loss_scale_factor: float | None) -> None:
+    if loss_agg == SUM_NORM:
+        if loss_scale_factor is None or not loss_scale_factor > 0:
+            raise ConfigError(f"loss_agg {SUM_NORM} divides each response's token sum by a constant (Dr. GRPO: the "
+                              f"longest response the rollout may produce), got loss_scale_factor = "
+                              f"{loss_scale_factor}. Fix: pass loss_scale_factor > 0, e.g. rollout.max_new_tokens")
+    elif loss_scale_factor is not None:
+        raise ConfigError(f"loss_scale_factor = {loss_scale_factor} is the constant divisor of loss_agg {SUM_NORM}, "
+                          f"but loss_agg is {loss_agg} (which divides by a count); it would do nothing. Fix: set "
+                          f"loss_agg to {SUM_NORM}, or leave loss_scale_factor unset")
 
 
 def aggregate_loss(
@@ -80,10 +110,16 @@ def aggregate_loss(
     loss_agg: str = "token-mean",
     *,
     loss_scale: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss ``[B, R]`` to a scalar by ``loss_agg``, over ``loss_scale`` if given (see module)."""
+    """Reduce a per-token loss ``[B, R]`` to a scalar by ``loss_agg``, over ``loss_scale`` if given (see module).
+
+    ``token-mean``: Σ ℓ / tokens. ``seq-mean-token-mean``: Σ_rows mean_row(ℓ) / rows. ``seq-mean-token-sum``:
+    Σ_rows sum_row(ℓ) / rows. ``seq-mean-token-sum-norm`` (Dr. GRPO): Σ_rows sum_row(ℓ) / (rows · L), L =
+    ``loss_scale_factor``, a constant (required with it, refused with the others). Rows are those with a valid token.
+    """
     valid = _valid(response_mask)
-    numerator, local = _aggregate(_fill_padding(loss_matrix, valid), valid, loss_agg)
+    numerator, local = _aggregate(_fill_padding(loss_matrix, valid), valid, loss_agg, loss_scale_factor)
     return _scaled(numerator, local, loss_scale)
 
 
@@ -97,6 +133,103 @@ def _scaled(numerator: torch.Tensor, local: torch.Tensor, loss_scale: float | No
     return numerator / loss_scale
 
 
+class PolicyLossFn(Protocol):
+    """A policy loss of the registry: per-token terms from the policy's and the sampling policy's log-probs and the
+    advantages, reduced by ``loss_agg`` (over ``loss_scale`` when given: the accumulation convention of
+    :mod:`hybridflow.algorithms.losses`); returns the loss and local metrics (``pg_loss``, ``clipfrac``,
+    ``clipfrac_lower``, ``approx_kl``, ``ratio_mean``, plus its own). An option it does not take raises ConfigError
+    (:func:`check_policy_loss_options`)."""
+
+    def __call__(
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        clip_ratio_low: float,
+        clip_ratio_high: float,
+        dual_clip_c: float | None,
+        loss_agg: str,
+        loss_scale: float | None,
+        loss_scale_factor: float | None,
+        token_weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+_Loss = TypeVar("_Loss", bound=PolicyLossFn)
+#: policy-loss name (verl's ``policy_loss.loss_mode``; hybridflow's ``actor.loss_mode``) → its function
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[_Loss], _Loss]:
+    """Decorator: register a :class:`PolicyLossFn` under ``name`` (``PolicyLossConfig(loss_mode=name)``). A name
+    registered twice raises (two losses would share one config value)."""
+
+    def register(function: _Loss) -> _Loss:
+        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not function:
+            raise ConfigError(f'policy loss "{name}" is registered already ({POLICY_LOSSES[name]}); register '
+                              f"{function} under another name")
+        POLICY_LOSSES[name] = function
+        return function
+
+    return register
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered under ``name``; an unknown name raises ConfigError listing the known ones."""
+    if name not in POLICY_LOSSES:
+        raise ConfigError(f'loss_mode must be one of {", ".join(POLICY_LOSSES)}; got "{name}". Fix: pick one of '
+                          "them (vanilla is PPO's clipped surrogate), or register yours with "
+                          "hybridflow.algorithms.loss_terms.register_policy_loss")
+    return POLICY_LOSSES[name]
+
+
+def check_policy_loss_options(loss_mode: str, *, clip_ratio_low: float, clip_ratio_high: float,
+                              dual_clip_c: float | None, loss_agg: str) -> None:
+    """What the built-in losses take: clip ratios ≥ 0 with 1 − clip_ratio_low > 0 (CISPO, whose lower bound only
+    limits a weight, takes any clip_ratio_low ≥ 0), the dual clip c > 1 on ``vanilla`` only, and GSPO only with its
+    own aggregation (``seq-mean-token-mean``). Raises ConfigError saying what to change."""
+    _check_choice("loss_agg", loss_agg, LOSS_AGGREGATIONS)
+    if not clip_ratio_high >= 0.0:
+        raise ConfigError(f"clip_ratio_high must be ≥ 0, got {clip_ratio_high}")
+    if loss_mode == "cispo":
+        if not clip_ratio_low >= 0.0:
+            raise ConfigError(f"clip_ratio_low must be ≥ 0, got {clip_ratio_low} (CISPO's weight is clipped to "
+                              "[1 − clip_ratio_low, 1 + clip_ratio_high]; ≥ 1 leaves it no lower bound)")
+    elif not 0.0 <= clip_ratio_low < 1.0:
+        raise ConfigError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low} (the ratio is clipped to "
+                          "[1 − clip_ratio_low, 1 + clip_ratio_high])")
+    if dual_clip_c is not None:
+        if loss_mode != "vanilla":
+            raise ConfigError(f"the dual clip (clip_ratio_c / dual_clip_c = {dual_clip_c}) bounds PPO's clipped "
+                              f"surrogate (loss_mode vanilla); loss_mode {loss_mode} has none. Fix: leave it unset, "
+                              "or set loss_mode to vanilla")
+        if not dual_clip_c > 1.0:
+            raise ConfigError(f"dual_clip_c must be > 1 (it bounds the loss at c·|A| for A < 0), got {dual_clip_c}; "
+                              "verl uses 3.0")
+    if loss_mode == "gspo" and loss_agg != "seq-mean-token-mean":
+        raise ConfigError(f"loss_mode gspo averages each response's tokens, then the responses (its sequence-level "
+                          f"objective: loss_agg seq-mean-token-mean, as verl's), got loss_agg {loss_agg}. Fix: set "
+                          "loss_agg to seq-mean-token-mean")
+
+
+def _policy_metrics(numerator: torch.Tensor, local: torch.Tensor, valid: torch.Tensor, log_probs: torch.Tensor,
+                    old_log_probs: torch.Tensor, ratio: torch.Tensor, clip_active: torch.Tensor,
+                    dual_active: torch.Tensor | None = None) -> dict[str, float]:
+    """The metrics every policy loss reports (verl's four, under their unprefixed names, and ``ratio_mean``)."""
+    with torch.no_grad():
+        dtype = ratio.dtype
+        return {
+            "pg_loss": float(numerator / local.clamp(min=1)),
+            "clipfrac": float(masked_mean(clip_active.to(dtype), valid)),
+            "clipfrac_lower": 0.0 if dual_active is None else float(masked_mean(dual_active.to(dtype), valid)),
+            "approx_kl": float(masked_mean(old_log_probs - log_probs, valid)),
+            "ratio_mean": float(masked_mean(ratio, valid)),
+        }
+
+
+@register_policy_loss("vanilla")
 def ppo_policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -108,20 +241,24 @@ def ppo_policy_loss(
     dual_clip_c: float | None = None,
     loss_agg: str = "token-mean",
     loss_scale: float | None = None,
+    loss_scale_factor: float | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate (Schulman et al. 2017), asymmetric clip range, optional dual clip (Ye et al. 2020).
+    """Clipped surrogate (Schulman et al. 2017), asymmetric clip range, optional dual clip (Ye et al. 2020); verl's
+    ``vanilla``.
 
     ``token_weights`` (no gradient) multiply each token's clipped loss: the off-policy correction of
     :func:`compute_rollout_correction_weights`. Returns the loss and local metrics: ``pg_loss``, ``clipfrac`` (tokens
     where the clipped term is active), ``clipfrac_lower`` (tokens where the dual clip is active), ``approx_kl`` (mean
     of old − new log-prob), ``ratio_mean``.
     """
+    check_policy_loss_options("vanilla", clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                              dual_clip_c=dual_clip_c, loss_agg=loss_agg)
     valid = _valid(response_mask)
     log_probs = _fill_padding(log_probs, valid)
     old_log_probs = _fill_padding(old_log_probs.detach(), valid)
     advantages = _fill_padding(advantages.detach(), valid)
-    log_ratio = torch.clamp(log_probs - old_log_probs, min=-20.0, max=20.0)
+    log_ratio = torch.clamp(log_probs - old_log_probs, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
@@ -129,23 +266,107 @@ def ppo_policy_loss(
     clip_active = clipped > unclipped
     dual_active = torch.zeros_like(clip_active)
     if dual_clip_c is not None:
-        if not dual_clip_c > 1.0:
-            raise ConfigError(f"dual_clip_c must be > 1 (it bounds the loss at c·|A| for A < 0), got {dual_clip_c}")
         bound = -advantages * dual_clip_c
         dual_active = (advantages < 0) & (losses > bound)
         losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
     if token_weights is not None:
         losses = losses * _fill_padding(token_weights.detach(), valid)
-    numerator, local = _aggregate(losses, valid, loss_agg)
+    numerator, local = _aggregate(losses, valid, loss_agg, loss_scale_factor)
     loss = _scaled(numerator, local, loss_scale)
-    with torch.no_grad():
-        metrics = {
-            "pg_loss": float(numerator / local.clamp(min=1)),
-            "clipfrac": float(masked_mean(clip_active.to(losses.dtype), valid)),
-            "clipfrac_lower": float(masked_mean(dual_active.to(losses.dtype), valid)),
-            "approx_kl": float(masked_mean(old_log_probs - log_probs, valid)),
-            "ratio_mean": float(masked_mean(ratio, valid)),
-        }
+    return loss, _policy_metrics(numerator, local, valid, log_probs, old_log_probs, ratio, clip_active, dual_active)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    dual_clip_c: float | None = None,
+    loss_agg: str = "seq-mean-token-mean",
+    loss_scale: float | None = None,
+    loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071) in its token-level form (GSPO-token, verl's ``gspo``): one
+    importance ratio per response, the geometric mean of its tokens' ratios,
+
+        s_i = exp(mean_t (log π − log π_old))           over the response's valid tokens
+        s_i,t = sg(s_i) · π_t / sg(π_t)                   (value s_i; gradient s_i · ∇log π_t)
+        ℓ_i,t = max(−A_i,t · s_i,t, −A_i,t · clip(s_i,t, 1 − ε_low, 1 + ε_high))
+
+    aggregated ``seq-mean-token-mean`` (the only aggregation it takes), so with one advantage per response the
+    gradient is GSPO's sequence-level one, s_i·A_i·mean_t ∇log π_t where unclipped. A response is clipped whole; ε
+    is of the order of 1e-4 (the paper: 3e-4 / 4e-4), not PPO's 0.2. log s_i is bounded to ±20 before exp.
+    Metrics: those of :func:`ppo_policy_loss` (``ratio_mean`` is the token mean of s_i, ``clipfrac_lower`` 0) and
+    ``seq_ratio_mean`` (mean of s_i over the responses with a valid token).
+    """
+    check_policy_loss_options("gspo", clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                              dual_clip_c=dual_clip_c, loss_agg=loss_agg)
+    valid = _valid(response_mask)
+    log_probs = _fill_padding(log_probs, valid)
+    old_log_probs = _fill_padding(old_log_probs.detach(), valid)
+    advantages = _fill_padding(advantages.detach(), valid)
+    lengths = valid.sum(dim=1, keepdim=True).clamp(min=1).to(log_probs.dtype)
+    seq_log_ratio = (log_probs.detach() - old_log_probs).sum(dim=1, keepdim=True) / lengths  # padding is 0
+    seq_log_ratio = torch.clamp(seq_log_ratio, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    ratio = torch.exp(seq_log_ratio + (log_probs - log_probs.detach()))  # s_i on every token, gradient s_i·∇log π_t
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    losses = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        losses = losses * _fill_padding(token_weights.detach(), valid)
+    numerator, local = _aggregate(losses, valid, loss_agg, loss_scale_factor)
+    loss = _scaled(numerator, local, loss_scale)
+    metrics = _policy_metrics(numerator, local, valid, log_probs, old_log_probs, ratio, clipped > unclipped)
+    rows = valid.any(dim=1, keepdim=True)
+    metrics["seq_ratio_mean"] = float(masked_mean(torch.exp(seq_log_ratio), rows))
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    dual_clip_c: float | None = None,
+    loss_agg: str = "token-mean",
+    loss_scale: float | None = None,
+    loss_scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585; verl's ``cispo``): the importance weight is clipped and held constant,
+    the gradient goes through log π on every token,
+
+        ρ_t = exp(clamp(log π − log π_old, −20, 20))
+        ℓ_t = −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · log π_t
+
+    so a clipped token still has gradient −w_t·A_t (PPO's clip zeroes it). MiniMax tunes ε_high only and leaves no
+    lower bound (clip_ratio_low ≥ 1 does that). Metrics: those of :func:`ppo_policy_loss` (``clipfrac``: tokens
+    whose ratio lies outside the clip range; ``clipfrac_lower`` 0) and ``clipped_ratio_mean`` (the weight's mean).
+    """
+    check_policy_loss_options("cispo", clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                              dual_clip_c=dual_clip_c, loss_agg=loss_agg)
+    valid = _valid(response_mask)
+    log_probs = _fill_padding(log_probs, valid)
+    old_log_probs = _fill_padding(old_log_probs.detach(), valid)
+    advantages = _fill_padding(advantages.detach(), valid)
+    ratio = torch.exp(torch.clamp(log_probs.detach() - old_log_probs, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND))
+    weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # built from detached log-probs: sg
+    losses = -weight * advantages * log_probs
+    if token_weights is not None:
+        losses = losses * _fill_padding(token_weights.detach(), valid)
+    numerator, local = _aggregate(losses, valid, loss_agg, loss_scale_factor)
+    loss = _scaled(numerator, local, loss_scale)
+    metrics = _policy_metrics(numerator, local, valid, log_probs, old_log_probs, ratio, weight != ratio)
+    metrics["clipped_ratio_mean"] = float(masked_mean(weight, valid))
     return loss, metrics
 
 
@@ -210,6 +431,7 @@ def value_loss(
     clip_range: float | None = 0.2,
     loss_agg: str = "token-mean",
     loss_scale: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss ``½·max((V − G)², (V_old + clip(V − V_old, ±c) − G)²)``; ``clip_range=None`` disables it.
 
@@ -226,7 +448,7 @@ def value_loss(
         clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         clipped = (clipped_values - returns) ** 2
         losses, clip_active = 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
-    numerator, local = _aggregate(losses, valid, loss_agg)
+    numerator, local = _aggregate(losses, valid, loss_agg, loss_scale_factor)
     loss = _scaled(numerator, local, loss_scale)
     with torch.no_grad():
         metrics = {
@@ -270,6 +492,7 @@ def entropy_bonus(
     *,
     loss_agg: str = "token-mean",
     loss_scale: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Entropy aggregated like the policy loss; the actor loss subtracts ``entropy_coef`` times this."""
-    return aggregate_loss(entropy, response_mask, loss_agg, loss_scale=loss_scale)
+    return aggregate_loss(entropy, response_mask, loss_agg, loss_scale=loss_scale, loss_scale_factor=loss_scale_factor)

@@ -17,7 +17,8 @@ micro-batch's ``meta`` before the call::
   whole mini-batch on this rank. ``loss_agg="token-mean"`` returns Σ(per-token loss over the micro-batch) / T.
 - ``loss_scale_rows`` N: rows with ≥ 1 valid token (``is_padding`` rows excluded) of the mini-batch on this rank.
   ``"seq-mean-token-mean"`` returns Σ_rows(mean over the row's tokens) / N; ``"seq-mean-token-sum"`` returns
-  Σ_rows(sum over the row's tokens) / N.
+  Σ_rows(sum over the row's tokens) / N; ``"seq-mean-token-sum-norm"`` (Dr. GRPO) returns Σ_rows(sum over the row's
+  tokens) / (N · L), L the config's constant ``loss_scale_factor``.
 
 So Σ over micro-batches of the returned losses = the mini-batch loss, and the engine must *not* divide by the
 number of micro-batches. With data parallelism the usual gradient *average* over ``dp`` ranks then gives the mean
@@ -45,20 +46,28 @@ from hybridflow.algorithms.loss_terms import (
     LOSS_AGGREGATIONS,
     LOSS_SCALE_ROWS,
     LOSS_SCALE_TOKENS,
+    POLICY_LOSSES,
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTIONS,
     KLKind,
     LossAggregation,
     LossResult,
+    PolicyLossFn,
     RolloutCorrection,
     RolloutCorrectionLevel,
     _check_choice,
+    _check_scale_factor,
     _valid,
     aggregate_loss,
+    check_policy_loss_options,
+    cispo_policy_loss,
     compute_rollout_correction_weights,
     entropy_bonus,
+    get_policy_loss,
+    gspo_policy_loss,
     kl_penalty,
     ppo_policy_loss,
+    register_policy_loss,
     value_loss,
 )
 from hybridflow.batch import PADDING_KEY, Batch
@@ -71,6 +80,8 @@ __all__ = [
     "make_actor_loss_fn",
     "make_critic_loss_fn", "VERL_ACTOR_METRICS", "ROLLOUT_CORRECTIONS", "RolloutCorrection",
     "ROLLOUT_CORRECTION_LEVELS", "RolloutCorrectionLevel", "compute_rollout_correction_weights",
+    "gspo_policy_loss", "cispo_policy_loss", "PolicyLossFn", "POLICY_LOSSES", "register_policy_loss",
+    "get_policy_loss", "check_policy_loss_options",
 ]
 
 #: :func:`ppo_policy_loss`'s metric names → the ``actor/`` names verl logs them under
@@ -88,10 +99,14 @@ def compute_loss_scale(batch: Batch) -> dict[str, float]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicyLossConfig:
-    """PPO actor loss: clip range, dual clip, entropy bonus, KL-to-reference loss (GRPO style), aggregation."""
+    """The actor loss: the policy loss (``loss_mode``, a name of :data:`POLICY_LOSSES`: ``vanilla`` PPO, ``gspo``,
+    ``cispo``), its clip range and dual clip, entropy bonus, KL-to-reference loss (GRPO style), aggregation."""
 
+    #: the policy loss by its registry name (verl's ``policy_loss.loss_mode``)
+    loss_mode: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    #: the dual clip's c (verl's ``clip_ratio_c``): the loss of a token with A < 0 is at most c·|A|; vanilla only
     dual_clip_c: float | None = None
     entropy_coef: float = 0.0
     #: the coefficient comes with each batch (``meta["entropy_coef"]``, set by the trainer's adaptive entropy
@@ -100,6 +115,9 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.0
     kl_loss_kind: KLKind = "k3"
     loss_agg: LossAggregation = "token-mean"
+    #: ``seq-mean-token-sum-norm``'s constant divisor L (verl's ``loss_scale_factor``; Dr. GRPO: the longest
+    #: response); required with that aggregation, refused with the others
+    loss_scale_factor: float | None = None
     rollout_correction: RolloutCorrection = "none"
     rollout_correction_threshold: float = 2.0
     #: what the correction's ratio is taken over: each token, or each sequence (product / geometric mean of its
@@ -115,27 +133,27 @@ class PolicyLossConfig:
                               "set rollout_correction to tis or mis, or rollout_correction_level to token")
         if not self.rollout_correction_threshold > 1.0:
             raise ConfigError(f"rollout_correction_threshold must be > 1, got {self.rollout_correction_threshold}")
-        if not 0.0 <= self.clip_ratio_low < 1.0:
-            raise ConfigError(f"clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
-        if not self.clip_ratio_high >= 0.0:
-            raise ConfigError(f"clip_ratio_high must be ≥ 0, got {self.clip_ratio_high}")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
-            raise ConfigError(f"dual_clip_c must be > 1 or None (off), got {self.dual_clip_c}; verl uses 3.0")
+        get_policy_loss(self.loss_mode)
+        check_policy_loss_options(self.loss_mode, clip_ratio_low=self.clip_ratio_low,
+                                  clip_ratio_high=self.clip_ratio_high, dual_clip_c=self.dual_clip_c,
+                                  loss_agg=self.loss_agg)
+        _check_scale_factor(self.loss_agg, self.loss_scale_factor)
         if not math.isfinite(self.entropy_coef):
             raise ConfigError(f"entropy_coef must be finite, got {self.entropy_coef}")
         if not self.kl_loss_coef >= 0.0:
             raise ConfigError(f"kl_loss_coef must be ≥ 0, got {self.kl_loss_coef}")
         _check_choice("kl_loss_kind", self.kl_loss_kind, KL_KINDS)
-        _check_choice("loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValueLossConfig:
-    """Critic loss: value clip range (None disables clipping), loss coefficient, aggregation."""
+    """Critic loss: value clip range (None disables clipping), loss coefficient, aggregation (and its constant, as
+    :class:`PolicyLossConfig`'s)."""
 
     clip_range: float | None = 0.2
     coef: float = 1.0
     loss_agg: LossAggregation = "token-mean"
+    loss_scale_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.clip_range is not None and not self.clip_range > 0.0:
@@ -143,6 +161,7 @@ class ValueLossConfig:
         if not self.coef > 0.0:
             raise ConfigError(f"coef must be > 0, got {self.coef}")
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
+        _check_scale_factor(self.loss_agg, self.loss_scale_factor)
 
 
 def _column(micro_batch: Batch, key: str, why: str) -> torch.Tensor:
@@ -178,11 +197,12 @@ def _loss_scale(meta: Mapping[str, Any], loss_agg: str) -> float | None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActorLoss:
-    """The actor's ``LossFn``: PPO surrogate − entropy_coef·entropy + kl_loss_coef·KL(π ‖ π_ref).
+    """The actor's ``LossFn``: policy loss (``config.loss_mode``'s) − entropy_coef·entropy + kl_loss_coef·KL(π ‖ π_ref).
 
     ``required_outputs`` names what the engine must compute with gradients (``entropy`` only when its coefficient
     is non-zero). Metric keys are verl's (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
-    ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean`` (and with
+    ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``) plus ``actor/ratio_mean``, the loss mode's own
+    (``actor/seq_ratio_mean`` for gspo, ``actor/clipped_ratio_mean`` for cispo) (and with
     ``rollout_correction``, ``actor/rollout_is_*``: each token's loss weighted by π_old / π_rollout, truncated or
     masked, from the ``rollout_log_probs`` column; at ``rollout_correction_level`` sequence / geometric the ratio is
     the row's, so a masked row leaves the loss whole). An ``entropy`` output given
@@ -212,7 +232,7 @@ class ActorLoss:
                                        "engine's own log-probs"),
                 valid, mode=config.rollout_correction, threshold=config.rollout_correction_threshold,
                 level=config.rollout_correction_level)
-        loss, metrics = ppo_policy_loss(
+        loss, metrics = get_policy_loss(config.loss_mode)(
             log_probs,
             old_log_probs,
             _column(micro_batch, "advantages", "computed by the driver"),
@@ -222,6 +242,7 @@ class ActorLoss:
             dual_clip_c=config.dual_clip_c,
             loss_agg=config.loss_agg,
             loss_scale=scale,
+            loss_scale_factor=config.loss_scale_factor,
             token_weights=weights,
         )
         metrics.update(correction)
@@ -230,13 +251,15 @@ class ActorLoss:
             entropy = _output(outputs, "entropy", "entropy_coef is non-zero")
             metrics["entropy"] = float(masked_mean(entropy.detach(), valid))
             if entropy_coef != 0.0:
-                loss = loss - entropy_coef * entropy_bonus(entropy, valid, loss_agg=config.loss_agg, loss_scale=scale)
+                loss = loss - entropy_coef * entropy_bonus(entropy, valid, loss_agg=config.loss_agg, loss_scale=scale,
+                                                           loss_scale_factor=config.loss_scale_factor)
             if entropy_coef != 0.0 or config.adaptive_entropy:
                 metrics["entropy_coeff"] = entropy_coef  # the coefficient this update applied
         if config.kl_loss_coef > 0.0:
             ref = _column(micro_batch, "ref_log_probs", "kl_loss_coef > 0 needs the reference policy's log-probs")
             kl = kl_penalty(log_probs, ref.detach(), config.kl_loss_kind, response_mask=valid)
-            loss = loss + config.kl_loss_coef * aggregate_loss(kl, valid, config.loss_agg, loss_scale=scale)
+            loss = loss + config.kl_loss_coef * aggregate_loss(kl, valid, config.loss_agg, loss_scale=scale,
+                                                               loss_scale_factor=config.loss_scale_factor)
             metrics["kl_loss"] = float(masked_mean(kl.detach(), valid))
         return loss, {f"actor/{VERL_ACTOR_METRICS.get(key, key)}": value for key, value in metrics.items()}
 
@@ -262,12 +285,13 @@ class CriticLoss:
             clip_range=self.config.clip_range,
             loss_agg=self.config.loss_agg,
             loss_scale=_loss_scale(micro_batch.meta, self.config.loss_agg),
+            loss_scale_factor=self.config.loss_scale_factor,
         )
         return self.config.coef * loss, {f"critic/{key}": value for key, value in metrics.items()}
 
 
 def make_actor_loss_fn(config: PolicyLossConfig | None = None) -> ActorLoss:
-    """The actor ``LossFn`` for ``config`` (defaults: PPO, clip 0.2, token-mean)."""
+    """The actor ``LossFn`` for ``config`` (defaults: vanilla PPO, clip 0.2, no dual clip, token-mean)."""
     return ActorLoss(config=config or PolicyLossConfig())
 
 
