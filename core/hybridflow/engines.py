@@ -517,6 +517,9 @@ class TrainingEngineInfo:
     declares nothing optional."""
 
     capabilities: frozenset[str] = frozenset()
+    #: ``mixed_precision: auto`` may pick bf16 for this engine (fp32 master weights, bf16 compute; the fsdp engine's
+    #: measured switch point, hybridflow.precision); engines without it resolve ``auto`` to ``none``
+    auto_mixed_precision: bool = False
 
     def __post_init__(self) -> None:
         _check_names(self.capabilities, TRAINING_CAPABILITIES, "TrainingEngineInfo")

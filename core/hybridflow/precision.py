@@ -5,7 +5,8 @@ thread, [rows x hidden] x [hidden x 3*hidden] at hidden 256-512; bench/mixed_pre
 box), and on every GPU since Ampere. On a tiny model a step is dispatch overhead, not arithmetic, and the casts cost
 more than the matmuls save (docs/fsdp.md, "Mixed precision": two FSDP ranks at 77K parameters 0.74x, at 600K
 1.14-1.16x, 2.4M 1.23-1.24x, 18.9M 1.6-2.0x), so ``auto`` picks bf16 for models of at least
-:data:`AUTO_BF16_MIN_PARAMETERS` parameters held in fp32 on the ``fsdp`` engine, where the device computes bf16
+:data:`AUTO_BF16_MIN_PARAMETERS` parameters held in fp32 on an engine whose info record declares
+``auto_mixed_precision`` (fsdp), where the device computes bf16
 natively, and fp32 otherwise. The choice is made on the driver from the model's config and the driver's own CPU (a
 CPU pool's nodes are assumed alike); set ``none`` or ``bf16`` to fix it.
 """
@@ -64,7 +65,13 @@ def resolve_mixed_precision(setting: str, *, engine: str, device: str,
     """``none`` or ``bf16`` for a role's ``mixed_precision`` setting (``auto`` resolved as the module says)."""
     if setting in ("none", "bf16"):
         return "none" if setting == "none" else "bf16"
-    if engine != "fsdp" or model.dtype != "float32" or not native_bf16(device):
+    from hybridflow import registries
+    from hybridflow.engines import training_engine_info
+    from hybridflow.plugins import load_plugins
+
+    load_plugins()
+    declared = engine in registries.training_engines and training_engine_info(engine).auto_mixed_precision
+    if not declared or model.dtype != "float32" or not native_bf16(device):
         return "none"
     parameters = model_parameters(model)
     return "bf16" if parameters is not None and parameters >= AUTO_BF16_MIN_PARAMETERS else "none"

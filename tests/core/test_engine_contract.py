@@ -34,6 +34,9 @@ def test_the_first_party_engines_declare_what_the_hybrid_engine_uses() -> None:
     hybrid = {"reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}
     for name in ("fsdp", "megatron", "deepspeed"):
         assert training_engine_info(name).capabilities == hybrid, name
+    # mixed_precision: auto may pick bf16 only where the engine says so (the switch point is the fsdp engine's)
+    assert [training_engine_info(n).auto_mixed_precision for n in ("fsdp", "megatron", "deepspeed")] == [
+        True, False, False]
     assert rollout_engine_info("hf").capabilities == {"binds_generation_weights", "generates_tensor_parallel",
                                                       "holds_weights"}
     vllm = rollout_engine_info("vllm")

@@ -47,7 +47,8 @@ def export_fsdp_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:
 @hookimpl
 def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("fsdp", build_fsdp_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
-        "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"})))
+        "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}),
+        auto_mixed_precision=True))
 
 
 @hookimpl
