@@ -45,14 +45,39 @@ def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _tool_calc_config(model: Path, run_dir: Path, engine: str, steps: int,  # type: ignore[no-untyped-def]
-                      val_every: int = 0):
+                      val_every: int = 0, *more: str):
     data = EXAMPLES / "data"
     return load_config(EXAMPLES / "grpo_tool_calc.yaml", [
         f"model.path={model}", f"trainer.run_dir={run_dir}", f"rollout.engine={engine}",
         f"data.train_files=[{json.dumps(str(data / 'tool_calc_train.jsonl'))}]",
         f"data.val_files=[{json.dumps(str(data / 'tool_calc_val.jsonl'))}]",
         f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "trainer.val_n=8",
-        "trainer.checkpoint_every=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never"])
+        "trainer.checkpoint_every=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
+        *more])
+
+
+def test_the_python_tool_is_kernel_isolated_on_the_trainers_path(sft_model: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose tools include ``python``: without bubblewrap it is refused before any worker starts (naming the
+    package and the opt-in); with it, one step runs and the manifest records the boundary of each tool."""
+    from hybridflow.errors import SandboxUnavailableError
+    from hybridflow.tools import isolation
+
+    # the python tool's schema joins the calculator's in the system turn: the prompts grow past the shipped 200
+    tools = ('rollout.multi_turn.tools=["calculator", "python"]', "data.max_prompt_length=400")
+    isolation.isolation_status.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setenv("PATH", "/nonexistent")
+            with pytest.raises(SandboxUnavailableError, match="apt-get install bubblewrap"):
+                Trainer(_tool_calc_config(sft_model, tmp_path / "refused", "hf", 1, 0, *tools), progress=False)
+    finally:
+        isolation.isolation_status.cache_clear()
+    history = fit_and_close(Trainer(_tool_calc_config(sft_model, tmp_path / "run", "hf", 1, 0, *tools),
+                                    progress=False))
+    assert len(history) == 1 and history[0]["actor/policy_version"] == 1.0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["tools"] == {"calculator": "in-process", "python": "bubblewrap"}
 
 
 @pytest.mark.slow  # ~5 min on a loaded 2-core box: 200 SFT steps, 16 GRPO steps of 64 conversations
