@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import CheckpointError
+from hybridflow.reliability.safe_load import load_torch_file
+from hybridflow_deepspeed.safe_files import files_read_as_data
 from hybridflow_fsdp.checkpoint import TOKENIZER_FILES, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -73,11 +75,7 @@ def load(engine: DeepSpeedTrainingEngine, path: str) -> None:
             f"{sorted(p.name for p in directory.iterdir()) if directory.exists() else 'no directory'}). "
             "Pass a directory written by save_checkpoint (a leftover *.tmp is an interrupted save)."
         )
-    try:
-        extra = torch.load(extra_file, weights_only=True)  # data, never code
-    except Exception as exc:  # any unpickling failure means the file is not ours or is corrupted
-        raise CheckpointError(f"checkpoint file {extra_file} could not be loaded safely ({type(exc).__name__}: "
-                              f"{exc}); it is corrupted or was not written by hybridflow-deepspeed") from exc
+    extra = load_torch_file(extra_file)  # data, never code: tensors and plain values only
     saved = (extra["world_size"], extra["role"], extra["zero_stage"])
     if saved != (engine.world_size, engine.role, engine.options.zero_stage):
         raise CheckpointError(
@@ -87,8 +85,9 @@ def load(engine: DeepSpeedTrainingEngine, path: str) -> None:
         )
     if engine.trainable:
         custom = _ignore_module_weights if engine.options.zero_stage == 3 else None
-        loaded, _ = engine.engine.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True, custom_load_fn=custom)
+        with files_read_as_data(engine.engine):  # DeepSpeed's own loader would unpickle with weights_only=False
+            loaded, _ = engine.engine.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True, custom_load_fn=custom)
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint under {directory / TAG}")
     engine._version = int(extra["version"])

@@ -4,7 +4,8 @@ world size wrote it.
 
 - ZeRO-3: every rank's ``*_optim_states.pt`` holds its flat fp32 master partitions (``fp32_flat_groups``); parameter
   ``p`` (in ``param_shapes`` order) is the ``⌈numel/W⌉``-element slice at the same offset on each of the W ranks,
-  concatenated and cut to ``numel`` (DeepSpeed's own ``zero_to_fp32`` protocol, read here with ``weights_only``).
+  concatenated and cut to ``numel`` (DeepSpeed's own ``zero_to_fp32`` protocol, every file read as data by
+  :mod:`hybridflow_deepspeed.safe_files`).
 - ZeRO-1/2: the module weights are whole in ``mp_rank_00_model_states.pt`` (written once, by rank 0).
 - A frozen role (reference, reward model) saves no weights: they are the model spec's, rebuilt as the engine built
   them (same path or seed).
@@ -16,8 +17,6 @@ to write are :mod:`hybridflow.export`'s; the tokenizer is written there too.
 
 from __future__ import annotations
 
-import enum
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -25,37 +24,14 @@ from typing import Any
 import torch
 
 from hybridflow.errors import CheckpointError
+from hybridflow.reliability.safe_load import load_torch_file
+from hybridflow_deepspeed.safe_files import load_deepspeed_file
 
 __all__ = ["export_checkpoint", "load_checkpoint_state"]
 
 _WHOLE_MODEL_STATES = "mp_rank_00_model_states.pt"
 _MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
-
-
-def _enum_member(cls: Any, name: Any) -> enum.Enum:
-    """What ``getattr`` does in a file pickled by Python 3.11.0-3.11.4, which pickle an Enum member by name
-    (``getattr(ZeroStageEnum, "weights")``; other Pythons by value): here only a member of an Enum class that is
-    itself allowed in, never any other attribute of anything."""
-    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or name not in cls.__members__:
-        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not a member of an Enum class")
-    return cls[name]
-
-
-def _load(path: Path, safe: list[Any] | None = None) -> dict[str, Any]:
-    """``torch.load`` with ``weights_only`` (data, never code); ``safe`` are the DeepSpeed classes allowed in (and
-    their Enum members pickled by name)."""
-    try:
-        with torch.serialization.safe_globals([*(safe or []), (_enum_member, "builtins.getattr")]):
-            state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # any unpickling failure: not a DeepSpeed file, or one this reader does not know
-        # torch's weights_only message starts with general advice; the cause follows "WeightsUnpickler error:"
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        cause = str(exc).partition("WeightsUnpickler error:")[2].strip() or str(exc)
-        detail = f"it holds {refused.group(1)}, not allowed in" if refused else cause[:300]
-        raise CheckpointError(f"{path} could not be loaded as a DeepSpeed checkpoint file ({type(exc).__name__}: "
-                              f"{detail}); it is damaged, or was written by another DeepSpeed version") from exc
-    return state
 
 
 def _rank_files(directory: Path, pattern: re.Pattern[str], world_size: int, what: str) -> list[Path]:
@@ -68,12 +44,9 @@ def _rank_files(directory: Path, pattern: re.Pattern[str], world_size: int, what
 
 def _zero3_state(directory: Path, model_states: dict[str, Any], world_size: int) -> dict[str, torch.Tensor]:
     """Full fp32 parameters reassembled from every rank's flat ZeRO-3 partitions."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
     flats = []
     for path in _rank_files(directory, _OPTIM_STATES, world_size, "optimizer-state"):
-        groups = _load(path, [ZeroStageEnum, LossScaler])["optimizer_state_dict"]["fp32_flat_groups"]
+        groups = load_deepspeed_file(path)["optimizer_state_dict"]["fp32_flat_groups"]
         flats.append(torch.cat([group.reshape(-1) for group in groups]))
     shapes = {name: torch.Size(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
     state, offset = {}, 0
@@ -99,19 +72,19 @@ def load_checkpoint_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor] | N
         found = sorted(p.name for p in checkpoint.iterdir()) if checkpoint.is_dir() else "no directory"
         raise CheckpointError(f"no deepspeed checkpoint at {checkpoint}: expected engine_state_rank0.pt (and "
                               f"{TAG}/ for a trained role), got {found}")
-    extra = _load(extra_file)
+    extra = load_torch_file(extra_file)  # hybridflow's own: tensors and plain values only
     world_size, stage = int(extra["world_size"]), int(extra["zero_stage"])
     directory = checkpoint / TAG
     if not directory.is_dir():
         return None, stage
     if stage == 3:
-        model_states = _load(_rank_files(directory, _MODEL_STATES, world_size, "model-state")[0])
+        model_states = load_deepspeed_file(_rank_files(directory, _MODEL_STATES, world_size, "model-state")[0])
         return _zero3_state(directory, model_states, world_size), stage
     whole = directory / _WHOLE_MODEL_STATES  # ZeRO-1/2: rank 0 writes the module once
     if not whole.exists():
         raise CheckpointError(f"deepspeed ZeRO-{stage} checkpoint {directory} has no {_WHOLE_MODEL_STATES} (it "
                               f"holds {sorted(p.name for p in directory.iterdir())}); the save was incomplete")
-    return dict(_load(whole)["module"]), stage
+    return dict(load_deepspeed_file(whole)["module"]), stage
 
 
 def export_checkpoint(*, checkpoint: Path, spec: Any, out_dir: Path) -> None:

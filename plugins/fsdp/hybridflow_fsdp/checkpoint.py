@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import CheckpointError
+from hybridflow.reliability.safe_dcp import load_distributed
+from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_fsdp.lora import check_same_base, describe_adapters, is_adapter_name, lora_modules, merge_state_dict
 
 if TYPE_CHECKING:
@@ -106,8 +108,6 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-    from torch.distributed.checkpoint.state_dict_loader import load as load_distributed
-
     directory = Path(path)
     extra_file = directory / _EXTRA.format(rank=engine.rank)
     if not (directory / ".metadata").exists() or not extra_file.exists():
@@ -116,12 +116,7 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
             f"{sorted(p.name for p in directory.iterdir()) if directory.exists() else 'no directory'}). "
             "Pass a directory written by save_checkpoint (a leftover *.tmp is an interrupted save)."
         )
-    try:
-        # weights_only: a checkpoint file is data, never code (a tampered pickle must not execute on load)
-        extra = torch.load(extra_file, weights_only=True)
-    except Exception as exc:  # any unpickling failure means the file is not ours or is corrupted
-        raise CheckpointError(f"checkpoint file {extra_file} could not be loaded safely ({type(exc).__name__}: "
-                              f"{exc}); it is corrupted or was not written by hybridflow-fsdp") from exc
+    extra = load_torch_file(extra_file)  # data, never code: tensors and plain values only
     if extra["world_size"] != engine.world_size or extra["role"] != engine.role:
         raise CheckpointError(
             f"checkpoint {path} was written by a {extra['role']} on {extra['world_size']} ranks; this engine is a "
@@ -138,7 +133,7 @@ def load(engine: FSDPTrainingEngine, path: str) -> None:
         if mismatch:
             raise CheckpointError(mismatch)
     state = _state_dicts(engine)
-    load_distributed(state, checkpoint_id=str(directory))
+    load_distributed(state, directory)  # .metadata and every .distcp item read as data, never code
     set_model_state_dict(engine.model, state["model"],
                          options=StateDictOptions(strict=adapters is None))
     if engine.optimizer is not None:

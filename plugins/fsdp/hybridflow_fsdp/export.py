@@ -15,6 +15,8 @@ from typing import Any, cast
 import torch
 
 from hybridflow.errors import CheckpointError
+from hybridflow.reliability.safe_dcp import load_distributed, read_metadata
+from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_fsdp.lora import apply_lora, is_adapter_name, unload_merged
 
 __all__ = ["export_checkpoint", "write_hf_weights"]
@@ -24,19 +26,15 @@ _MODEL_KEY = "model"
 
 def _checkpoint_keys(checkpoint: Path) -> set[str]:
     """The flattened state-dict keys a torch distributed checkpoint holds (``model.<param>``, ``optimizer...``)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
     if not (checkpoint / ".metadata").exists():
         found = sorted(p.name for p in checkpoint.iterdir()) if checkpoint.is_dir() else "no directory"
         raise CheckpointError(f"no fsdp checkpoint at {checkpoint}: expected a torch distributed checkpoint "
                               f"(.metadata and *.distcp), got {found}")
-    return set(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    return set(read_metadata(checkpoint / ".metadata").state_dict_metadata)  # data, never code
 
 
 def load_checkpoint_model(checkpoint: Path, spec: Any) -> torch.nn.Module:
     """The role's HF model (built as its engine builds it) with the checkpoint's weights loaded."""
-    from torch.distributed.checkpoint.state_dict_loader import load
-
     from hybridflow_fsdp.models import build_model
 
     model = build_model(spec.engine_config.model, role=spec.role)
@@ -60,7 +58,7 @@ def load_checkpoint_model(checkpoint: Path, spec: Any) -> torch.nn.Module:
                               "written for another model, or the config in the run's manifest.json was changed")
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": exactly what we mean
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        load({_MODEL_KEY: wanted}, checkpoint_id=str(checkpoint), no_dist=True)
+        load_distributed({_MODEL_KEY: wanted}, checkpoint, no_dist=True)  # data, never code
     model.load_state_dict(wanted, strict=False)
     unload_merged(model)  # (no adapters: nothing to do)
     return model
@@ -71,10 +69,7 @@ def _check_adapter_base(checkpoint: Path, model: torch.nn.Module, lora: Any, *, 
     from hybridflow_fsdp.lora import check_same_base, describe_adapters
 
     extra_file = checkpoint / "engine_state_rank0.pt"
-    try:
-        saved = torch.load(extra_file, weights_only=True).get("lora") if extra_file.exists() else None
-    except Exception as exc:  # any unpickling failure: not our file, or corrupted
-        raise CheckpointError(f"{extra_file} could not be loaded safely ({type(exc).__name__}: {exc})") from exc
+    saved = load_torch_file(extra_file).get("lora") if extra_file.exists() else None  # data, never code
     if saved is None:
         state = "has no lora entry" if extra_file.exists() else "is missing"
         raise CheckpointError(f"the run's config trains LoRA adapters (actor.lora) but fsdp checkpoint {checkpoint} "

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import CheckpointError
+from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_megatron.convert import hf_from_megatron_shards, read_arch_info
 from hybridflow_megatron.model import VALUE_HEAD_ROLES
 from hybridflow_megatron.spec_names import local_name
@@ -37,11 +38,7 @@ def _load_rank(checkpoint: Path, rank: int) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise CheckpointError(f"megatron checkpoint {checkpoint} lacks {path.name} (its layout.json names "
                               "that rank); the checkpoint is incomplete")
-    try:  # weights_only: a checkpoint file is data, never code; mmap: only the model tensors are read
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # an unpicklable file is corrupted or not ours
-        raise CheckpointError(f"checkpoint file {path} could not be loaded safely ({type(exc).__name__}: "
-                              f"{exc})") from exc
+    state = load_torch_file(path, mmap=True)  # data, never code; mmap: only the model tensors are read
     return {local_name(name): tensor for name, tensor in state["model"].items()}
 
 

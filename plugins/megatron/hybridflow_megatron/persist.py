@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import CheckpointError
+from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_megatron import gather
 from hybridflow_megatron.model import VALUE_HEAD_ROLES
 
@@ -83,11 +84,7 @@ def load(engine: Any, path: str) -> None:
     if meta != expected:
         raise CheckpointError(f"checkpoint {root} was written with layout {meta}; this engine runs {expected}. "
                               "Export to HF (export_hf) and build the new layout from that directory instead.")
-    try:  # weights_only: a checkpoint file is data, never code
-        state = torch.load(_rank_file(root), map_location="cpu", weights_only=True)
-    except Exception as exc:  # an unpicklable file is corrupted or not ours
-        raise CheckpointError(f"checkpoint file {_rank_file(root)} could not be loaded safely "
-                              f"({type(exc).__name__}: {exc})") from exc
+    state = load_torch_file(_rank_file(root))  # data, never code: tensors and plain values only
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             param.copy_(state["model"][name].to(param.device))

@@ -1,10 +1,12 @@
-"""A DeepSpeed checkpoint file the exporter cannot read says why: the global torch's ``weights_only`` refused, or the
-unpickler's own cause (a damaged file), not only torch's general advice. A file written by Python 3.11.0-3.11.4
-(Debian 12's 3.11.2), which pickle an Enum member by name through ``getattr``, loads; ``getattr`` reaches nothing
-else."""
+"""A DeepSpeed checkpoint file that cannot be read as data says why: the global torch's ``weights_only`` refused
+(an ``UnsafeCheckpointError``), or the unpickler's own cause (a damaged file), not only torch's general advice. A
+file written by Python 3.11.0-3.11.4 (Debian 12's 3.11.2), which pickle an Enum member by name through ``getattr``,
+loads; ``getattr`` reaches nothing else."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.errors import CheckpointError
+from hybridflow.errors import CheckpointError, UnsafeCheckpointError
+from hybridflow_deepspeed.safe_files import load_deepspeed_file
 
-export = pytest.importorskip("hybridflow_deepspeed.export")
+pytestmark = [pytest.mark.deepspeed,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (bash scripts/setup.sh --all)")]
 
 
 @dataclass
@@ -27,16 +32,18 @@ class Unlisted:
 def test_a_refused_global_is_named(tmp_path: Path) -> None:
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"optimizer_state_dict": Unlisted()}, path)
-    with pytest.raises(CheckpointError, match=r"holds \S*Unlisted, not allowed in"):
-        export._load(path)
+    with pytest.raises(UnsafeCheckpointError, match=r"outside the allow-list: \S*Unlisted \(") as caught:
+        load_deepspeed_file(path)
+    assert caught.value.path == str(path)
 
 
 def test_a_damaged_file_gives_the_unpicklers_cause(tmp_path: Path) -> None:
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"weights": torch.zeros(64)}, path)
     path.write_bytes(path.read_bytes()[:200])  # cut short, as a write interrupted midway leaves it
-    with pytest.raises(CheckpointError, match="could not be loaded as a DeepSpeed checkpoint file") as caught:
-        export._load(path)
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {path} could not be read")) as caught:
+        load_deepspeed_file(path)
+    assert not isinstance(caught.value, UnsafeCheckpointError)  # damaged, not refused
     assert "In PyTorch 2.6" not in str(caught.value), caught.value  # the cause, not torch's general advice
 
 
@@ -56,7 +63,7 @@ def test_an_enum_member_pickled_by_name_loads(tmp_path: Path) -> None:
 
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"zero_stage": ByName(ZeroStageEnum, "weights"), "weights": torch.ones(3)}, path)
-    state = export._load(path, [ZeroStageEnum])
+    state = load_deepspeed_file(path)
     assert state["zero_stage"] is ZeroStageEnum.weights and torch.equal(state["weights"], torch.ones(3))
 
 
@@ -67,5 +74,5 @@ def test_getattr_reaches_nothing_but_enum_members(tmp_path: Path, owner_name: tu
     owner = {"tensor": torch.Tensor, "enum": ZeroStageEnum}[owner_name[0]]
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"x": ByName(owner, owner_name[1])}, path)
-    with pytest.raises(CheckpointError, match="is not a member of an Enum class"):
-        export._load(path, [ZeroStageEnum])
+    with pytest.raises(UnsafeCheckpointError, match="which is not a member of an Enum class"):
+        load_deepspeed_file(path)
