@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import socket
+import shutil
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,24 +22,17 @@ import torch.multiprocessing as mp
 
 from hybridflow.errors import WorkerError
 
-__all__ = ["free_port", "GlooCluster"]
+__all__ = ["GlooCluster"]
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any, timeout: float) -> None:
+def _worker(rank: int, world: int, rendezvous: str, inbox: Any, outbox: Any, timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     faulthandler.enable()
     import torch
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         # Prefix groups {0..w-1} let a function run on fewer ranks; new_group is collective, so all create them.
         prefixes = {w: dist.new_group(ranks=list(range(w))) for w in range(2, world)}
@@ -78,9 +72,12 @@ class GlooCluster:
         context = mp.get_context("spawn")
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(world)]
-        port = free_port()
+        # the ranks meet through a file (a FileStore), not a port: a port picked here and handed on could be taken
+        # by another process before rank 0 bound it; gloo's own connections bind ports the ranks hold themselves
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="hf-gloo-")
+        rendezvous = os.path.join(self._rendezvous_dir, "store")
         self._procs = [
-            context.Process(target=_worker, args=(rank, world, port, self._inboxes[rank], self._outbox, timeout),
+            context.Process(target=_worker, args=(rank, world, rendezvous, self._inboxes[rank], self._outbox, timeout),
                             daemon=True)
             for rank in range(world)
         ]
@@ -133,6 +130,7 @@ class GlooCluster:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def __enter__(self) -> GlooCluster:
         return self

@@ -1,7 +1,7 @@
 """Real Ray clusters on loopback for tests: a head (``ray start --head --block``) and extra raylets
-(``ray start --address --block``), each in its own session (process group), temp dir and free ports, with token
-authentication on. Stopping kills exactly those process groups; nothing else on the machine is touched (never a
-global ``ray stop``: other Ray clusters may run on the same box).
+(``ray start --address --block``), each in its own session (process group), temp dir and ports its own processes
+bind (port 0, see :func:`_port_flags`), with token authentication on. Stopping kills exactly those process groups;
+nothing else on the machine is touched (never a global ``ray stop``: other Ray clusters may run on the same box).
 
 Used by ``tests/e2e/test_multinode.py`` and ``bench/multinode.py`` (the same cluster, the same steps as
 docs/operations.md §9 lists for real machines).
@@ -9,6 +9,7 @@ docs/operations.md §9 lists for real machines).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -31,12 +32,6 @@ BIN = Path(sys.executable).parent
 #: faster node-death detection than Ray's defaults (~15 s), so a killed raylet is noticed within a few seconds
 FAST_FAILURE_DETECTION = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
                           "RAY_health_check_failure_threshold": "4"}
-
-
-def free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return int(handle.getsockname()[1])
 
 
 def accepts(port: int) -> bool:
@@ -84,12 +79,58 @@ def kill_process_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def _port_flags(head: bool) -> list[str]:
-    flags = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
-             "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-             "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port())]
+    """Port 0 for every port Ray would otherwise take at a fixed default (6379, 52365, 8265...) that another cluster
+    on this box would then share: each component binds a free port itself and keeps it (the GCS, raylet, object
+    manager, dashboard agent, runtime-env agent, metrics exporter and the head's API server take 0 and report the port
+    they got). A number picked here (bind 0, close, pass it on) could be taken by another process, e.g. another
+    cluster's under pytest-xdist, before Ray bound it.
+
+    The one exception is the head's Ray client server (``ray://``): ``ray start`` refuses 0 for it and would
+    otherwise take 10001 on every head. It gets a number picked here, which can race; :func:`start_head` starts the
+    head again with a new one when its client server did not get it."""
+    flags = ["--node-manager-port", "0", "--object-manager-port", "0", "--dashboard-agent-listen-port", "0",
+             "--dashboard-agent-grpc-port", "0", "--runtime-env-agent-port", "0", "--metrics-export-port", "0"]
     if head:
-        flags += ["--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())]
+        flags += ["--port", "0", "--dashboard-port", "0", "--ray-client-server-port", str(_unused_port())]
     return flags
+
+
+def _unused_port() -> int:
+    """A port free now (bound and released): only for the Ray client server, see :func:`_port_flags`."""
+    with socket.socket() as handle:
+        handle.bind(("127.0.0.1", 0))
+        return int(handle.getsockname()[1])
+
+
+def _client_server_listening(node: RayNode, timeout_s: float) -> bool:
+    """Whether the head's Ray client server listens on the port it was given: a process of the head's group owns a
+    listening socket on it (a connection alone could reach another process that took the port). False once the head
+    exits: ``ray start --block`` stops the whole head when its client server fails to bind ("address in use")."""
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while node.process.poll() is None and time.time() < deadline:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == node.client_server_port \
+                    and conn.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    if os.getpgid(conn.pid) == node.process.pid:
+                        return True
+        time.sleep(0.5)
+    return False
+
+
+def _gcs_port(node: RayNode, timeout_s: float = 30.0) -> int:
+    """The port the head's GCS bound (``--port 0``), from the address ``ray start`` writes to its temp dir's
+    ``ray_current_cluster`` once the GCS is up."""
+    address_file = node.temp_dir / "ray_current_cluster"
+    deadline = time.time() + timeout_s
+    while not address_file.exists() or not address_file.read_text().strip():
+        if node.process.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"ray start --head wrote no GCS address to {address_file} within {timeout_s}s: "
+                               f"{node.log_tail()}")
+        time.sleep(0.2)
+    return int(address_file.read_text().strip().rpartition(":")[2])
 
 
 @dataclass
@@ -100,6 +141,7 @@ class RayNode:
     temp_dir: Path
     log: IO[bytes]
     resources: dict[str, float] = field(default_factory=dict)
+    client_server_port: int = 0  #: the head's Ray client server port (see _port_flags); 0 on other nodes
     node_id: str = ""  #: its Ray node id, once it registered with the GCS
     address: str = ""  #: its ``NodeManagerAddress`` as registered (``ray start`` may turn 127.0.0.1 into another)
 
@@ -204,14 +246,16 @@ def _start_node(join: list[str], token_env: dict[str, str], *, num_cpus: int, re
     env.pop(LOOPBACK_ENV, None)
     command = [str(BIN / "ray"), "start", *join, "--block", "--node-ip-address", "127.0.0.1", "--num-cpus",
                str(num_cpus), "--object-store-memory", str(object_store_bytes), "--disable-usage-stats",
-               "--temp-dir", str(temp_dir), *_port_flags(head)]
+               "--temp-dir", str(temp_dir), *(ports := _port_flags(head))]
     if head:
         command.append("--include-dashboard=false")
     if resources:
         command += ["--resources", json.dumps(resources)]
     log = (temp_dir / "ray-start.log").open("wb")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return RayNode(process=process, temp_dir=temp_dir, log=log, resources=dict(resources))
+    client_port = int(ports[ports.index("--ray-client-server-port") + 1]) if head else 0
+    return RayNode(process=process, temp_dir=temp_dir, log=log, resources=dict(resources),
+                   client_server_port=client_port)
 
 
 #: what ``ray start --block`` prints once its node is up and registered with the GCS
@@ -238,6 +282,10 @@ def _start_until_up(start: Callable[[], RayNode], *, what: str, timeout_s: float
     raise RuntimeError(f"{what} did not come up ({attempts} tries): " + "\n---\n".join(failures))
 
 
+#: heads started at most while their Ray client server's port was taken by another process (see start_head)
+CLIENT_PORT_TRIES = 3
+
+
 def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
                object_store_bytes: int = 200_000_000, extra_env: dict[str, str] | None = None,
                timeout_s: float = 90.0) -> LoopbackCluster:
@@ -247,18 +295,38 @@ def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
     machine, see docs/operations.md); the head, every added node and every driver get ``RAY_AUTH_MODE=token`` and
     that path.
     """
-    port = free_port()
     token_dir = Path(tempfile.mkdtemp(prefix="hf-token-", dir="/tmp"))
     token_file = token_dir / "auth_token"
     token_file.write_text(secrets.token_hex(32))
     token_file.chmod(0o600)
     token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+    # The Ray client server's port is the one number picked before Ray binds it (_port_flags): when another process
+    # took it meanwhile, the client server fails to bind ("address in use") and `ray start --block` stops the whole
+    # head, before or after it printed STARTED. Such a head is started again with a new number, CLIENT_PORT_TRIES
+    # times at most (each try also gets _start_until_up's own tries); every other port is bound by Ray itself.
+    failures: list[str] = []
     try:
-        node = _start_until_up(lambda: _start_node(["--head", "--port", str(port)], token_env, num_cpus=num_cpus,
-                                                   resources=resources or {}, object_store_bytes=object_store_bytes,
-                                                   head=True, extra_env=extra_env),
-                               what="ray start --head", timeout_s=timeout_s)
+        for _ in range(CLIENT_PORT_TRIES):
+            node = _start_until_up(lambda: _start_node(["--head"], token_env, num_cpus=num_cpus,
+                                                       resources=resources or {},
+                                                       object_store_bytes=object_store_bytes, head=True,
+                                                       extra_env=extra_env),
+                                   what="ray start --head", timeout_s=timeout_s)
+            if _client_server_listening(node, timeout_s=30.0):
+                break
+            failures.append(f"its Ray client server did not listen on port {node.client_server_port}: "
+                            f"{node.log_tail()}")
+            node.stop()
+        else:
+            raise RuntimeError(f"ray start --head did not come up ({CLIENT_PORT_TRIES} tries): " +
+                               "\n---\n".join(failures))
     except RuntimeError:
+        shutil.rmtree(token_dir, ignore_errors=True)
+        raise
+    try:
+        port = _gcs_port(node)
+    except RuntimeError:
+        node.stop()
         shutil.rmtree(token_dir, ignore_errors=True)
         raise
     cluster = LoopbackCluster(port=port, env=token_env, head=node, token_dir=token_dir)

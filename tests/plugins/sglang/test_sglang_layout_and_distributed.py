@@ -6,7 +6,6 @@ sglang Engine is the declared TEST DOUBLE (it receives with torch.distributed.br
 from __future__ import annotations
 
 import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -62,12 +61,6 @@ def test_sglang_layout_refuses_what_it_cannot_express(overrides, tp, match):
         build_sglang_layout(shapes, model_config={**CONFIG, **overrides}, tensor_parallel_size=tp)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _sender(port: int, queue) -> None:
     torch.set_num_threads(1)
     from hybridflow_sglang.distributed import SGLangWeightSender, plan_weight_buckets
@@ -105,9 +98,14 @@ def _receiver(port: int, queue) -> None:
 
 
 def test_distributed_handover_broadcasts_every_tensor_exactly_over_gloo():
+    from hybridflow.controller.host import reserve_port
+
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    # sglang's weight-update group takes master_port as a number: held here until both processes end (the sender's
+    # TCPStore still binds it; no other process is handed it), not bound and released before they start
+    reservation = reserve_port("127.0.0.1")
+    port = reservation.getsockname()[1]
     processes = [context.Process(target=target, args=(port, queue)) for target in (_sender, _receiver)]
     for process in processes:
         process.start()
@@ -121,6 +119,7 @@ def test_distributed_handover_broadcasts_every_tensor_exactly_over_gloo():
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+        reservation.close()
     full = tiny_state_dict()
     received, versions, bucket_count = results["receiver"]
     assert bucket_count > 1

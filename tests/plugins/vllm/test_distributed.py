@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,17 @@ WORLD_SIZE = 2
 DEADLINE_S = 420
 
 
-def _run_rank(rank: int, port: int, outdir: str, weights_dir: str) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
+def _init_world(rank: int, outdir: str) -> None:
+    """The caller's gloo world, met through a file in the test's tmp dir (no port picked and handed on, which another
+    process could take first); vLLM's external launcher builds its groups inside it and reads RANK / LOCAL_RANK."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
-                                         timeout=datetime.timedelta(seconds=120))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{Path(outdir) / 'rendezvous'}", rank=rank,
+                                         world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120))
+
+
+def _run_rank(rank: int, outdir: str, weights_dir: str) -> None:
+    _init_world(rank, outdir)
     from hybridflow.engines import ModelSpec, RolloutEngineConfig, SamplingParams
     from hybridflow.testing.contracts.rollout import build_prompt_batch, read_weights
     from hybridflow.testing.fixtures import EOS_ID, PAD_ID, tiny_model_config
@@ -41,12 +45,6 @@ def _run_rank(rank: int, port: int, outdir: str, weights_dir: str) -> None:
                Path(outdir) / f"out{rank}.pt")
     torch.distributed.barrier()  # the trainer's own collectives still work next to the engine
     engine.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _spawn_ranks(function: Any, args: tuple[Any, ...]) -> None:
@@ -68,7 +66,7 @@ def test_every_rank_of_a_world_runs_its_own_engine(tmp_path: Path) -> None:
 
     # written here: under torch.distributed, save_pretrained writes on rank 0 only
     weights_dir = prepare_model(tmp_path, seed=5)
-    _spawn_ranks(_run_rank, (_free_port(), str(tmp_path), str(weights_dir)))
+    _spawn_ranks(_run_rank, (str(tmp_path), str(weights_dir)))
     outputs = [torch.load(tmp_path / f"out{rank}.pt") for rank in range(WORLD_SIZE)]
     assert all(output["world"] == WORLD_SIZE for output in outputs)
     assert torch.equal(outputs[0]["responses"], outputs[1]["responses"])
@@ -82,12 +80,8 @@ def _shard(name: str, tensor: torch.Tensor, shape: tuple[int, ...], rank: int) -
     return tensor.clone()
 
 
-def _run_tensor_parallel_rank(rank: int, port: int, outdir: str, first: str, second: str) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
-                                         timeout=datetime.timedelta(seconds=120))
+def _run_tensor_parallel_rank(rank: int, outdir: str, first: str, second: str) -> None:
+    _init_world(rank, outdir)
     from hybridflow.engines import ModelSpec, RolloutEngineConfig, SamplingParams
     from hybridflow.errors import ConfigError
     from hybridflow.testing.contracts.rollout import build_prompt_batch, read_weights
@@ -131,7 +125,7 @@ def test_tensor_parallel_engine_on_the_callers_ranks_loads_shards(tmp_path: Path
 
     first, second = (save_tiny_model(tmp_path / f"m{seed}", seed=seed, num_kv_heads=2, vocab_size=64)
                      for seed in (5, 6))
-    _spawn_ranks(_run_tensor_parallel_rank, (_free_port(), str(tmp_path), str(first), str(second)))
+    _spawn_ranks(_run_tensor_parallel_rank, (str(tmp_path), str(first), str(second)))
     outputs = [torch.load(tmp_path / f"tp{rank}.pt") for rank in range(WORLD_SIZE)]
     model_bytes = sum(t.numel() * t.element_size() for t in read_weights(first).values())
     norm_bytes = 4 * 64 * (2 * 2 + 1)  # input/post-attention norms of 2 layers + the final norm, float32
