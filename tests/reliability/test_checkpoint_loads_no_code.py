@@ -260,7 +260,7 @@ def test_megatron_rank_file_is_refused(tmp_path: Path) -> None:
 def test_a_payload_is_named_whatever_pickled_it(tmp_path: Path, writer: str) -> None:
     """torch names a refused global only for protocol-2 pickles (what torch.save writes); for a protocol-4/5 one it
     reports an "unsupported operand", and the global is found by reading the opcodes."""
-    from hybridflow.reliability.safe_load import load_torch_file
+    from hybridflow.checkpoint_files.safe_load import load_torch_file
 
     file, marker = tmp_path / "engine_state_rank0.pt", tmp_path / "code-ran"
     state = {"version": 3, "planted": Payload(marker)}
@@ -273,7 +273,7 @@ def test_a_payload_is_named_whatever_pickled_it(tmp_path: Path, writer: str) -> 
 
 
 def test_a_damaged_file_is_unreadable_not_unsafe(tmp_path: Path) -> None:
-    from hybridflow.reliability.safe_load import load_torch_file
+    from hybridflow.checkpoint_files.safe_load import load_torch_file
 
     file = tmp_path / "engine_state_rank0.pt"
     torch.save({"weights": torch.zeros(64)}, file)
@@ -288,7 +288,7 @@ def test_the_metadata_unpickler_never_changes_a_class(tmp_path: Path) -> None:
     attributes for the whole process under a plain unpickler; here it is refused and the class is unchanged."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from hybridflow.reliability.safe_dcp import read_metadata
+    from hybridflow.checkpoint_files.safe_dcp import read_metadata
 
     def text(value: str) -> bytes:
         return pickle.BINUNICODE + len(value).to_bytes(4, "little") + value.encode()

@@ -5,7 +5,7 @@ non-tensor value of a ``.distcp`` file (optimizer hyper-parameters, say) with ``
 (torch 2.13), so a crafted checkpoint would run code on load. Here:
 
 - ``.metadata`` (and a rank-local ``__<rank>.metadata``) goes through
-  :class:`hybridflow.reliability.safe_load.RestrictedUnpickler` over :func:`metadata_globals`, the classes torch's
+  :class:`hybridflow.checkpoint_files.safe_load.RestrictedUnpickler` over :func:`metadata_globals`, the classes torch's
   writer pickles there; every data file it names must lie in the checkpoint directory;
 - every item of a ``.distcp`` file, tensor or value, is read with ``torch.load(weights_only=True)``.
 
@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from hybridflow.checkpoint_files.safe_load import global_name, load_torch_stream, refusal, restricted_pickle_load
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_load import global_name, load_torch_stream, refusal, restricted_pickle_load
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "load_distributed", "read_metadata", "metadata_globals"]
 

@@ -1,7 +1,8 @@
 """Reading checkpoint files as data, never as code.
 
-Every pickle-bearing file of a checkpoint is read through this module (or :mod:`hybridflow.reliability.safe_dcp`, the
-torch distributed checkpoint reader built on it), by every engine, on resume and on ``hybridflow export``:
+Every pickle-bearing file of a checkpoint is read through this module (or
+:mod:`hybridflow.checkpoint_files.safe_dcp`, the torch distributed checkpoint reader built on it), by every engine,
+on resume and on ``hybridflow export``:
 
 - files written with ``torch.save`` go through :func:`load_torch_file`: ``torch.load(weights_only=True)`` (torch's
   own allow-list: tensors, storages, plain containers and scalars) plus the few classes a caller names (DeepSpeed's

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from hybridflow.checkpoint_files.safe_load import load_torch_file
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_deepspeed.safe_files import files_read_as_data
 from hybridflow_fsdp.checkpoint import TOKENIZER_FILES, rng_state, set_rng_state
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from hybridflow.checkpoint_files.safe_load import load_torch_file
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_deepspeed.safe_files import load_deepspeed_file
 
 __all__ = ["export_checkpoint", "load_checkpoint_state"]

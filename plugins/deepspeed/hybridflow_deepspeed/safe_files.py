@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hybridflow.reliability.safe_load import enum_member_by_name, load_torch_file
+from hybridflow.checkpoint_files.safe_load import enum_member_by_name, load_torch_file
 
 __all__ = ["deepspeed_globals", "load_deepspeed_file", "files_read_as_data"]
 

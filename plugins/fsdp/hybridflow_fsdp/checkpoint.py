@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridflow.checkpoint_files.safe_dcp import load_distributed
+from hybridflow.checkpoint_files.safe_load import load_torch_file
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_dcp import load_distributed
-from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_fsdp.lora import check_same_base, describe_adapters, is_adapter_name, lora_modules, merge_state_dict
 
 if TYPE_CHECKING:

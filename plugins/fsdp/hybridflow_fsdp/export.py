@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import torch
 
+from hybridflow.checkpoint_files.safe_dcp import load_distributed, read_metadata
+from hybridflow.checkpoint_files.safe_load import load_torch_file
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_dcp import load_distributed, read_metadata
-from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_fsdp.lora import apply_lora, is_adapter_name, unload_merged
 
 __all__ = ["export_checkpoint", "write_hf_weights"]

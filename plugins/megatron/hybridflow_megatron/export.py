@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from hybridflow.checkpoint_files.safe_load import load_torch_file
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_megatron.convert import hf_from_megatron_shards, read_arch_info
 from hybridflow_megatron.model import VALUE_HEAD_ROLES
 from hybridflow_megatron.spec_names import local_name

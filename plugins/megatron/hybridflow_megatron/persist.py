@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridflow.checkpoint_files.safe_load import load_torch_file
 from hybridflow.errors import CheckpointError
-from hybridflow.reliability.safe_load import load_torch_file
 from hybridflow_megatron import gather
 from hybridflow_megatron.model import VALUE_HEAD_ROLES
 
