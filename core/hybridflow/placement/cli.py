@@ -28,7 +28,8 @@ __all__ = ["main", "build_parser", "format_plan"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithm", default="ppo", choices=sorted(ALGORITHMS))
+    parser.add_argument("--algorithm", default="ppo", help=f"a registered algorithm: {', '.join(sorted(ALGORITHMS))}, "
+                        "rloo, reinforce_plus_plus or a plugin's (its declared roles give its dataflow)")
     parser.add_argument("--model", default="7b", help="every model unless given below: preset (7b, 13b, 34b, 70b, "
                         "tiny), size (1.5b, 350m) or path to a Hugging Face config.json or its folder")
     for role in ("actor", "critic", "reference", "reward", "cost"):
@@ -131,7 +132,7 @@ def main(argv: list[str]) -> int:
         if args.from_run is not None:
             return _run_advisor(args)
         dataflow = get_dataflow(args.algorithm)
-        models = {role: parse_model(getattr(args, role) or args.model) for role in dataflow.roles}
+        models = {role: parse_model(getattr(args, role, None) or args.model) for role in dataflow.roles}
         cluster = build_cluster(args.profile, args.devices, args.devices_per_node, args.device_memory_gb,
                                 compute_units=args.compute_units)
         workload = Workload(prompts=args.batch, samples_per_prompt=args.samples_per_prompt,

@@ -1,7 +1,9 @@
 """The RLHF dataflows the placement search schedules (stages, their models, dependencies) and the workload.
 
-Stage names match the ledger's node names. This module only describes the graph; timing is the simulator's job and
-running it is the controller's.
+The paper's four graphs (ppo, safe_rlhf, grpo, remax) are written out; every other registered algorithm, a plugin's
+included, gets the graph its own role declarations describe (:func:`derive_dataflow`). Stage names match the
+ledger's node names. This module only describes the graph; timing is the simulator's job and running it is the
+controller's.
 Stability: developer.
 """
 
@@ -12,7 +14,8 @@ from typing import Literal
 
 from hybridflow.errors import ConfigError
 
-__all__ = ["Workload", "Stage", "Dataflow", "get_dataflow", "ALGORITHMS", "ROLE_CONFIG_KEYS", "StageKind"]
+__all__ = ["Workload", "Stage", "Dataflow", "get_dataflow", "derive_dataflow", "ALGORITHMS", "ROLE_CONFIG_KEYS",
+           "StageKind", "config_key"]
 
 StageKind = Literal["generate", "infer", "train", "transition"]
 
@@ -23,6 +26,12 @@ ROLE_CONFIG_KEYS: dict[str, str] = {
     "reward": "reward",
     "cost": "cost",
 }
+
+
+def config_key(role: str) -> str:
+    """The config section a dataflow role is placed by: the paper's five by name, a derived role by its declared
+    section (``cost_critic``, ``roles.safety``)."""
+    return ROLE_CONFIG_KEYS.get(role, role)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,9 +155,70 @@ ALGORITHMS: dict[str, Dataflow] = {
 }
 
 
+#: the config that asks an algorithm for every model it can use: the KL term on (a reference) and a reward model
+#: (the paper's setting, in which the four written-out graphs place a reward model too)
+PLANNING_OVERRIDES: tuple[str, ...] = ("actor.kl_loss_coef=0.001", "reward.model.preset=tiny-qwen2")
+#: where a scoring stage of each kind goes in dispatch order (the written-out graphs' order)
+_SCORING_ORDER = {"old_log_probs": 0, "ref_log_probs": 1, "values": 2, "reward": 3, "cost": 4}
+
+
+def derive_dataflow(algorithm: str) -> Dataflow:
+    """The dataflow of a registered algorithm from the roles it declares for the planning config
+    (:data:`PLANNING_OVERRIDES`): the actor generates; the actor's old log-probs, each reference's log-probs, each
+    critic's values and each reward or cost model's scores follow the generation; each trainable role (the actor,
+    every critic) updates after all scoring, and the weights sync after the actor's update. A run scored by a reward
+    function still gets the ``reward`` stage, placed as the paper places its reward model.
+    """
+    from hybridflow import registries
+    from hybridflow.config import load_config
+    from hybridflow.plugins import load_plugins
+
+    load_plugins()
+    if algorithm not in registries.algorithms:
+        known = sorted({*ALGORITHMS, *registries.algorithms.names()})
+        raise ConfigError(f"Unknown algorithm {algorithm!r} for placement. Known: {', '.join(known)}.")
+    config = load_config(None, [f"algorithm.name={algorithm}", *PLANNING_OVERRIDES])
+    declarations = registries.algorithms.get(algorithm).roles(config)
+    roles: list[str] = []
+    scoring: list[Stage] = [Stage(name="old_log_probs", role="actor", kind="infer", after=("generate",))]
+    updates: list[Stage] = []
+    for declaration in declarations:
+        if declaration.engine_role == "actor":
+            roles.insert(0, "actor")
+            continue
+        role = declaration.section  # the dataflow's role is the config section that places it
+        roles.append(role)
+        if declaration.engine_role == "reference":
+            scoring.append(Stage(name="ref_log_probs" if role == "reference" else f"{declaration.name}_log_probs",
+                                 role=role, kind="infer", after=("generate",)))
+        elif declaration.engine_role == "critic":
+            scoring.append(Stage(name="values" if role == "critic" else f"{declaration.name}_values", role=role,
+                                 kind="infer", after=("generate",)))
+            updates.append(Stage(name="critic_update" if role == "critic" else f"{declaration.name}_update",
+                                 role=role, kind="train"))
+        else:
+            scoring.append(Stage(name=role if role in ("reward", "cost") else f"{declaration.name}_scores",
+                                 role=role, kind="infer", after=("generate",)))
+    if "actor" not in roles:
+        raise ConfigError(f"algorithm {algorithm!r} declares no actor role; placement plans a policy's dataflow")
+    if "reward" not in roles:  # scored by a function: placed as the paper's reward model
+        roles.append("reward")
+        scoring.append(Stage(name="reward", role="reward", kind="infer", after=("generate",)))
+    scoring.sort(key=lambda stage: _SCORING_ORDER.get(stage.name, len(_SCORING_ORDER)))
+    scored = tuple(stage.name for stage in scoring)
+    updates = [Stage(name=stage.name, role=stage.role, kind="train", after=scored) for stage in updates]
+    return Dataflow(
+        algorithm=algorithm, roles=tuple(dict.fromkeys(roles)),
+        trainable=frozenset({"actor", *(stage.role for stage in updates)}),
+        stages=(Stage(name="generate", role="actor", kind="generate"), *scoring, *updates,
+                Stage(name="actor_update", role="actor", kind="train", after=scored),
+                Stage(name="weight_sync", role="actor", kind="transition", after=("actor_update",))))
+
+
 def get_dataflow(algorithm: str) -> Dataflow:
-    """Return the dataflow of ``algorithm``; unknown names list the known ones."""
+    """Return the dataflow of ``algorithm``: the paper's graph for its four, else the one its declared roles
+    describe (:func:`derive_dataflow`); unknown names list the known ones."""
     key = algorithm.lower().replace("-", "_")
-    if key not in ALGORITHMS:
-        raise ConfigError(f"Unknown algorithm {algorithm!r} for placement. Known: {', '.join(sorted(ALGORITHMS))}.")
-    return ALGORITHMS[key]
+    if key in ALGORITHMS:
+        return ALGORITHMS[key]
+    return derive_dataflow(algorithm)

@@ -10,14 +10,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridflow.errors import ConfigError
-from hybridflow.placement.dataflow import ROLE_CONFIG_KEYS
+from hybridflow.placement.dataflow import ROLE_CONFIG_KEYS, config_key
 from hybridflow.placement.profiles import Cluster
 from hybridflow.placement.search import Plan
 
 __all__ = ["build_fragment", "validate_fragment", "split_across_nodes"]
 
 _PARALLEL_KEYS = ("pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size")
-_TOP_KEYS = {"resource_pools", "rollout", *ROLE_CONFIG_KEYS.values()}
+_TOP_KEYS = {"resource_pools", "rollout", "cost_critic", "roles", *ROLE_CONFIG_KEYS.values()}
 
 
 def split_across_nodes(sizes: list[int], devices_per_node: int) -> list[list[int]]:
@@ -46,7 +46,12 @@ def build_fragment(plan: Plan, cluster: Cluster) -> dict[str, Any]:
     for index, group in enumerate(plan.placement):
         for role in group:
             layout = plan.layouts[role]
-            fragment[ROLE_CONFIG_KEYS[role]] = {"pool": f"pool{index}", "parallel": layout.parallel.to_config()}
+            section = {"pool": f"pool{index}", "parallel": layout.parallel.to_config()}
+            key = config_key(role)
+            if key.startswith("roles."):  # a role a third-party algorithm configures under roles.<key>
+                fragment.setdefault("roles", {})[key.removeprefix("roles.")] = section
+            else:
+                fragment[key] = section
             if layout.generation is not None:
                 fragment["rollout"] = layout.generation.to_config()
     return fragment
@@ -83,11 +88,15 @@ def validate_fragment(fragment: Mapping[str, Any]) -> None:
                                for i, c in enumerate(counts))
         if not isinstance(pool.get("device", "cuda"), str):
             raise ConfigError(f"resource_pools.{name}.device must be a string such as 'cuda' or 'cpu'.")
-    roles = [key for key in ROLE_CONFIG_KEYS.values() if key in fragment]
-    if "actor" not in roles:
+    sections: dict[str, Any] = {key: fragment[key] for key in (*ROLE_CONFIG_KEYS.values(), "cost_critic")
+                                if key in fragment}
+    nested = fragment.get("roles", {})
+    if not isinstance(nested, Mapping):
+        raise ConfigError(f"'roles' must map role keys to {{pool, parallel}}, got {nested!r}.")
+    sections.update({f"roles.{key}": section for key, section in nested.items()})
+    if "actor" not in sections:
         raise ConfigError("Placement fragment must place the 'actor'.")
-    for key in roles:
-        section = fragment[key]
+    for key, section in sections.items():
         if not isinstance(section, Mapping) or "pool" not in section or "parallel" not in section:
             raise ConfigError(f"'{key}' must be a mapping with 'pool' and 'parallel', got {section!r}.")
         pool = section["pool"]

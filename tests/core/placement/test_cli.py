@@ -56,3 +56,46 @@ def test_plan_records_shared_cores(tmp_path: Path, capsys: pytest.CaptureFixture
     capsys.readouterr()
     inputs, _ = load_plan_record(tmp_path)
     assert inputs.cluster.compute_units == 2
+
+
+def test_every_registered_algorithm_gets_a_dataflow_from_its_roles(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The derivation from declared roles reproduces the paper's written-out graphs for ppo and grpo; rloo and
+    reinforce_plus_plus (no written-out graph) plan and write a valid fragment; unknown names list the known."""
+    from hybridflow.placement.dataflow import ALGORITHMS, derive_dataflow
+
+    assert derive_dataflow("ppo") == ALGORITHMS["ppo"] and derive_dataflow("grpo") == ALGORITHMS["grpo"]
+    for algorithm in ("rloo", "reinforce_plus_plus"):
+        assert main(["--algorithm", algorithm, "--model", "7b", "--devices", "16", "--json"]) == 0
+        fragment = json.loads(capsys.readouterr().out)["fragment"]
+        validate_fragment(fragment)
+        assert {"actor", "reference", "reward"} <= set(fragment)
+    assert main(["--algorithm", "nope", "--devices", "8"]) == 1
+    assert "Unknown algorithm 'nope' for placement. Known: grpo, ppo, reinforce_plus_plus, remax, rloo" in \
+        capsys.readouterr().err
+
+
+def test_a_plugin_algorithm_plans_its_own_roles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The two-reward-model plugin algorithm (a second reward model under roles.safety): the plan places it, and
+    the fragment puts it under roles.safety, where the trainer's config reads it."""
+    import importlib
+    import sys
+
+    from hybridflow import plugins
+
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "two_reward_plugin"
+    sys.path.insert(0, str(fixture))
+    try:
+        module = importlib.import_module("hybridflow_two_reward.plugin")
+        plugins.register_plugin(module, name="two_reward_test")
+        assert main(["--algorithm", "two_reward_grpo", "--model", "7b", "--devices", "16", "--json"]) == 0
+        fragment = json.loads(capsys.readouterr().out)["fragment"]
+        validate_fragment(fragment)
+        assert set(fragment["roles"]) == {"safety"} and "pool" in fragment["roles"]["safety"]
+        assert {"actor", "reference", "reward"} <= set(fragment)
+    finally:
+        from hybridflow import registries
+
+        registries.algorithms.unregister("two_reward_grpo")
+        plugins.get_plugin_manager().unregister(name="two_reward_test")
+        sys.path.remove(str(fixture))
