@@ -20,12 +20,12 @@ Training contract:
 - ``train_step(batch, loss_fn=..., mini_batch_size=...)``: one optimizer step per mini-batch; ``mini_batch_size``
   counts rows over all data-parallel ranks (None: the whole batch in one step); the engine's
   ``micro_batch_size`` counts rows per forward on one rank.
-- Gradient accumulation follows :mod:`hybridflow.algorithms.losses`: before each ``loss_fn(outputs, micro_batch)``
-  the engine sets ``micro_batch.meta["loss_scale_tokens"]`` and ``["loss_scale_rows"]`` to the mini-batch's valid
-  response tokens and rows (all-reduced over data-parallel ranks, divided by their number, ``is_padding`` rows
-  excluded) and calls ``backward()`` on the returned loss unweighted. ``outputs`` holds what
-  ``loss_fn.required_outputs`` names (default ``("log_probs",)``; ``entropy`` with gradients only when asked; an
-  actor engine passes it detached otherwise, for the ``actor/entropy`` metric).
+- Gradient accumulation follows :mod:`hybridflow.loss_scale` (the contract losses and engines share): before each
+  ``loss_fn(outputs, micro_batch)`` the engine sets ``micro_batch.meta["loss_scale_tokens"]`` and
+  ``["loss_scale_rows"]`` to the mini-batch's valid response tokens and rows (all-reduced over data-parallel ranks,
+  divided by their number, ``is_padding`` rows excluded) and calls ``backward()`` on the returned loss unweighted.
+  ``outputs`` holds what ``loss_fn.required_outputs`` names (default ``("log_probs",)``; ``entropy`` with gradients
+  only when asked; an actor engine passes it detached otherwise, for the ``actor/entropy`` metric).
 - Capability ``continue_from_tokens`` (:class:`TokenContinuationEngine`): ``generate_from_tokens`` continues
   each given list of token ids (prompts of any lengths; the engine pads them) and returns exactly the ids it
   sampled, their log-probs and why it stopped. Multi-turn rollouts (:mod:`hybridflow.agent`) need it: the token

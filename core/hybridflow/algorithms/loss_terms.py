@@ -16,6 +16,7 @@ import torch
 
 from hybridflow.algorithms.advantages import AlgorithmInputError, masked_mean
 from hybridflow.errors import ConfigError
+from hybridflow.loss_scale import LOSS_SCALE_ROWS, LOSS_SCALE_TOKENS
 
 __all__ = [
     "ENTROPY_COEF_KEY", "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation",
@@ -29,8 +30,6 @@ __all__ = [
 
 #: batch meta key carrying the entropy bonus coefficient of the update the batch feeds (adaptive entropy control)
 ENTROPY_COEF_KEY = "entropy_coef"
-LOSS_SCALE_TOKENS = "loss_scale_tokens"
-LOSS_SCALE_ROWS = "loss_scale_rows"
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-sum-norm")

@@ -72,6 +72,7 @@ from hybridflow.algorithms.loss_terms import (
 )
 from hybridflow.batch import PADDING_KEY, Batch
 from hybridflow.errors import ConfigError
+from hybridflow.loss_scale import compute_loss_scale
 
 __all__ = [
     "LOSS_SCALE_TOKENS", "LOSS_SCALE_ROWS", "LOSS_AGGREGATIONS", "KL_KINDS", "LossAggregation", "KLKind",
@@ -86,15 +87,6 @@ __all__ = [
 
 #: :func:`ppo_policy_loss`'s metric names → the ``actor/`` names verl logs them under
 VERL_ACTOR_METRICS = {"clipfrac": "pg_clipfrac", "clipfrac_lower": "pg_clipfrac_lower", "approx_kl": "ppo_kl"}
-
-
-def compute_loss_scale(batch: Batch) -> dict[str, float]:
-    """The ``meta`` entries of the accumulation convention for ``batch`` (a whole mini-batch on this rank)."""
-    valid = _loss_mask(batch)
-    return {
-        LOSS_SCALE_TOKENS: float(valid.sum()),
-        LOSS_SCALE_ROWS: float(valid.any(dim=1).sum()),
-    }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hybridflow.batch import Batch
 from hybridflow.engines import LossFn, MeshInfo, TrainingEngineConfig, local_mini_batch_rows
 from hybridflow.errors import ConfigError, EngineError
+from hybridflow.loss_scale import LOSS_SCALE_ROWS, LOSS_SCALE_TOKENS
 from hybridflow_fsdp import forward, packing
 from hybridflow_fsdp.distributed import raise_unequal_across_ranks
 
@@ -25,8 +26,6 @@ __all__ = [
 
 TRAINABLE_ROLES = ("actor", "critic")
 #: meta keys the engine sets on every micro-batch it passes to ``loss_fn`` (the core's convention)
-LOSS_SCALE_ROWS = "loss_scale_rows"
-LOSS_SCALE_TOKENS = "loss_scale_tokens"
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
@@ -220,7 +219,7 @@ class HFTrainingEngineBase(abc.ABC):
         all-reduce. ``check_rows`` (the rows of the whole batch on this rank) rides in the same all-reduce as Σn and
         Σn²: they are equal on every rank iff w·Σn² = (Σn)² (Cauchy-Schwarz), so the equal-rows check of a train
         step costs no collective of its own; on a mismatch every rank sees it and raises (naming each rank's rows)."""
-        from hybridflow.algorithms.losses import compute_loss_scale
+        from hybridflow.loss_scale import compute_loss_scale
 
         scale = compute_loss_scale(mini) if "response_mask" in mini else {"loss_scale_rows": len(mini),
                                                                             "loss_scale_tokens": 0}

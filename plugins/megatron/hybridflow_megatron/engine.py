@@ -241,7 +241,7 @@ class MegatronTrainingEngine:
         ``mini_batch_size`` counts rows over all data-parallel ranks; ``micro_batch_size`` (config) counts rows per
         forward on this rank. Every rank of a data-parallel group must hold the same number of rows.
         """
-        from hybridflow.algorithms.losses import compute_loss_scale
+        from hybridflow.loss_scale import compute_loss_scale
 
         self._check_role("train_step", TRAINABLE_ROLES)
         require_columns(batch, "input_ids", "attention_mask", "responses", "response_mask", method="train_step")
