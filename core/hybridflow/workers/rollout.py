@@ -61,7 +61,7 @@ class WeightExportingActor(ActorRolloutWorker):
         """(policy version, the full generation weights in buckets) from rank 0; None from the other ranks (every
         rank runs: gathering sharded weights is collective)."""
         self._refuse_mid_step("export_generation_weights")
-        target = getattr(self.rollout, "weights_target", "hf")
+        target = self.rollout_info.weights_target
         weights = self.engine.generation_weights(target=target)
         if self.rank != 0:
             for _ in weights:  # consumed on every rank (a collective), kept on rank 0 only
@@ -76,7 +76,7 @@ class WeightExportingActor(ActorRolloutWorker):
         ``group`` (it is the root), one bucket at a time as they are gathered; the other ranks take part in the
         gather only. Rank 0 returns bytes, buckets, the largest bucket and the seconds taken."""
         self._refuse_mid_step("broadcast_generation_weights")
-        target = getattr(self.rollout, "weights_target", "hf")
+        target = self.rollout_info.weights_target
         weights = self.engine.generation_weights(target=target)
         if self.rank != 0:
             for _ in weights:
