@@ -31,7 +31,6 @@ from hybridflow import registries
 from hybridflow.errors import ConfigError, RewardError
 from hybridflow.hookspecs import hookimpl
 from hybridflow.tasks.arithmetic import arithmetic_exact_reward, arithmetic_reward
-from hybridflow.tasks.tool_calc import tool_calc_reward
 
 __all__ = ["RewardFunction", "RuleRewards", "BatchScorer", "resolve_reward_function", "compute_rule_rewards",
            "score_responses", "is_per_sample", "resolve_function_path", "response_length_cost"]
@@ -319,6 +318,10 @@ def _describe(function: Any) -> str:
 
 @hookimpl
 def hybridflow_register_rewards(registry: Any) -> None:
+    # imported here: tool_calc pulls in torch (through the agent's batches), which a reward pool's worker process,
+    # spawned again after each timeout, should not pay for unless its function needs it
+    from hybridflow.tasks.tool_calc import tool_calc_reward
+
     registry.register("arithmetic", arithmetic_reward)
     registry.register("arithmetic_exact", arithmetic_exact_reward)
     registry.register("tool_calc", tool_calc_reward)

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import concurrent.futures.process
+import logging
 import numbers
 import time
 from collections.abc import Mapping, Sequence
@@ -20,7 +23,13 @@ from hybridflow.rewards import (
     resolve_reward_function,
 )
 
-__all__ = ["RewardPool", "RewardEndpoint", "build_reward_function"]
+__all__ = ["FAILED_SCORE", "RewardPool", "RewardEndpoint", "build_reward_function"]
+
+_LOGGER = logging.getLogger(__name__)
+
+#: the score of a sample whose call in a :class:`RewardPool` raised, timed out or lost its worker process (verl's
+#: process-pool reward manager scores such a sample 0 too); counted in ``reward/num_failed``
+FAILED_SCORE = 0.0
 
 
 # --- what both scorers share ------------------------------------------------------------------------------------
@@ -51,11 +60,15 @@ def _worker_ready(spec: str, key: str) -> int:
     return os.getpid()
 
 
+def _rows(start: int, stop: int) -> str:
+    return f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
+
+
 def _worker_call(spec: str, key: str, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """In a worker: ``(True, result)``, or ``(False, "Type: message")`` (an exception may not pickle)."""
     try:
         return True, _worker_function(spec, key)(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - sent back as text, re-raised in the driver as a RewardError
+    except Exception as exc:  # noqa: BLE001 - sent back as text: the driver scores the sample as failed
         return False, f"{type(exc).__name__}: {exc}"
 
 
@@ -65,8 +78,13 @@ class RewardPool(_CallableScorer):
     The function is given by its spec string and resolved again in each worker, so it must be importable there
     (a registered name, ``package.module:function`` or ``path/to/file.py:function``). A per-sample function is called
     once per response, spread over the workers; a batched one on ``num_workers`` contiguous chunks. Results come back
-    in row order, identical to the in-driver path. A call running past ``timeout_s`` raises :class:`RewardError` and
-    the pool's processes are killed (the next call starts a fresh pool).
+    in row order, identical to the in-driver path.
+
+    A call that raises, runs past ``timeout_s`` or loses its worker process is a failed sample (a failed chunk of a
+    batched function: each of its rows), never a failed or hung step: it is scored :data:`FAILED_SCORE`, counted in
+    ``<name>/num_failed`` and ``<name>/failed_ratio`` and logged as a warning naming the sample and the error. A call
+    past ``timeout_s`` is stopped by killing the pool's processes; the calls still running start again on a fresh
+    pool. Only when every call of a step fails does the step raise :class:`RewardError` (the function is broken).
     """
 
     def __init__(self, spec: str, *, num_workers: int, timeout_s: float, key: str = "reward.function") -> None:
@@ -120,7 +138,12 @@ class RewardPool(_CallableScorer):
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
               extra: list[dict[str, Any] | None] | None, name: str) -> tuple[list[Any], dict[str, float]]:
-        """The scores (and per-sample dict metrics) of all rows, in row order."""
+        """The scores (and per-sample dict metrics) of all rows, in row order; the rows of a failed call scored
+        :data:`FAILED_SCORE` and counted in ``<name>/num_failed`` and ``<name>/failed_ratio``.
+
+        Raises:
+            RewardError: every call failed (nothing of the step was scored), or a result has the wrong shape.
+        """
         if self.per_sample:
             calls = [(index, index + 1, {"data_source": data_sources[index], "solution_str": response,
                                          "ground_truth": ground_truths[index],
@@ -134,69 +157,113 @@ class RewardPool(_CallableScorer):
                 "data_sources": list(data_sources[start:start + size]),
                 "extra": extra[start:start + size] if extra is not None else None})
                 for start in range(0, len(responses), size)]
-        results = self._run(calls, name)
+        results, failures = self._run(calls, name)
+        described = [f"{_rows(*calls[position][:2])} {why}" for position, why in sorted(failures.items())]
+        if calls and len(failures) == len(calls):
+            raise RewardError(
+                f"{name} function {self.spec} failed on all {len(responses)} samples of the step, first on "
+                f"{described[0]}; a failed sample is scored {FAILED_SCORE:g} only while others of its step are "
+                "scored. Fix the function (run it on a few responses in the driver with "
+                f"{self.key.rpartition('.')[0]}.num_workers=0 to see its traceback)")
+        failed_rows = sum(calls[position][1] - calls[position][0] for position in failures)
+        failure_metrics = {f"{name}/num_failed": float(failed_rows),
+                           f"{name}/failed_ratio": failed_rows / len(responses) if responses else 0.0}
+        if failures:
+            more = f" (and {len(described) - 3} more)" if len(described) > 3 else ""
+            _LOGGER.warning("%s function %s: %d of %d samples failed and were scored %g (%s/num_failed): %s%s",
+                            name, self.spec, failed_rows, len(responses), FAILED_SCORE, name,
+                            "; ".join(described[:3]), more)
         if not self.per_sample:
             joined: list[Any] = []
-            for (start, stop, _), part in zip(calls, results):
+            for position, (start, stop, _) in enumerate(calls):
+                if position in failures:
+                    joined.extend([FAILED_SCORE] * (stop - start))
+                    continue
                 try:
-                    part = list(part)
+                    part = list(results[position])
                 except TypeError as exc:
                     raise RewardError(f"{name} function {self.spec} must return one number per response; got "
-                                      f"{type(part).__name__}") from exc
+                                      f"{type(results[position]).__name__}") from exc
                 if len(part) != stop - start:
                     raise RewardError(f"{name} function {self.spec} returned {len(part)} scores for rows "
                                       f"{start}..{stop - 1} ({stop - start} responses); expected one per response")
                 joined.extend(part)
-            return joined, {}
+            return joined, failure_metrics
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
-        scores = [_one_score(result, index, self.spec, name, sums, counts) for index, result in enumerate(results)]
-        return scores, {f"{name}/extra/{key}": sums[key] / counts[key] for key in sorted(sums)}
+        scores = [FAILED_SCORE if index in failures else _one_score(result, index, self.spec, name, sums, counts)
+                  for index, result in enumerate(results)]
+        return scores, {**{f"{name}/extra/{key}": sums[key] / counts[key] for key in sorted(sums)},
+                        **failure_metrics}
 
-    def _run(self, calls: list[tuple[int, int, dict[str, Any]]], name: str) -> list[Any]:
-        """Each call on a worker, at most ``num_workers`` in flight, so each one's clock starts when it runs."""
-        self.start()
-        assert self._executor is not None
+    def _run(self, calls: list[tuple[int, int, dict[str, Any]]], name: str) -> tuple[list[Any], dict[int, str]]:
+        """Each call on a worker, at most ``num_workers`` in flight, so each one's clock starts when it runs.
+
+        Returns the results in call order (None for a failed call) and, by call position, why each failed call
+        failed: it raised, it ran past ``timeout_s`` (the pool is then killed, as a hung process can only be stopped
+        that way, and the calls still running start again on a fresh pool), or its worker process died (every call
+        then in flight fails with it: which one killed the process cannot be told)."""
         results: list[Any] = [None] * len(calls)
+        failures: dict[int, str] = {}
+        queue = collections.deque(range(len(calls)))
         running: dict[concurrent.futures.Future[tuple[bool, Any]], tuple[int, float]] = {}
-        pending = iter(range(len(calls)))
         try:
             while True:
-                while len(running) < self.num_workers:
-                    position = next(pending, None)
-                    if position is None:
-                        break
+                self.start()
+                assert self._executor is not None
+                while len(running) < self.num_workers and queue:
+                    position = queue.popleft()
                     future = self._executor.submit(_worker_call, self.spec, self.key, calls[position][2])
                     running[future] = (position, time.monotonic())
                 if not running:
-                    return results
+                    return results, failures
                 first_deadline = min(started for _, started in running.values()) + self.timeout_s
                 done, _ = concurrent.futures.wait(running, timeout=max(0.0, first_deadline - time.monotonic()),
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda item: running[item][0]):  # the first rows' error first
+                broken = False
+                for future in done:
                     position, _ = running.pop(future)
-                    start, stop, _ = calls[position]
-                    rows = f"row {start}" if stop - start == 1 else f"rows {start}..{stop - 1}"
-                    try:
-                        ok, value = future.result()
-                    except Exception as exc:  # the worker process died
-                        raise RewardError(f"{name} function {self.spec}: its worker process failed on {rows}: "
-                                          f"{type(exc).__name__}: {exc}") from exc
-                    if not ok:
-                        raise RewardError(f"{name} function {self.spec} raised {value} on {rows}")
-                    results[position] = value
+                    broken |= not self._collect(future, position, results, failures)
+                if broken:  # the pool is gone: each call it still held ends with it (the executor fails them all)
+                    concurrent.futures.wait(running, timeout=10)
+                    for future, (position, _) in running.items():
+                        if future.done():
+                            self._collect(future, position, results, failures)
+                        else:
+                            failures[position] = "failed: a reward worker process died while it was in flight"
+                    running.clear()
                 now = time.monotonic()
-                for position, started in running.values():
-                    if now - started >= self.timeout_s:
-                        start, stop, _ = calls[position]
-                        rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
-                        raise RewardError(
-                            f"{name} function {self.spec} timed out on {rows}: no result after {self.timeout_s:g} s "
-                            f"({self.key.rpartition('.')[0]}.timeout_s); the reward worker processes were stopped. "
-                            "Fix: make the function faster or raise the timeout")
+                expired = [future for future, (_, started) in running.items() if now - started >= self.timeout_s]
+                for future in expired:
+                    position, _ = running.pop(future)
+                    failures[position] = (f"timed out: no result after {self.timeout_s:g} s "
+                                          f"({self.key.rpartition('.')[0]}.timeout_s)")
+                    _LOGGER.warning("%s function %s %s on %s; restarting the reward worker processes", name,
+                                    self.spec, failures[position], _rows(*calls[position][:2]))
+                if expired or broken:
+                    # a hung worker is stopped only by killing the pool: the calls it still ran go again, first
+                    for position, _ in sorted(running.values(), reverse=True):
+                        queue.appendleft(position)
+                    running.clear()
+                    self.close()
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _collect(future: concurrent.futures.Future[tuple[bool, Any]], position: int, results: list[Any],
+                 failures: dict[int, str]) -> bool:
+        """A finished call's result or failure into ``results`` / ``failures``; False when its worker died."""
+        try:
+            ok, value = future.result()
+        except concurrent.futures.process.BrokenProcessPool as exc:
+            failures[position] = f"failed: a reward worker process died while it ran ({type(exc).__name__}: {exc})"
+            return False
+        if ok:
+            results[position] = value
+        else:
+            failures[position] = f"raised {value}"
+        return True
 
 
 class RewardEndpoint(_CallableScorer):

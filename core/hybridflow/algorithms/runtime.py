@@ -28,7 +28,18 @@ from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
 
-__all__ = ["Runtime", "compute_response_length_metrics", "compute_rollout_probs_diff", "compute_zero_advantage_metrics"]
+__all__ = ["Runtime", "combine_chunk_reward_metrics", "compute_response_length_metrics", "compute_rollout_probs_diff",
+           "compute_zero_advantage_metrics"]
+
+
+#: reward metrics that count rows (summed over a streamed step's chunks; the others are means)
+_COUNTS = frozenset({"reward/num_failed", "cost/num_failed"})
+
+
+def combine_chunk_reward_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """A streamed step's reward metrics from its chunks' (equal in rows): the mean of each per-batch metric, the
+    sum of a count (a reward pool's ``reward/num_failed``)."""
+    return {key: sum(part[key] for part in parts) / (1 if key in _COUNTS else len(parts)) for key in parts[0]}
 
 
 @dataclass(slots=True)
@@ -193,9 +204,8 @@ class Runtime:
         for key in ("chunk", "chunks"):
             batch.meta.pop(key, None)
         reward_metrics = [part.meta.get("reward_metrics", {}) for part in scored]
-        if reward_metrics[0]:  # a per-batch reward metric, of each chunk: their mean (chunks are equal in rows)
-            batch.meta["reward_metrics"] = {key: sum(part[key] for part in reward_metrics) / len(reward_metrics)
-                                            for key in reward_metrics[0]}
+        if reward_metrics[0]:
+            batch.meta["reward_metrics"] = combine_chunk_reward_metrics(reward_metrics)
         return batch, metrics
 
     def _rollout_once(self, prompts: Batch, *, values: tuple[str, ...], cost: bool) -> Batch:
