@@ -402,8 +402,8 @@ class KVCacheReuseEngine(TokenContinuationEngine, Protocol):
 
 @runtime_checkable
 class HandoverReport(Protocol):
-    """What a training engine measured in its last handover (:class:`ReportsHandover`); the ledger's
-    ``handover/*`` metrics read these. ``path == "reshard"`` means the reshard planner's plan ran, so
+    """What a training engine measured in its last handover (:class:`ReportsHandover`); the ledger row's handover
+    bytes and lower bound per rank read these. ``path == "reshard"`` means the reshard planner's plan ran, so
     ``lower_bound_bytes`` (what this rank had to receive at least) and ``bytes_sent`` are set."""
 
     @property
@@ -462,7 +462,8 @@ class ReportsHandover(Protocol):
 @runtime_checkable
 class HoldsWeights(Protocol):
     """Training or rollout capability: ``weight_tensors()`` lists the tensors holding this rank's weights, so the
-    worker can count the distinct bytes resident (``handover/weight_bytes_*``; shared storages count once)."""
+    worker can count the distinct bytes resident (the ledger row's ``weight_bytes`` per phase, ``training`` and
+    ``generation``, one number per rank; shared storages count once)."""
 
     def weight_tensors(self) -> list[torch.Tensor]: ...
 
@@ -470,7 +471,11 @@ class HoldsWeights(Protocol):
 @runtime_checkable
 class BindsGenerationWeights(Protocol):
     """Rollout capability: ``update_weights(named, version=..., bind=True)`` makes the given tensors the engine's
-    weights (no copy): the handover's shards are then the only copy the rollout engine holds."""
+    weights (no copy): the handover's shards are then the only copy the rollout engine holds. Every weight the
+    engine uses is sent (a tied ``lm_head.weight`` is not: tie it to ``embed_tokens``), in the generation dtype
+    (``RolloutEngineConfig.model.dtype``). The bound tensors are valid until the worker's generate call returns:
+    the training engine takes their storage back afterwards (``end_generation``), so the engine must not read them
+    after ``sleep()`` or once that call has returned; the next generate call always brings a new handover."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                        bind: bool = False) -> None: ...
@@ -480,8 +485,15 @@ class BindsGenerationWeights(Protocol):
 class GeneratesTensorParallel(Protocol):
     """Rollout capability: generation at ``tensor_parallel_size > 1`` on the caller's own ranks (the hybrid engine's
     layout), in the groups of ``RolloutEngineConfig.tensor_groups``; ``tensor_rank`` is this rank's place in its
-    group. ``update_weights`` then receives this rank's tensor-parallel shards under the full parameter names
-    (row-parallel weights split on dim 1, column-parallel and the vocabulary on dim 0)."""
+    group (None before the engine has joined one). The default process group is initialised by the training engine
+    of the same worker before the rollout engine is built; the engine creates every group of ``tensor_groups``
+    itself (``dist.new_group``, all ranks, list order). Every rank of a group receives the same prompts and the same
+    ``SamplingParams.seed`` and must sample the same tokens. ``update_weights`` then receives this rank's
+    tensor-parallel shards under the full parameter names, split as
+    :func:`hybridflow.resharding.builders.classify_llama_param` says: ``o_proj``/``down_proj`` weights on dim 1
+    (row), ``q/k/v_proj``, ``gate/up_proj`` (weights and biases) on dim 0 (column), ``embed_tokens`` and
+    ``lm_head`` on dim 0 (vocabulary), norms and row-parallel biases whole; equal contiguous chunks in tensor-rank
+    order."""
 
     @property
     def tensor_rank(self) -> int | None: ...
