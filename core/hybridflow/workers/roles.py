@@ -171,7 +171,10 @@ class ActorRolloutWorker(_TrainingRole):
 
     def _sync_weights(self, iteration: int | None = None) -> None:
         """Reshard the training weights into the rollout engine if it holds an older version."""
-        if self.rollout.weights_version == self.policy_version and self.handover["count"] and not self._asleep:
+        # the same version already loaded is reused, unless the last handover parked training storage in bound
+        # shards: end_generation took that storage back, so the bound tensors are gone and must be handed over again
+        if (self.rollout.weights_version == self.policy_version and self.handover["count"] and not self._asleep
+                and not self._park):
             return
         start = time.perf_counter()
         if self._asleep:  # only what this worker put to sleep is woken (engines may refuse waking an awake engine)
