@@ -20,7 +20,9 @@ One ``RESULT {json}`` line per mutant on stdout (name, file, tests run, caught, 
 caught_by_learning, the failing tests, seconds); ``--write PATH`` writes a markdown table with the date, machine,
 load and command (docs/benchmarks/mutation_check.md is that file).
 
-Run (the whole list takes ~10-15 minutes on a 2-core box; it is not part of scripts/test.sh)::
+Run (the whole list: 11 minutes on the 2-core box at a load average of 1-3.5, 28 minutes while other jobs kept it
+near 30; about 5 of them are the stale-weights mutant, whose failures the trainer's recovery retries; not part of
+scripts/test.sh)::
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/mutation_check.py                   # every mutant
     OMP_NUM_THREADS=1 .venv/bin/python scripts/mutation_check.py --only clip_off,ratio_against_new_policy
