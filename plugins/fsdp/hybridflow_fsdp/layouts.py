@@ -48,7 +48,7 @@ def build_hf_rollout_layout(named_shapes: Mapping[str, Sequence[int]], *, data: 
 
 
 def build_hf_tensor_groups(*, data: int, tensor: int, grouping: Grouping = "stride") -> list[list[int]]:
-    """``RolloutEngineConfig.extra["tensor_groups"]`` matching ``build_hf_rollout_layout(data=data, tensor=tensor,
+    """``RolloutEngineConfig.tensor_groups`` matching ``build_hf_rollout_layout(data=data, tensor=tensor,
     grouping=grouping)``: one list per generation replica, its ranks in tensor-rank order (``[[0, 2], [1, 3]]`` for
     the stride grouping of tg = 2 on 4 ranks)."""
     mesh = GenerationLayout(pipeline=1, tensor=tensor, training=ParallelLayout(data=data, data_sharded=True),

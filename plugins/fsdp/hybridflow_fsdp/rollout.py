@@ -44,7 +44,7 @@ class HFRolloutEngine:
 
     With ``tensor_parallel_size = tg > 1`` the engine holds this rank's Megatron-style shards (see
     :mod:`hybridflow_fsdp.tensor_parallel`; :meth:`weight_shapes` lists them) in the group of
-    ``extra["tensor_groups"]`` (lists of global ranks; every rank builds the engine, as ``new_group`` is collective)
+    ``RolloutEngineConfig.tensor_groups`` (global ranks; every rank builds the engine, as ``new_group`` is collective)
     and every rank of a group, given the same prompts and sampling, returns the same output. ``generate`` is then a
     collective of the group: all its ranks call it together (``extra["lean_decoder"]`` is ignored; the
     tensor-parallel decoder is the only forward).

@@ -48,8 +48,8 @@ def _sleep_mode_available() -> bool:
 
 class VllmRolloutEngine:
     """One in-process vLLM engine on one rank (``tensor_parallel_size`` workers inside it), or, given
-    ``extra["tensor_groups"]`` at ``tensor_parallel_size > 1``, this rank's tensor-parallel worker of an engine that
-    spans the caller's ranks (vLLM's ``external_launcher``; the hybrid engine's path). Stability: public.
+    ``RolloutEngineConfig.tensor_groups`` at ``tensor_parallel_size > 1``, this rank's tensor-parallel worker of an
+    engine that spans the caller's ranks (vLLM's ``external_launcher``; the hybrid engine's path). Stability: public.
 
     ``capabilities`` holds ``update_weights_in_memory``, ``log_probs`` and ``seed``, plus ``sleep`` where the
     platform supports vLLM's sleep mode (CUDA/ROCm/XPU; not CPU, where ``sleep``/``wake`` only mark the engine

@@ -101,7 +101,7 @@ def check_external_launcher(tensor: int, groups: Any, llm_kwargs: Mapping[str, A
         return
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
-            f"extra['tensor_groups'] with tensor_parallel_size={tensor} runs vLLM on the caller's processes "
+            f"RolloutEngineConfig.tensor_groups with tensor_parallel_size={tensor} runs vLLM on the caller's processes "
             "(external_launcher), which needs torch.distributed initialised first (the actor's training engine "
             "does it); got an uninitialised default process group")
     world = dist.get_world_size()

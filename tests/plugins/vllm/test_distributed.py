@@ -117,9 +117,9 @@ def _run_tensor_parallel_rank(rank: int, outdir: str, first: str, second: str) -
 
 
 def test_tensor_parallel_engine_on_the_callers_ranks_loads_shards(tmp_path: Path) -> None:
-    """tp = 2 across the two ranks of the caller's world (external_launcher, extra["tensor_groups"]): each rank loads
-    only its shards, which give the same tokens as vLLM narrowing the full tensors itself; full tensors are refused;
-    no shared-memory name outlives the start; closing leaves the caller's world working."""
+    """tp = 2 across the two ranks of the caller's world (external_launcher, RolloutEngineConfig.tensor_groups): each
+    rank loads only its shards, which give the same tokens as vLLM narrowing the full tensors itself; full tensors are
+    refused; no shared-memory name outlives the start; closing leaves the caller's world working."""
     from hybridflow.presets import save_tiny_model
     from hybridflow.testing.contracts.rollout import read_weights
 
