@@ -8,7 +8,6 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from hybridflow import registries
 from hybridflow.plugin_listing import format_plugins
 from hybridflow.plugins import load_plugins
+from hybridflow.testing.processes import processes_tagged
 from hybridflow.tools import ToolResult, build_tools, call_tool
 from hybridflow.tools.python_tool import PythonTool
 from hybridflow.tools.sandbox import SandboxLimits, namespace_isolation_available, run_sandboxed_python
@@ -34,19 +34,6 @@ def tools(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"title": "Oslo", "text": "Oslo lies at the head of the Oslofjord."},
     ]))
     return build_tools(["python", "calculator", "search"], {"search": {"corpus": str(corpus), "top_k": 2}})
-
-
-def _leftovers(marker: str) -> list[int]:
-    """Pids whose command line mentions ``marker`` (a tag unique to one call)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def test_tools_are_registered_and_listed() -> None:
@@ -188,12 +175,12 @@ def test_unisolated_mode_reaps_forked_children_only_with_unshare() -> None:
     outcome = run(run_sandboxed_python(_forking_code(tag), timeout_s=1.5, limits=limits))
     assert outcome.timed_out and outcome.namespaced
     deadline = time.monotonic() + 5
-    while _leftovers(tag) and time.monotonic() < deadline:  # a SIGKILLed namespace is reaped asynchronously
+    while processes_tagged(tag) and time.monotonic() < deadline:  # a SIGKILLed namespace is reaped asynchronously
         time.sleep(0.05)
-    assert _leftovers(tag) == []
+    assert processes_tagged(tag) == []
     fallback = SandboxLimits(allow_fork=True, audit_hook=False, isolation="unisolated", isolate_namespaces=False)
     outcome = run(run_sandboxed_python(_forking_code(tag), timeout_s=1.5, limits=fallback))
-    survivors = _leftovers(tag)
+    survivors = processes_tagged(tag)
     for pid in survivors:
         os.kill(pid, 9)
     assert not outcome.namespaced and len(survivors) == 4

@@ -28,6 +28,7 @@ import pytest
 import hybridflow
 from hybridflow.config import load_config
 from hybridflow.manifest import build_manifest
+from hybridflow.testing.processes import processes_tagged
 from hybridflow.tools import ToolResult, build_tools, call_tool
 from hybridflow.tools.isolation import SANDBOX_UID, isolation_status
 from hybridflow.tools.python_tool import PythonTool
@@ -196,7 +197,7 @@ def _host_status(tag: str, timeout_s: float) -> dict[str, str]:
     """The ``/proc/<pid>/status`` fields, as the host sees them, of the one process whose argv holds ``tag``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for pid in _sleepers(tag):
+        for pid in processes_tagged(tag):
             with contextlib.suppress(OSError):
                 lines = Path(f"/proc/{pid}/status").read_text().splitlines()
                 return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
@@ -279,19 +280,6 @@ def test_a_fork_and_thread_flood_hits_the_process_cap(tool: dict[str, Any]) -> N
     assert forked <= 8 and lines[2].startswith("thread refused after"), result.text
 
 
-def _sleepers(tag: str) -> list[int]:
-    """Host pids whose command line holds ``tag`` (unique to one test call)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if tag.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def test_sleeping_past_the_timeout_leaves_no_process_behind(tool: dict[str, Any]) -> None:
     """Children in their own session, exec'd into ``sleep`` under a tag unique to this call, die with the call."""
     tag = f"hf-redteam-{os.getpid()}-{time.monotonic_ns()}"
@@ -301,9 +289,9 @@ def test_sleeping_past_the_timeout_leaves_no_process_behind(tool: dict[str, Any]
     result = attack(tool, code, timeout_s=2)
     assert result.status == "timeout" and time.monotonic() - started < 15, result
     deadline = time.monotonic() + 5
-    while _sleepers(tag) and time.monotonic() < deadline:  # a SIGKILLed namespace is reaped asynchronously
+    while processes_tagged(tag) and time.monotonic() < deadline:  # a SIGKILLed namespace is reaped asynchronously
         time.sleep(0.05)
-    assert _sleepers(tag) == []
+    assert processes_tagged(tag) == []
 
 
 def test_a_disk_flood_fills_only_the_capped_scratch_dir(tool: dict[str, Any]) -> None:
