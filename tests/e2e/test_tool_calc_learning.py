@@ -56,6 +56,7 @@ def _tool_calc_config(model: Path, run_dir: Path, engine: str, steps: int,  # ty
         *more])
 
 
+@pytest.mark.slow  # the module's SFT model (~90 s on a loaded 2-core box), then one GRPO step
 def test_the_python_tool_is_kernel_isolated_on_the_trainers_path(sft_model: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose tools include ``python``: without bubblewrap it is refused before any worker starts (naming the
