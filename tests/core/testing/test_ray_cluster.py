@@ -12,6 +12,7 @@ from hybridflow.testing import ray_cluster
 from hybridflow.testing.ray_cluster import accepts, start_head
 
 
+@pytest.mark.slow  # two Ray heads started: ~23 s on a quiet 2-core box, 54 s loaded
 def test_a_head_whose_client_server_port_is_taken_starts_again_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as taken:  # another process's listener on the number the first head is handed
         taken.bind(("127.0.0.1", 0))
