@@ -41,7 +41,7 @@ MATRIX: dict[str, tuple[str, int]] = {
     "actor.update:hang": ("grpo", 1),
     # the asynchronous path (rollout.pool, k = 1): a rollout worker killed after generating, its weight load of
     # version 1 failing after bucket 0, a hung generation. Lost generations beyond k are redone under the current
-    # weights (docs/async.md), so weights_equal is expected False there; the audit must stay clean
+    # weights (docs/guide/async.md), so weights_equal is expected False there; the audit must stay clean
     "rollout.generate": ("async", 2),
     "rollout.load_weights": ("async", 1),
     "rollout.generate:hang": ("async", 2),

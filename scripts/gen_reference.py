@@ -103,7 +103,7 @@ def config_page() -> str:
             ((k, t.replace("|", "\\|"), d.replace("|", "\\|"), m.replace("|", "/")) for k, t, d, m in
              _walk(Config, ""))]
     return (HEADER + "# Config keys\n\nEvery key `hybridflow train` accepts (YAML or `key=value` overrides), with its "
-            "type, default and what the source says of it; how the sections fit together is docs/configuration.md's."
+            "type, default and what the source says of it; how the sections fit together is docs/guide/configuration.md's."
             "\n\n"
             "| key | type | default | meaning |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
@@ -112,7 +112,7 @@ def hooks_page() -> str:
     from hybridflow import hookspecs
 
     parts = [HEADER + "# Plugin hooks\n\nEvery hook a plugin may implement (`hybridflow.hookspecs`); "
-             "docs/plugin-authoring.md walks through a plugin.\n"]
+             "docs/guide/plugin-authoring.md walks through a plugin.\n"]
     for name, function in sorted(vars(hookspecs).items()):
         if not name.startswith("hybridflow_") or not callable(function):
             continue

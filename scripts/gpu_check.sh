@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the CUDA paths that run without Ray (FSDP2 on NCCL bf16 vs fp32, the fsdp and megatron contract
-# suites on CUDA, the lean forward vs HF, megatron-core without the CPU shim, peak CUDA memory); see docs/gpu.md.
+# suites on CUDA, the lean forward vs HF, megatron-core without the CPU shim, peak CUDA memory); see docs/guide/gpu.md.
 #
 #   scripts/gpu_check.sh OUT_DIR [--wheelhouse DIR] [--allow-cpu] [--checks a,b]
 #       runs scripts/gpu_check.py (stopped at 7 minutes; installing from a wheelhouse comes before, well under one
@@ -58,7 +58,7 @@ if ! "$PYTHON" -c 'import transformers, safetensors, pydantic, pluggy, yaml' 2>/
     PYTHON="$venv/bin/python"
   else
     echo "gpu_check: transformers/safetensors/pydantic/pluggy/pyyaml are not importable and no --wheelhouse was" \
-         "given; the checks that need them will skip (see docs/gpu.md)" >&2
+         "given; the checks that need them will skip (see docs/guide/gpu.md)" >&2
   fi
 fi
 

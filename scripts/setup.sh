@@ -44,7 +44,7 @@ if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1 && command -
       >/dev/null || echo "setup.sh: could not install chromium (apt-get install -y chromium)" >&2
   fi
 fi
-# bubblewrap: the kernel boundary of the `python` tool (docs/agent.md), which refuses to start without it. From the
+# bubblewrap: the kernel boundary of the `python` tool (docs/guide/agent.md), which refuses to start without it. From the
 # distribution's packages where apt-get exists and we are root; otherwise say how to get it (not fatal: only
 # model-code tools need it, and tests/core/tools/test_sandbox_redteam.py fails under HYBRIDFLOW_REQUIRE_ENGINES=1)
 if ! command -v bwrap >/dev/null 2>&1; then

@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import hybridflow.controller  # noqa: F401
+from time_budget import load_report, module_seconds, plugin_from_environment
 
 REQUIRE_ENGINES_VARIABLE = "HYBRIDFLOW_REQUIRE_ENGINES"
 #: engine marker (and the word its skip reasons contain) -> the module whose import the engine's tests need
@@ -100,15 +101,27 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(plugin_from_environment(), "hybridflow_time_budget")
+
+
+#: what a module with no recorded time is guessed to cost: a minute a slow test, two seconds any other
+GUESS_SLOW_S, GUESS_OTHER_S = 60.0, 2.0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the modules with the most ``slow`` tests first, each module's tests together and in their own order.
+    """Run the longest modules first, each module's tests together and in their own order.
 
     ``scripts/test.sh`` runs two pytest-xdist workers that take whole modules in this order
-    (``--dist loadfile --no-loadscope-reorder``): the long modules start early and the short ones fill in behind them,
-    instead of one worker starting a several-minute module while the other has nothing left to run.
+    (``--dist loadfile --no-loadscope-reorder``): the long modules start early and the short ones fill in behind them
+    (longest-first scheduling), instead of one worker starting a several-minute module while the other has nothing
+    left to run. A module's length is its sum in the recorded time report (tests/durations.json,
+    tests/time_budget.py), or a guess from its ``slow`` marks when it has none.
     """
-    slow = Counter(_module(item) for item in items if item.get_closest_marker("slow") is not None)
+    recorded = module_seconds(load_report())
+    guess: Counter[str] = Counter()
     first: dict[str, int] = {}
     for index, item in enumerate(items):
         first.setdefault(_module(item), index)
-    items.sort(key=lambda item: (-slow[_module(item)], first[_module(item)]))
+        guess[_module(item)] += GUESS_SLOW_S if item.get_closest_marker("slow") is not None else GUESS_OTHER_S
+    items.sort(key=lambda item: (-recorded.get(_module(item), guess[_module(item)]), first[_module(item)]))

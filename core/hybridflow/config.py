@@ -41,7 +41,7 @@ __all__ = ["Config", "load_config", "apply_overrides", "read_yaml_mapping", "con
 
 
 class MultiTurnSection(_Section):
-    """Multi-turn agentic rollouts (docs/agent.md): the actor's generate runs the agent loop when ``enable``."""
+    """Multi-turn agentic rollouts (docs/guide/agent.md): the actor's generate runs the agent loop when ``enable``."""
 
     enable: bool = False
     max_turns: int = Field(default=4, gt=0)  # model turns per conversation
@@ -80,13 +80,13 @@ class RolloutConfig(_Section):
     pipeline_parallel_size: int = Field(default=1, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict)
     multi_turn: MultiTurnSection = MultiTurnSection()
-    # a pool of its own for generation (split rollout, docs/async.md): None = the actor generates on its own ranks
+    # a pool of its own for generation (split rollout, docs/guide/async.md): None = the actor generates on its own ranks
     pool: str | None = None
-    # how the actor's weights reach rollout.pool (docs/async.md): through Ray's object store, or broadcast over a
+    # how the actor's weights reach rollout.pool (docs/guide/async.md): through Ray's object store, or broadcast over a
     # torch.distributed group (gloo on CPU, NCCL on CUDA); in buckets of at most weight_sync_bucket_bytes either way
     weight_sync: Literal["object_store", "collective"] = "object_store"
     weight_sync_bucket_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    # partial rollout (docs/async.md): rollout.pool generates in segments of at most partial_rollout_tokens new
+    # partial rollout (docs/guide/async.md): rollout.pool generates in segments of at most partial_rollout_tokens new
     # tokens per row; weights synced while a generation is in flight are loaded between two segments, and each
     # token keeps the version that sampled it (token_versions)
     partial_rollout: bool = False
@@ -150,7 +150,7 @@ class AlgorithmConfig(_Section):
     adaptive_kl_target: float | None = Field(default=None, gt=0)
     norm_adv_by_std: bool = True
     whiten_advantages: bool = True  # whiten GAE advantages over the batch (PPO, Safe-RLHF), as verl does
-    # off-policy correction of the actor loss by π_old / π_rollout per token (docs/async.md): none, tis (truncated
+    # off-policy correction of the actor loss by π_old / π_rollout per token (docs/guide/async.md): none, tis (truncated
     # at the threshold) or mis (tokens outside [1/threshold, threshold] masked)
     rollout_correction: Literal["none", "tis", "mis"] = "none"
     rollout_correction_threshold: float = Field(default=2.0, gt=1)
@@ -199,7 +199,7 @@ class TrainerConfig(_Section):
     resume: Literal["auto", "never", "must"] = "auto"
     seed: int = 0
     progress: bool = True
-    # where metrics go (docs/operations.md): console (the progress display), jsonl (metrics.jsonl, which `hybridflow
+    # where metrics go (docs/guide/operations.md): console (the progress display), jsonl (metrics.jsonl, which `hybridflow
     # report` reads), tensorboard, wandb (offline unless WANDB_MODE), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI)
     loggers: OneOrMany[LoggerName] = Field(default_factory=lambda: list(DEFAULT_LOGGERS))
     tensorboard: bool = True  # false drops tensorboard from trainer.loggers (the older switch)
@@ -208,31 +208,31 @@ class TrainerConfig(_Section):
     deadline_s: float = Field(default=900.0, gt=0)
     threads_per_worker: int = Field(default=1, gt=0)
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
-    # remap advisor (docs/placement.md): every advisor_every steps compare the plan's predicted node times with the
+    # remap advisor (docs/design/placement.md): every advisor_every steps compare the plan's predicted node times with the
     # ledger's and record in RUN_DIR/advisor.jsonl whether a remap pays (0 = off; needs trainer.plan); advisor_runs:
     # earlier run dirs (plan.json + ledger.jsonl) it calibrates from too, e.g. one at another data-parallel size
     advisor_every: int = Field(default=0, ge=0)
     advisor_runs: list[str] = Field(default_factory=list)
     # dispatch the next iteration's generation while the actor update runs (same calls, same order on the workers;
-    # off before a checkpoint and on the last step); see docs/controller.md
+    # off before a checkpoint and on the last step); see docs/design/controller.md
     lookahead: bool = True
     # verl's balance_batch: the updates' rows are dealt to the data-parallel ranks by token count, whole prompt groups
-    # each (protocol mesh_balanced, docs/controller.md); false splits them in order (mesh)
+    # each (protocol mesh_balanced, docs/design/controller.md); false splits them in order (mesh)
     balance_batch: bool = True
-    # validation (docs/validation.md): every val_every steps, before the first and after the last (0 = off), on
+    # validation (docs/guide/validation.md): every val_every steps, before the first and after the last (0 = off), on
     # data.val_files or data.task.num_val_prompts; greedy, plus val_n samples per prompt when val_n > 1
     val_every: int = Field(default=0, ge=0)
     val_n: int = Field(default=1, ge=1)
-    # asynchronous RL (docs/async.md): with rollout.pool, generation runs up to max_staleness policy versions behind
+    # asynchronous RL (docs/guide/async.md): with rollout.pool, generation runs up to max_staleness policy versions behind
     # the actor; samples further behind are dropped and counted. 0 = synchronous
     max_staleness: int = Field(default=0, ge=0)
-    # streaming (docs/async.md): with rollout.pool, a step's rollout arrives in chunks of actor.mini_batch_size rows
+    # streaming (docs/guide/async.md): with rollout.pool, a step's rollout arrives in chunks of actor.mini_batch_size rows
     # and the actor takes each chunk's optimizer step as it arrives (one policy version per step still)
     stream_mini_batches: bool = False
 
 
 class ReliabilitySection(_Section):
-    """Fault injection (off unless listed) and the recovery policy; see docs/operations.md."""
+    """Fault injection (off unless listed) and the recovery policy; see docs/guide/operations.md."""
 
     faults: list[str] = Field(default_factory=list)
     max_retries: int = Field(default=2, ge=0)

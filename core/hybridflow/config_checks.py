@@ -17,7 +17,7 @@ __all__ = ["check_pool_batches", "check_registered_names", "check_generation_lay
 
 
 def check_async(config: Any) -> None:
-    """``rollout.pool``, ``trainer.max_staleness``, ``algorithm.rollout_correction`` (docs/async.md) and
+    """``rollout.pool``, ``trainer.max_staleness``, ``algorithm.rollout_correction`` (docs/guide/async.md) and
     ``algorithm.filter_groups`` against them."""
     pool = config.rollout.pool
     if config.algorithm.filter_groups.enable:
@@ -74,7 +74,7 @@ def check_async(config: Any) -> None:
 
 
 def check_partial_rollout(config: Any) -> None:
-    """``rollout.partial_rollout`` (docs/async.md): segments of a rollout pool's generation, weights loaded between
+    """``rollout.partial_rollout`` (docs/guide/async.md): segments of a rollout pool's generation, weights loaded between
     them. The engine's capability (``continue_from_tokens``) is checked by the rollout worker when it builds it."""
     rollout = config.rollout
     if not rollout.partial_rollout:
@@ -132,7 +132,7 @@ def check_generation_layout(config: Any, world: int) -> None:
         raise ValueError(f"rollout.engine = {engine} generates tensor-parallel on the actor's own ranks in groups of "
                          f"consecutive ranks of the whole world (its info record: tensor_parallel_world = whole); the "
                          f"hybrid engine's generation layout at {world} ranks / tg = {tensor} draws strided tensor "
-                         f"groups (micro-DP {world // tensor}, docs/vllm.md). Expected rollout.tensor_parallel_size "
+                         f"groups (micro-DP {world // tensor}, docs/guide/vllm.md). Expected rollout.tensor_parallel_size "
                          f"= {world} (the actor's world) or 1, got {tensor}. Fix: set rollout.tensor_parallel_size="
                          f"{world} or 1, or rollout.engine=hf")
     if config.rollout.multi_turn.enable:
@@ -253,7 +253,7 @@ def check_pool_batches(config: Any, sections: dict[str, Any], *, error: type[Exc
 
 
 def check_streaming(config: Any) -> None:
-    """``trainer.stream_mini_batches`` (docs/async.md): the step's rollout arrives in chunks of
+    """``trainer.stream_mini_batches`` (docs/guide/async.md): the step's rollout arrives in chunks of
     ``actor.mini_batch_size`` rows of whole prompt groups, and the actor steps on each as it arrives."""
     actor, n, rows = config.actor, config.rollout.n, config.data.batch_size * config.rollout.n
     what = "trainer.stream_mini_batches trains each chunk of a step's rollout as it arrives"

@@ -40,7 +40,7 @@ Training contract:
   record, never the engine's attributes: what a run needs and the engine lacks is refused at config time naming
   the capability (:func:`require_capability`), and an engine that declares a capability it does not implement is
   refused when it is built (:func:`verify_declared_capabilities`), neither ever retried as a transient fault.
-  docs/plugin-authoring.md's table says which capability the hybrid engine uses for what.
+  docs/guide/plugin-authoring.md's table says which capability the hybrid engine uses for what.
 """
 
 from __future__ import annotations
@@ -621,7 +621,7 @@ def verify_declared_capabilities(engine: object, info: TrainingEngineInfo | Roll
         raise EngineContractError(
             f'engine "{name}" ({type(engine).__module__}.{type(engine).__qualname__}) declares capabilities it does '
             "not implement: " + "; ".join(f"{c} lacks {', '.join(m)}" for c, m in missing.items())
-            + ". Fix the plugin: implement them or drop them from its info record (docs/plugin-authoring.md)")
+            + ". Fix the plugin: implement them or drop them from its info record (docs/guide/plugin-authoring.md)")
 
 
 class TrainingEngineFactory(Protocol):

@@ -71,7 +71,7 @@ def hybridflow_register_layouts(registry: Registry[Any]) -> None:
     and the keyword arguments are the engine's parallel sizes and model facts, named as the registering plugin
     documents (``fsdp``: ``data``; ``megatron``: ``tensor, pipeline, data, num_heads, num_kv_heads, head_dim``;
     ``vllm``/``sglang``: ``model_config, tensor_parallel_size``). The reshard planner takes the training engine's
-    layout as source and the rollout engine's as target (see docs/resharding.md).
+    layout as source and the rollout engine's as target (see docs/design/resharding.md).
     """
 
 

@@ -3,7 +3,7 @@
 bf16 matmuls run 3.5-4.6x the fp32 ones on a CPU with native bf16 (AVX512-BF16 or AMX) from 64 rows on (one
 thread, [rows x hidden] x [hidden x 3*hidden] at hidden 256-512; bench/mixed_precision.py on this project's 2-core
 box), and on every GPU since Ampere. On a tiny model a step is dispatch overhead, not arithmetic, and the casts cost
-more than the matmuls save (docs/fsdp.md, "Mixed precision": two FSDP ranks at 77K parameters 0.74x, at 600K
+more than the matmuls save (docs/guide/fsdp.md, "Mixed precision": two FSDP ranks at 77K parameters 0.74x, at 600K
 1.14-1.16x, 2.4M 1.23-1.24x, 18.9M 1.6-2.0x), so ``auto`` picks bf16 for models of at least
 :data:`AUTO_BF16_MIN_PARAMETERS` parameters held in fp32 on an engine whose info record declares
 ``auto_mixed_precision`` (fsdp), where the device computes bf16

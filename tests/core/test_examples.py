@@ -1,5 +1,5 @@
 """Every shipped example config loads (schema and cross-field checks), and the asynchronous main job is the
-configuration docs/async.md measured: split pools, one step of staleness, the decoupled PPO objective."""
+configuration docs/guide/async.md measured: split pools, one step of staleness, the decoupled PPO objective."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_async_main_job_is_the_measured_configuration() -> None:
     assert set(config.resource_pools) == {"main", "gen"}
     assert config.trainer.max_staleness == 1
     assert config.actor.recompute_log_probs and config.algorithm.rollout_correction == "tis"
-    # everything else is the synchronous main job's, so the comparison in docs/async.md holds
+    # everything else is the synchronous main job's, so the comparison in docs/guide/async.md holds
     assert config.model.path == synchronous.model.path
     assert config.rollout.n == synchronous.rollout.n and config.data.batch_size == synchronous.data.batch_size
     assert config.actor.optim == synchronous.actor.optim

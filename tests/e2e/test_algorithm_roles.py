@@ -91,7 +91,7 @@ def test_safe_rlhf_keeps_cost_under_its_limit_while_reward_rises(tmp_path: Path,
     Asserted on averages over many steps, not on the last few: λ's dual ascent keeps the constraint on average,
     not at every step — once the cost is under the limit λ decays to 0, the cost drifts back up and λ rises again,
     so where the final steps fall in that cycle depends on the seed and on fp32 summation order (padding removal
-    on or off). Measured (docs/fsdp.md, padding removal), packed over seeds 0–3 and padded on seed 0: the lowest
+    on or off). Measured (docs/guide/fsdp.md, padding removal), packed over seeds 0–3 and padded on seed 0: the lowest
     10-step mean cost 0.03–0.06, the second half's mean cost 0.09–0.21 and reward gain 0.11–0.14, λ's peak
     0.29–0.34, back to 0 after it. With the cost advantage's sign flipped (a broken Safe-RLHF) 0.38, 0.40 and λ
     climbing to 1.98; with the reward advantage's flipped the reward falls to 0 (0.015 → 0.000).

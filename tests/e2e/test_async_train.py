@@ -1,4 +1,4 @@
-"""Asynchronous RL on a split rollout pool through the real trainer (docs/async.md): at trainer.max_staleness = 0 the
+"""Asynchronous RL on a split rollout pool through the real trainer (docs/guide/async.md): at trainer.max_staleness = 0 the
 rollout pool reproduces the colocated synchronous loop bit for bit (metrics and final weights); at k = 1 the rollout
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
 counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
@@ -353,7 +353,7 @@ def test_a_killed_driver_reruns_from_its_checkpoint_and_resyncs_the_rollout_pool
     (``trainer.resume=auto``): the rerun continues at the checkpoint's step S, syncs the restored weights to its
     fresh rollout pool (whose log-probs are then the actor's), trains each remaining prompt once (the prompts the
     killed run drew for those steps, none consumed twice over the run) and holds the bound; its first k steps train
-    at staleness 0 (the queue refilled under the restored weights, docs/async.md), the uninterrupted run's at 1."""
+    at staleness 0 (the queue refilled under the restored weights, docs/guide/async.md), the uninterrupted run's at 1."""
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, *DRIVER)
     command = _train_command(config, tmp_path / "run.yaml")
@@ -513,7 +513,7 @@ def test_killed_workers_under_partial_rollout_recover_within_the_bound(tmp_path:
     rollout's rules — a version on every sampled token and none on padding, each token's version one the actor had
     and within k = 1 of the weights it updates, versions never going back along a row, the row's staleness tag its
     oldest token's; the ledger audit finds every sample consumed exactly once. (Not bit for bit with the clean run:
-    the lost generations are redone under newer weights, docs/async.md.)"""
+    the lost generations are redone under newer weights, docs/guide/async.md.)"""
     run_dir = tmp_path / "run"
     trainer = Trainer(tiny_config(run_dir, *PARTIAL, f"reliability.faults={json.dumps(PARTIAL_FAULTS)}"),
                       progress=False)

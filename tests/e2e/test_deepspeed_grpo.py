@@ -152,5 +152,5 @@ def test_grpo_with_deepspeed_zero3_actor_generates_at_tg2(tmp_path: Path, tiny_c
         assert all(0 < moved < model_bytes // 2 for moved in edge["bytes_per_rank"]), (edge, model_bytes)
         # while generating, counted from storages: the bound tg = 2 shards (M/2 + half the norms, 640 B) alone; the
         # ZeRO-3 flat buffer is parked whole, the row-parallel partition bytes outside this rank's columns included
-        # (end_generation() receives them back from the tensor-parallel peer, docs/deepspeed.md)
+        # (end_generation() receives them back from the tensor-parallel peer, docs/guide/deepspeed.md)
         assert all(held == model_bytes // 2 + 640 for held in row["weight_bytes"]["generation"]), row

@@ -1,4 +1,4 @@
-"""Partial rollout through the real trainer (``rollout.partial_rollout``, docs/async.md): at k = 1 the rollout pool
+"""Partial rollout through the real trainer (``rollout.partial_rollout``, docs/guide/async.md): at k = 1 the rollout pool
 generates iteration s + 1 while the actor trains step s; in segments of one token, the update's weights land in the
 middle of that generation and the rest of each unfinished response is sampled under them. The trained samples carry
 two versions, each a version the actor had, changing only at a segment boundary and never going back, none more

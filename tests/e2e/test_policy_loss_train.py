@@ -1,5 +1,5 @@
 """The policy-loss keys through the trainer: a one-step GRPO run per loss, configured by the config's keys only,
-whose actor worker reports the loss it computed (docs/algorithms.md, "Policy losses")."""
+whose actor worker reports the loss it computed (docs/guide/algorithms.md, "Policy losses")."""
 
 from __future__ import annotations
 

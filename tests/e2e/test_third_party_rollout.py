@@ -13,18 +13,18 @@ tests/plugins/third_party_rollout/test_tp_hf_contracts.py.
 Here: (1) ``rollout.engine=tp_hf rollout.tensor_parallel_size=2`` is refused when the config loads, naming the
 missing capability; (2) GRPO on the arithmetic task (the from-scratch example, 40 steps, the hybrid engine with the
 fsdp actor on 2 workers) with ``rollout.engine=tp_hf`` learns, its rollout log-probs agree with the actor's own, and
-the ledger shows the zero redundancy docs/architecture.md ("What the hybrid engine holds") promises for a binding
+the ledger shows the zero redundancy docs/design/architecture.md ("What the hybrid engine holds") promises for a binding
 engine: every rank holds the model once while generating (M, the FSDP shards parked in the bound weights) and its
 FSDP shard alone while training (M/2; the engine asleep holds nothing); (3) ``tp_hf_tg`` at tg = 2 on the
 trainer's path: the handover moves only the norms (= the lower bound), each rank holds M/2 + half the norms while
-generating (its bound shards, docs/resharding.md's figure for the hf engine) and the rollout log-probs agree with the
+generating (its bound shards, docs/design/resharding.md's figure for the hf engine) and the rollout log-probs agree with the
 actor's.
 
 What the documentation lacked for writing this engine (found while writing it; the core was not changed):
 
-- docs/plugin-authoring.md §5 calls the resident-bytes figures the ``handover/weight_bytes_*`` metrics; no metric of
+- docs/guide/plugin-authoring.md §5 calls the resident-bytes figures the ``handover/weight_bytes_*`` metrics; no metric of
   that name exists. They are the ledger's ``weight_bytes`` (``ledger.jsonl``: ``row["weight_bytes"]["training"]``
-  and ``["generation"]``, one number per rank), as only docs/resharding.md ("Ledger") says.
+  and ``["generation"]``, one number per rank), as only docs/design/resharding.md ("Ledger") says.
 - The initial ``weights_version`` of a freshly built engine is not specified (the worker "skips the handover when
   ``weights_version`` already equals the policy version"): an engine built from ``model.config`` (random init) that
   reported 0 could generate from its own random weights at step 0. This engine reports -1.
@@ -52,7 +52,7 @@ What the documentation lacked for writing this engine (found while writing it; t
   whether ``RolloutEngineConfig.seed`` differs per rank, the dtype of ``response_mask``/``attention_mask``, the
   ``position_ids`` after EOS, and that ``meta["policy_version"]`` must *replace* the input's (the trainer stamps
   the iteration's version on the prompts; ``Batch.union`` with another version raises) are not written down.
-- docs/plugin-authoring.md §4 says to copy tests/plugins/fsdp/test_contracts.py, but a copy under that basename
+- docs/guide/plugin-authoring.md §4 says to copy tests/plugins/fsdp/test_contracts.py, but a copy under that basename
   cannot be collected in the same pytest session (rootdir imports; the harness here is test_tp_hf_contracts.py).
 - How a fixture plugin is installed for the tests is not in the docs; scripts/setup.sh installs no fixture, the tests
   pip-install them into a temporary ``--target`` site themselves (tests/core/test_plugins.py,
@@ -78,7 +78,7 @@ from hybridflow.trainer.progress import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "tests" / "fixtures" / "third_party_rollout"
 EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
-PRESET = "tiny-qwen2-4h"  # 4 heads / 2 KV heads, vocabulary 48: the preset docs/resharding.md measures, and tg = 2's
+PRESET = "tiny-qwen2-4h"  # 4 heads / 2 KV heads, vocabulary 48: the preset docs/design/resharding.md measures, and tg = 2's
 NO_VALIDATION = ["trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0"]
 
 

@@ -23,7 +23,7 @@ def test_local_ray_binds_to_loopback() -> None:
 def test_local_ray_services_listen_on_loopback_only() -> None:
     """Ray's own processes (GCS, raylet, agents) listen on loopback only. Worker processes are left out: rank 0 of a
     worker group hosts torch.distributed's rendezvous store, which torch binds to every interface whatever host it is
-    given (documented in docs/operations.md)."""
+    given (documented in docs/guide/operations.md)."""
     import ipaddress
 
     import psutil
@@ -49,7 +49,7 @@ def test_local_ray_services_listen_on_loopback_only() -> None:
 
 
 def test_docs_say_module_function_rewards_execute_code() -> None:
-    text = (ROOT / "docs" / "operations.md").read_text()
+    text = (ROOT / "docs" / "guide" / "operations.md").read_text()
     assert "`module:function` or `path/to/file.py:function` execute code" in text
     from hybridflow import rewards
 

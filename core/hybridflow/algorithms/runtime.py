@@ -180,7 +180,7 @@ class Runtime:
         return batch
 
     def stream_update(self, prompts: Batch, advantages: Callable[[Batch], None]) -> tuple[Batch, dict[str, float]]:
-        """A streamed step (``trainer.stream_mini_batches``, docs/async.md): for each chunk of ``prompts`` (whole
+        """A streamed step (``trainer.stream_mini_batches``, docs/guide/async.md): for each chunk of ``prompts`` (whole
         prompt groups), the moment its rollout arrives: score it, set its advantages (``advantages(chunk)``: they
         must need nothing beyond the chunk's prompt groups) and dispatch the actor's update of it, while the rollout
         pool generates the next chunks (the final chunk's update moves the policy version). Returns the chunks'

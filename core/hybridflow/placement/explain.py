@@ -1,7 +1,7 @@
 """Why the search chose what it chose, in the cost model's own terms: the stage seconds each kind of placement
 overlaps and the device time it leaves idle (:func:`explain_choice`), and what a standalone plan's separate
 scoring devices buy (:func:`merge_forward_only_sets`, :func:`explain_standalone`: the same devices with the
-forward-only models moved onto the trainer that does not generate). docs/placement.md, "The paper's grid against
+forward-only models moved onto the trainer that does not generate). docs/design/placement.md, "The paper's grid against
 ours". Stability: experimental.
 """
 

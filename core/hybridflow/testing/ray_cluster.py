@@ -4,7 +4,7 @@ bind (port 0, see :func:`_port_flags`), with token authentication on. Stopping k
 nothing else on the machine is touched (never a global ``ray stop``: other Ray clusters may run on the same box).
 
 Used by ``tests/e2e/test_multinode.py`` and ``bench/multinode.py`` (the same cluster, the same steps as
-docs/operations.md §9 lists for real machines).
+docs/guide/operations.md §9 lists for real machines).
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def start_head(*, num_cpus: int = 2, resources: dict[str, float] | None = None,
     """``ray start --head`` on loopback with token authentication; stop it with ``.stop()``.
 
     The token is a fresh one in a file of its own (``RAY_AUTH_TOKEN_PATH``, what a real cluster copies to every
-    machine, see docs/operations.md); the head, every added node and every driver get ``RAY_AUTH_MODE=token`` and
+    machine, see docs/guide/operations.md); the head, every added node and every driver get ``RAY_AUTH_MODE=token`` and
     that path.
     """
     token_dir = Path(tempfile.mkdtemp(prefix="hf-token-", dir="/tmp"))

@@ -1,5 +1,5 @@
 """The built-in ``python`` and ``calculator`` tools: ``python`` runs model-written code in the kernel-enforced
-sandbox of :mod:`hybridflow.tools.sandbox` (what it enforces is documented there and in docs/agent.md) and refuses
+sandbox of :mod:`hybridflow.tools.sandbox` (what it enforces is documented there and in docs/guide/agent.md) and refuses
 to start where that sandbox cannot be built, unless its config opts out; ``calculator`` evaluates arithmetic
 in-process.
 

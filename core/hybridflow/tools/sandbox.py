@@ -47,7 +47,7 @@ DENIED_MARKER = "sandbox: denied"
 
 # the child's first code: read the source, set the limits, install the courtesy audit hook, run the source (a bare
 # expression prints its value). The hook's state lives in a closure, not in __main__'s globals; it is still no
-# boundary (docs/agent.md): the kernel's limits and namespaces are.
+# boundary (docs/guide/agent.md): the kernel's limits and namespaces are.
 _BOOTSTRAP = r'''
 import os, sys, resource, signal
 source = sys.stdin.buffer.read().decode("utf-8", errors="replace")

@@ -1,4 +1,4 @@
-"""The actor's handle as the algorithm sees it in a run with a rollout pool (``rollout.pool``, docs/async.md): its
+"""The actor's handle as the algorithm sees it in a run with a rollout pool (``rollout.pool``, docs/guide/async.md): its
 ``generate`` of the step's prompts is answered with the step's rollout from the rollout pool, and its
 ``update_policy`` is followed by the weight sync and the next generation (:class:`~hybridflow.trainer.async_loop.
 AsyncRollout`)."""

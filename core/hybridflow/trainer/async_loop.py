@@ -1,4 +1,4 @@
-"""Asynchronous RL on a split rollout (``rollout.pool``, docs/async.md): a rollout pool generates iterations up to
+"""Asynchronous RL on a split rollout (``rollout.pool``, docs/guide/async.md): a rollout pool generates iterations up to
 ``trainer.max_staleness`` = k ahead of the actor, and every rollout is checked against that bound with its policy
 version tag when it reaches the trainer: groups generated more than k versions behind the weights they would update
 are dropped and counted, never trained on.

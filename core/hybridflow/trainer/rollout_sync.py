@@ -1,4 +1,4 @@
-"""The driver's side of an asynchronous run's weight syncs (docs/async.md): a sync sends the actor's weights of a
+"""The driver's side of an asynchronous run's weight syncs (docs/guide/async.md): a sync sends the actor's weights of a
 version to the rollout pool behind what both have queued — the rollout worker fetches the actor's export from the
 object store by reference, or the actor's rank 0 broadcasts to the rollout ranks (``rollout.weight_sync:
 collective``) — and, with ``rollout.partial_rollout``, posts the export to the mailbox the rollout workers read

@@ -1,4 +1,4 @@
-"""The staleness bound of an asynchronous run (docs/async.md) and the actor plan it needs: every row of a rollout
+"""The staleness bound of an asynchronous run (docs/guide/async.md) and the actor plan it needs: every row of a rollout
 that reaches the trainer carries the policy version it was generated at (a partial rollout's row: the oldest version
 of its tokens, :func:`oldest_token_versions`), and rows more than ``trainer.max_staleness`` versions behind the
 weights they would update are dropped with their prompt group (:func:`enforce_staleness`)."""

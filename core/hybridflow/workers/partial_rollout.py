@@ -1,4 +1,4 @@
-"""Partial rollout (``rollout.partial_rollout``, docs/async.md): a rollout generated in segments of at most
+"""Partial rollout (``rollout.partial_rollout``, docs/guide/async.md): a rollout generated in segments of at most
 ``rollout.partial_rollout_tokens`` new tokens, each continuing every unfinished row from its prompt and the tokens
 so far, so that weights synced while the generation is in flight are loaded between two segments and the rest of
 the response is sampled under them (AReaL / PipelineRL style). Every token keeps the version of the weights that

@@ -286,7 +286,7 @@ class ActorRolloutWorker(_TrainingRole):
 
     @register(protocol="mesh_balanced", blocking=True, idempotent=False)
     def update_policy_chunk(self, batch: Batch, final: bool) -> dict[str, float]:
-        """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/async.md): its optimizer step(s) now;
+        """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/guide/async.md): its optimizer step(s) now;
         the policy version moves at the ``final`` chunk only, so a step is one version however it arrives."""
         self._check_version(batch, "update_policy_chunk")
         metrics = _with_rank_tokens(

@@ -1,4 +1,4 @@
-"""The workers of a split rollout (``rollout.pool``, docs/async.md): a rollout worker that only generates, on a pool
+"""The workers of a split rollout (``rollout.pool``, docs/guide/async.md): a rollout worker that only generates, on a pool
 of its own, and the actor worker that exports its generation weights for it in bounded buckets.
 
 Weights travel between the pools in buckets of at most ``bucket_bytes``, never through the driver

@@ -1,4 +1,4 @@
-"""How the actor's generation weights cross to a rollout pool (``rollout.weight_sync``, docs/async.md), in buckets of
+"""How the actor's generation weights cross to a rollout pool (``rollout.weight_sync``, docs/guide/async.md), in buckets of
 bounded bytes either way:
 
 - ``object_store``: :func:`pack_weight_buckets` on the actor's rank 0, the buckets its call's output in Ray's object

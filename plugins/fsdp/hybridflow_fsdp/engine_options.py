@@ -38,7 +38,7 @@ def resolve_unshard_handover(setting: object, *, mixed_precision: str, weight_by
     planner's executor (False). ``auto``: True under ``mixed_precision=bf16`` (the gathered bf16 weights are the
     generation weights) and in fp32 up to :data:`UNSHARD_HANDOVER_FP32_MAX_BYTES` of weights. In fp32 its transient
     is FSDP's — shards, flat all-gather buffer and gathered parameters, 2.5 M per rank at two ranks against M plus
-    one bucket for the executor (docs/fsdp.md) — which matters for large models only; small ones save the update's
+    one bucket for the executor (docs/guide/fsdp.md) — which matters for large models only; small ones save the update's
     second all-gather and the executor's per-tensor work: at 77K parameters on two ranks the GRPO step ran
     1.19-1.36x faster with it (bench/e2e_grpo.py --workers 2, alternated pairs, 2026-12-03)."""
     if setting == "auto":
@@ -56,7 +56,7 @@ def resolve_reduce_dtype(setting: object, *, role: str, mixed_precision: str, de
 
     On CPU the reduction is gloo over host memory and costs as much as the backward it follows: at 18.9M parameters
     on two ranks a bf16 reduce-scatter made the whole GRPO step 1.26-1.32x faster than an fp32 one in one alternating
-    pair of runs (no fp32 copy of the bf16 gradients, half the bytes; docs/fsdp.md has a noisier pair too). Its cost
+    pair of runs (no fp32 copy of the bf16 gradients, half the bytes; docs/guide/fsdp.md has a noisier pair too). Its cost
     in precision is one bf16 rounding of each summed gradient element per reduction step (at two ranks: of a + b), on
     gradients already computed in bf16; the fp32 master weights and AdamW state are unchanged. GPUs keep verl's fp32
     reduction.

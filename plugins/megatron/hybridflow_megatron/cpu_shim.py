@@ -1,6 +1,6 @@
 """Lets megatron-core 0.16 run on a CPU-only torch: CUDA calls inside megatron modules are mapped to the CPU.
 
-Scope and limits (see docs/megatron.md): it is activated only for ``device="cpu"`` and never on a GPU run; it
+Scope and limits (see docs/guide/megatron.md): it is activated only for ``device="cpu"`` and never on a GPU run; it
 rebinds the name ``torch`` inside already-imported ``megatron.core`` modules to a proxy (so no other library sees a
 change), installs a CPU RNG tracker, and patches ``Tensor.cuda``/``Tensor.type`` only inside
 :func:`cpu_tensor_methods` blocks around model and optimizer construction. It leaves fusions, TransformerEngine,

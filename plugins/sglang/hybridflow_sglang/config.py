@@ -1,7 +1,7 @@
 """Map hybridflow's rollout config and sampling params onto SGLang's ``ServerArgs`` keywords and ``sampling_params``.
 
 Pure functions over plain data: nothing here imports sglang or starts an engine (see :mod:`hybridflow_sglang.engine`).
-Stability: public (the ``extra`` keys are documented in docs/sglang.md).
+Stability: public (the ``extra`` keys are documented in docs/guide/sglang.md).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_standalone_loses_on_the_grid_because_its_scoring_devices_idle() -> None
     """Standalone gives the reference and the reward model devices of their own, which wait through generation and
     both updates: over 70 % of the iteration idle on the paper's grid, ~40 % of all device time, against ~10–20 %
     for the best split. What it saves (scoring overlapped with the actor's log-probs) is smaller than what the
-    idle devices cost the actor and critic (docs/placement.md)."""
+    idle devices cost the actor and critic (docs/design/placement.md)."""
     for size in ("7b", "70b"):
         _, best = _best_of_each_kind(size, 128)
         standalone, split = best["standalone"], best["split"]

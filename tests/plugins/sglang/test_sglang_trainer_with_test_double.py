@@ -32,7 +32,7 @@ def test_grpo_runs_on_the_sglang_adapter_over_its_test_double(tmp_path: Path) ->
     logs.mkdir()
     env = {**os.environ, LOG_ENV: str(logs)}
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(DOUBLE_DIR), env.get("PYTHONPATH", "")])
-    # exactly what docs/sglang.md tells a user to set: the engine, and the memory saver for colocation
+    # exactly what docs/guide/sglang.md tells a user to set: the engine, and the memory saver for colocation
     command = [sys.executable, "-m", "hybridflow.cli", "train", "--no-progress", str(EXAMPLE),
                "rollout.engine=sglang", "rollout.extra.enable_memory_saver=true",
                "trainer.total_steps=2", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",

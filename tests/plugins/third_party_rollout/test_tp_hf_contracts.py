@@ -135,7 +135,7 @@ def tg2_greedy_rank(rank: int, world_size: int, site: str, model_dir: str, out_d
     from_path = engine.generate(build_prompt_batch(), GREEDY)  # the path's weights, cut by the engine itself
     full = read_weights(Path(model_dir))
     shards = {name: tensor_shard(name, tensor, rank, 2).clone() for name, tensor in full.items()
-              if name != "lm_head.weight"}  # tied: not sent (docs/plugin-authoring.md §5)
+              if name != "lm_head.weight"}  # tied: not sent (docs/guide/plugin-authoring.md §5)
     engine.update_weights(iter(shards.items()), version=4, bind=True)
     out = engine.generate(build_prompt_batch(), GREEDY)
     torch.save({"responses": out["responses"], "log_probs": out["rollout_log_probs"],
