@@ -1,5 +1,6 @@
-"""Model presets (``model.preset`` in a config): tiny Qwen2/Llama configs over the character vocabulary, random
-init, and :func:`save_tiny_model` writing one as an HF model directory. Stability: public.
+"""Model presets (``model.preset`` in a config): tiny Qwen2/Llama configs over the character vocabulary (and, through
+:func:`tiny_model_config`, Qwen3, Qwen3-MoE and Mixtral ones), random init, and :func:`save_tiny_model` writing one
+as an HF model directory. Stability: public.
 
 The tokenizer they pair with is :mod:`hybridflow.char_tokenizer`'s; building engines from a config is the engines'.
 """
@@ -12,7 +13,7 @@ from typing import Any
 from hybridflow.char_tokenizer import BOS_ID, CHAR_VOCAB, EOS_ID, PAD_ID, build_char_tokenizer
 from hybridflow.errors import ConfigError
 
-__all__ = ["MODEL_PRESETS", "preset_model_config", "tiny_model_config", "save_tiny_model"]
+__all__ = ["ARCHITECTURES", "MODEL_PRESETS", "preset_model_config", "tiny_model_config", "save_tiny_model"]
 
 #: ``model.preset`` name → keyword arguments of :func:`tiny_model_config`
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -21,6 +22,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": {"architecture": "llama"},
     # 4 heads / 2 KV heads, vocabulary padded to 48 (ids past the 45 characters decode to nothing): shards over tg = 2
     "tiny-qwen2-4h": {"num_heads": 4, "num_kv_heads": 2, "vocab_size": 48},
+}
+
+#: ``architecture`` of :func:`tiny_model_config` → the HF class its config names
+ARCHITECTURES: dict[str, str] = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -42,21 +52,27 @@ def tiny_model_config(
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 256,
     vocab_size: int | None = None,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
 ) -> dict[str, Any]:
     """An HF config dict for a tiny causal LM over :data:`~hybridflow.char_tokenizer.CHAR_VOCAB`.
 
     The default (2 heads of 32) loads in every engine, vLLM's CPU attention included (head size 32 or more);
     ``num_heads=4, num_kv_heads=2`` gives the head-16 fixture used for the TRL comparison. ``vocab_size`` pads the
     embedding past the character vocabulary (e.g. to a multiple of the generation tensor-parallel size).
+    ``architecture`` is one of :data:`ARCHITECTURES`; the mixture-of-experts ones (``qwen3_moe``, ``mixtral``) get
+    ``num_experts`` experts of ``intermediate_size`` each, ``num_experts_per_tok`` of them routed per token
+    (qwen3_moe with ``norm_topk_prob``, as Qwen3-30B-A3B ships).
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is not one of {sorted(ARCHITECTURES)}")
     if vocab_size is not None and vocab_size < len(CHAR_VOCAB):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the character vocabulary ({len(CHAR_VOCAB)})")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden {hidden_size}, heads {num_heads}, kv heads {num_kv_heads} do not divide")
-    model_type = {"qwen2": "qwen2", "llama": "llama"}[architecture]
-    return {
-        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
-        "model_type": model_type,
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[architecture]],
+        "model_type": architecture,
         "vocab_size": vocab_size or len(CHAR_VOCAB),
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -75,6 +91,12 @@ def tiny_model_config(
         "torch_dtype": "float32",
         "attention_dropout": 0.0,
     }
+    if architecture == "qwen3_moe":
+        config.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      moe_intermediate_size=intermediate_size, norm_topk_prob=True)
+    elif architecture == "mixtral":
+        config.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    return config
 
 
 def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
