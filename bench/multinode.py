@@ -35,7 +35,8 @@ EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
 
 
 def train(cluster: LoopbackCluster, run_dir: Path, devices_per_node: str, steps: int, timeout_s: float) -> float:
-    """``hybridflow train`` of the example joining ``cluster`` (the command docs/guide/operations.md §9 gives); seconds."""
+    """``hybridflow train`` of the example joining ``cluster`` (the command docs/guide/operations.md §9 gives);
+    seconds."""
     command = [str(BIN / "hybridflow"), "train", str(EXAMPLE), f"ray.address={cluster.address}",
                f"resource_pools.main.devices_per_node={devices_per_node}", f"trainer.run_dir={run_dir}",
                f"trainer.total_steps={steps}", "trainer.checkpoint_every=0", "trainer.val_every=0",

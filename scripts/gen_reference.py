@@ -103,7 +103,8 @@ def config_page() -> str:
             ((k, t.replace("|", "\\|"), d.replace("|", "\\|"), m.replace("|", "/")) for k, t, d, m in
              _walk(Config, ""))]
     return (HEADER + "# Config keys\n\nEvery key `hybridflow train` accepts (YAML or `key=value` overrides), with its "
-            "type, default and what the source says of it; how the sections fit together is docs/guide/configuration.md's."
+            "type, default and what the source says of it; how the sections fit together is "
+            "docs/guide/configuration.md's."
             "\n\n"
             "| key | type | default | meaning |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
 

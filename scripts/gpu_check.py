@@ -4,8 +4,8 @@ the CPU shim (logits equal HF, the training-engine contract suite), and peak CUD
 
 It needs torch with CUDA plus hybridflow's own dependencies (transformers, safetensors, pydantic, pluggy; megatron-core
 for the megatron part); what it cannot import is skipped with the reason. Ray, vLLM and SGLang are not used. Run it
-through ``scripts/gpu_check.sh OUT_DIR`` (see docs/guide/gpu.md); ``--allow-cpu`` runs the same code on the CPU (gloo), a
-dry run that proves the script itself works on a box without a GPU.
+through ``scripts/gpu_check.sh OUT_DIR`` (see docs/guide/gpu.md); ``--allow-cpu`` runs the same code on the CPU (gloo),
+a dry run that proves the script itself works on a box without a GPU.
 
 Writes ``OUT_DIR/gpu_check.json`` and ``OUT_DIR/gpu_check.md``; exits 1 if a check failed, 0 otherwise.
 """

@@ -199,8 +199,9 @@ class TrainerConfig(_Section):
     resume: Literal["auto", "never", "must"] = "auto"
     seed: int = 0
     progress: bool = True
-    # where metrics go (docs/guide/operations.md): console (the progress display), jsonl (metrics.jsonl, which `hybridflow
-    # report` reads), tensorboard, wandb (offline unless WANDB_MODE), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI)
+    # where metrics go (docs/guide/operations.md): console (the progress display), jsonl (metrics.jsonl, which
+    # `hybridflow report` reads), tensorboard, wandb (offline unless WANDB_MODE), mlflow (RUN_DIR/mlruns unless
+    # MLFLOW_TRACKING_URI)
     loggers: OneOrMany[LoggerName] = Field(default_factory=lambda: list(DEFAULT_LOGGERS))
     tensorboard: bool = True  # false drops tensorboard from trainer.loggers (the older switch)
     # decoded samples per step appended to RUN_DIR/rollouts.jsonl (prompt, response, reward, length); 0 = off
@@ -208,8 +209,8 @@ class TrainerConfig(_Section):
     deadline_s: float = Field(default=900.0, gt=0)
     threads_per_worker: int = Field(default=1, gt=0)
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
-    # remap advisor (docs/design/placement.md): every advisor_every steps compare the plan's predicted node times with the
-    # ledger's and record in RUN_DIR/advisor.jsonl whether a remap pays (0 = off; needs trainer.plan); advisor_runs:
+    # remap advisor (docs/design/placement.md): every advisor_every steps compare the plan's predicted node times with
+    # the ledger's and record in RUN_DIR/advisor.jsonl whether a remap pays (0 = off; needs trainer.plan); advisor_runs:
     # earlier run dirs (plan.json + ledger.jsonl) it calibrates from too, e.g. one at another data-parallel size
     advisor_every: int = Field(default=0, ge=0)
     advisor_runs: list[str] = Field(default_factory=list)
@@ -223,11 +224,11 @@ class TrainerConfig(_Section):
     # data.val_files or data.task.num_val_prompts; greedy, plus val_n samples per prompt when val_n > 1
     val_every: int = Field(default=0, ge=0)
     val_n: int = Field(default=1, ge=1)
-    # asynchronous RL (docs/guide/async.md): with rollout.pool, generation runs up to max_staleness policy versions behind
-    # the actor; samples further behind are dropped and counted. 0 = synchronous
+    # asynchronous RL (docs/guide/async.md): with rollout.pool, generation runs up to max_staleness policy versions
+    # behind the actor; samples further behind are dropped and counted. 0 = synchronous
     max_staleness: int = Field(default=0, ge=0)
-    # streaming (docs/guide/async.md): with rollout.pool, a step's rollout arrives in chunks of actor.mini_batch_size rows
-    # and the actor takes each chunk's optimizer step as it arrives (one policy version per step still)
+    # streaming (docs/guide/async.md): with rollout.pool, a step's rollout arrives in chunks of actor.mini_batch_size
+    # rows and the actor takes each chunk's optimizer step as it arrives (one policy version per step still)
     stream_mini_batches: bool = False
 
 

@@ -74,8 +74,9 @@ def check_async(config: Any) -> None:
 
 
 def check_partial_rollout(config: Any) -> None:
-    """``rollout.partial_rollout`` (docs/guide/async.md): segments of a rollout pool's generation, weights loaded between
-    them. The engine's capability (``continue_from_tokens``) is checked by the rollout worker when it builds it."""
+    """``rollout.partial_rollout`` (docs/guide/async.md): segments of a rollout pool's generation, weights loaded
+    between them. The engine's capability (``continue_from_tokens``) is checked by the rollout worker when it builds
+    it."""
     rollout = config.rollout
     if not rollout.partial_rollout:
         default = type(rollout).model_fields["partial_rollout_tokens"].default
@@ -132,9 +133,9 @@ def check_generation_layout(config: Any, world: int) -> None:
         raise ValueError(f"rollout.engine = {engine} generates tensor-parallel on the actor's own ranks in groups of "
                          f"consecutive ranks of the whole world (its info record: tensor_parallel_world = whole); the "
                          f"hybrid engine's generation layout at {world} ranks / tg = {tensor} draws strided tensor "
-                         f"groups (micro-DP {world // tensor}, docs/guide/vllm.md). Expected rollout.tensor_parallel_size "
-                         f"= {world} (the actor's world) or 1, got {tensor}. Fix: set rollout.tensor_parallel_size="
-                         f"{world} or 1, or rollout.engine=hf")
+                         f"groups (micro-DP {world // tensor}, docs/guide/vllm.md). Expected "
+                         f"rollout.tensor_parallel_size = {world} (the actor's world) or 1, got {tensor}. Fix: set "
+                         f"rollout.tensor_parallel_size={world} or 1, or rollout.engine=hf")
     if config.rollout.multi_turn.enable:
         raise ValueError(f"rollout.multi_turn runs each conversation's turns on one rank; it does not run at "
                          f"rollout.tensor_parallel_size = {tensor} (a tool's timing could make the ranks of a "

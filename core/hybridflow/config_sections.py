@@ -125,14 +125,16 @@ class _ModelRole(_Section):
     model: ModelConfig | None = None
     parallel: ParallelSection = ParallelSection()
     micro_batch_size: int = Field(default=64, gt=0)
-    # padding removal (fsdp engine): a micro-batch's rows packed into one sequence, attention per row (docs/guide/fsdp.md)
+    # padding removal (fsdp engine): a micro-batch's rows packed into one sequence, attention per row
+    # (docs/guide/fsdp.md)
     use_remove_padding: bool = True
     # micro-batches cut by this many tokens per forward (rows' attention-mask counts), replacing micro_batch_size
     max_tokens_per_micro_batch: int | None = Field(default=None, gt=0)
     # bf16 compute with fp32 master weights and reduction; auto: bf16 where it pays (hybridflow.precision)
     mixed_precision: Literal["auto", "none", "bf16"] = "auto"
     extra: dict[str, Any] = Field(default_factory=dict)  # engine-specific options, passed through unchanged
-    # worker method → transfer protocol replacing the one it declares (e.g. generate: my_protocol); docs/design/controller.md
+    # worker method → transfer protocol replacing the one it declares (e.g. generate: my_protocol);
+    # docs/design/controller.md
     protocols: dict[str, str] = Field(default_factory=dict)
 
 
@@ -176,7 +178,8 @@ def _actor_only(key: str, instead: str = "") -> str:
 
 
 class LoraSection(_Section):
-    """``actor.lora``: train low-rank adapters on the actor's linear layers instead of every weight (docs/guide/fsdp.md)."""
+    """``actor.lora``: train low-rank adapters on the actor's linear layers instead of every weight
+    (docs/guide/fsdp.md)."""
 
     rank: int  # the adapters' inner dimension r (required: there is no LoRA without it)
     alpha: float = Field(default=16.0, gt=0)  # the adapters' product is scaled by alpha / rank

@@ -1,5 +1,5 @@
-"""Asynchronous RL on a split rollout pool through the real trainer (docs/guide/async.md): at trainer.max_staleness = 0 the
-rollout pool reproduces the colocated synchronous loop bit for bit (metrics and final weights); at k = 1 the rollout
+"""Asynchronous RL on a split rollout pool through the real trainer (docs/guide/async.md): at trainer.max_staleness = 0
+the rollout pool reproduces the colocated synchronous loop bit for bit (metrics and final weights); at k = 1 the rollout
 pool generates a step ahead under weights one version old, and samples injected beyond the bound are dropped,
 counted and never reach the update; ``rollout.weight_sync: collective`` gives that k = 1 run metric for metric and
 weight for weight (the collective run is compared with the k = 1 test's object-store run, shared by both tests), and
@@ -353,7 +353,8 @@ def test_a_killed_driver_reruns_from_its_checkpoint_and_resyncs_the_rollout_pool
     (``trainer.resume=auto``): the rerun continues at the checkpoint's step S, syncs the restored weights to its
     fresh rollout pool (whose log-probs are then the actor's), trains each remaining prompt once (the prompts the
     killed run drew for those steps, none consumed twice over the run) and holds the bound; its first k steps train
-    at staleness 0 (the queue refilled under the restored weights, docs/guide/async.md), the uninterrupted run's at 1."""
+    at staleness 0 (the queue refilled under the restored weights, docs/guide/async.md), the uninterrupted run's at
+    1."""
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, *DRIVER)
     command = _train_command(config, tmp_path / "run.yaml")

@@ -1,5 +1,5 @@
-"""Partial rollout through the real trainer (``rollout.partial_rollout``, docs/guide/async.md): at k = 1 the rollout pool
-generates iteration s + 1 while the actor trains step s; in segments of one token, the update's weights land in the
+"""Partial rollout through the real trainer (``rollout.partial_rollout``, docs/guide/async.md): at k = 1 the rollout
+pool generates iteration s + 1 while the actor trains step s; in segments of one token, the update's weights land in the
 middle of that generation and the rest of each unfinished response is sampled under them. The trained samples carry
 two versions, each a version the actor had, changing only at a segment boundary and never going back, none more
 than k behind the weights it updates; the run ends with finite losses and the importance weights of the per-token

@@ -17,13 +17,13 @@ the ledger shows the zero redundancy docs/design/architecture.md ("What the hybr
 engine: every rank holds the model once while generating (M, the FSDP shards parked in the bound weights) and its
 FSDP shard alone while training (M/2; the engine asleep holds nothing); (3) ``tp_hf_tg`` at tg = 2 on the
 trainer's path: the handover moves only the norms (= the lower bound), each rank holds M/2 + half the norms while
-generating (its bound shards, docs/design/resharding.md's figure for the hf engine) and the rollout log-probs agree with the
-actor's.
+generating (its bound shards, docs/design/resharding.md's figure for the hf engine) and the rollout log-probs agree
+with the actor's.
 
 What the documentation lacked for writing this engine (found while writing it; the core was not changed):
 
-- docs/guide/plugin-authoring.md §5 calls the resident-bytes figures the ``handover/weight_bytes_*`` metrics; no metric of
-  that name exists. They are the ledger's ``weight_bytes`` (``ledger.jsonl``: ``row["weight_bytes"]["training"]``
+- docs/guide/plugin-authoring.md §5 calls the resident-bytes figures the ``handover/weight_bytes_*`` metrics; no metric
+  of that name exists. They are the ledger's ``weight_bytes`` (``ledger.jsonl``: ``row["weight_bytes"]["training"]``
   and ``["generation"]``, one number per rank), as only docs/design/resharding.md ("Ledger") says.
 - The initial ``weights_version`` of a freshly built engine is not specified (the worker "skips the handover when
   ``weights_version`` already equals the policy version"): an engine built from ``model.config`` (random init) that
@@ -78,7 +78,7 @@ from hybridflow.trainer.progress import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "tests" / "fixtures" / "third_party_rollout"
 EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
-PRESET = "tiny-qwen2-4h"  # 4 heads / 2 KV heads, vocabulary 48: the preset docs/design/resharding.md measures, and tg = 2's
+PRESET = "tiny-qwen2-4h"  # 4 heads / 2 KV heads, vocab 48: the preset docs/design/resharding.md measures, and tg = 2's
 NO_VALIDATION = ["trainer.val_every=0", "trainer.val_n=1", "data.task.num_val_prompts=0"]
 
 

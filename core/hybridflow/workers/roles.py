@@ -286,8 +286,8 @@ class ActorRolloutWorker(_TrainingRole):
 
     @register(protocol="mesh_balanced", blocking=True, idempotent=False)
     def update_policy_chunk(self, batch: Batch, final: bool) -> dict[str, float]:
-        """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/guide/async.md): its optimizer step(s) now;
-        the policy version moves at the ``final`` chunk only, so a step is one version however it arrives."""
+        """One chunk of a streamed step (``trainer.stream_mini_batches``, docs/guide/async.md): its optimizer step(s)
+        now; the policy version moves at the ``final`` chunk only, so a step is one version however it arrives."""
         self._check_version(batch, "update_policy_chunk")
         metrics = _with_rank_tokens(
             self.engine.train_step(batch, loss_fn=self.spec.loss, mini_batch_size=self.spec.mini_batch_size), batch)

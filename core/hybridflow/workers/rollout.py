@@ -1,5 +1,5 @@
-"""The workers of a split rollout (``rollout.pool``, docs/guide/async.md): a rollout worker that only generates, on a pool
-of its own, and the actor worker that exports its generation weights for it in bounded buckets.
+"""The workers of a split rollout (``rollout.pool``, docs/guide/async.md): a rollout worker that only generates, on a
+pool of its own, and the actor worker that exports its generation weights for it in bounded buckets.
 
 Weights travel between the pools in buckets of at most ``bucket_bytes``, never through the driver
 (:mod:`hybridflow.workers.weight_sync`, ``rollout.weight_sync``): through Ray's object store (the actor's rank 0

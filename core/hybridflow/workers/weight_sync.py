@@ -1,5 +1,5 @@
-"""How the actor's generation weights cross to a rollout pool (``rollout.weight_sync``, docs/guide/async.md), in buckets of
-bounded bytes either way:
+"""How the actor's generation weights cross to a rollout pool (``rollout.weight_sync``, docs/guide/async.md), in
+buckets of bounded bytes either way:
 
 - ``object_store``: :func:`pack_weight_buckets` on the actor's rank 0, the buckets its call's output in Ray's object
   store, fetched by the rollout worker (:class:`~hybridflow.workers.rollout.WeightsRef`);

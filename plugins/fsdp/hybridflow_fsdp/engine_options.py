@@ -56,9 +56,9 @@ def resolve_reduce_dtype(setting: object, *, role: str, mixed_precision: str, de
 
     On CPU the reduction is gloo over host memory and costs as much as the backward it follows: at 18.9M parameters
     on two ranks a bf16 reduce-scatter made the whole GRPO step 1.26-1.32x faster than an fp32 one in one alternating
-    pair of runs (no fp32 copy of the bf16 gradients, half the bytes; docs/guide/fsdp.md has a noisier pair too). Its cost
-    in precision is one bf16 rounding of each summed gradient element per reduction step (at two ranks: of a + b), on
-    gradients already computed in bf16; the fp32 master weights and AdamW state are unchanged. GPUs keep verl's fp32
+    pair of runs (no fp32 copy of the bf16 gradients, half the bytes; docs/guide/fsdp.md has a noisier pair too). Its
+    cost in precision is one bf16 rounding of each summed gradient element per reduction step (at two ranks: of a + b),
+    on gradients already computed in bf16; the fp32 master weights and AdamW state are unchanged. GPUs keep verl's fp32
     reduction.
     """
     if setting == "auto":

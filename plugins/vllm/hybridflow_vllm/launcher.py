@@ -1,7 +1,7 @@
-"""vLLM's ``external_launcher`` inside the trainer's own processes (docs/guide/vllm.md, "Tensor-parallel generation in the
-trainer"): the checks that the caller's ranks can be vLLM's tensor-parallel workers, a shared-memory name per engine,
-removed once every rank has mapped it, the release of vLLM's own process groups without the caller's world, and the
-caller's RNG states kept across vLLM's start-up (which seeds them). These reach into vLLM internals
+"""vLLM's ``external_launcher`` inside the trainer's own processes (docs/guide/vllm.md, "Tensor-parallel generation in
+the trainer"): the checks that the caller's ranks can be vLLM's tensor-parallel workers, a shared-memory name per
+engine, removed once every rank has mapped it, the release of vLLM's own process groups without the caller's world, and
+the caller's RNG states kept across vLLM's start-up (which seeds them). These reach into vLLM internals
 (``ExecutorWithExternalLauncher._distributed_args``, the tensor group's message queue, ``parallel_state``): check them
 on a vLLM upgrade.
 Stability: internal."""

@@ -1,5 +1,5 @@
-"""Streaming mini-batches (``trainer.stream_mini_batches``, docs/guide/async.md): the config checks, the chunks a step is
-cut into, how the chunks' update metrics combine and the actor worker's version between chunks (the trainer's path:
+"""Streaming mini-batches (``trainer.stream_mini_batches``, docs/guide/async.md): the config checks, the chunks a step
+is cut into, how the chunks' update metrics combine and the actor worker's version between chunks (the trainer's path:
 tests/e2e/test_async_train.py)."""
 
 from __future__ import annotations

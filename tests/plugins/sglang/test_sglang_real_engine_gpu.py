@@ -1,8 +1,8 @@
 """The real SGLang engine: hybridflow's rollout contract suite plus the colocated release → update → resume cycle.
 
 Marked ``gpu`` (deselected by default) and skipped, with the reason, without sglang or a CUDA GPU. Run on a GPU box:
-``pytest -m gpu tests/plugins/sglang`` (see docs/guide/sglang.md). ``HYBRIDFLOW_SGLANG_SERVER_ARGS`` may hold a JSON object
-of extra sglang ServerArgs (e.g. ``{"attention_backend": "triton"}``) for GPUs where the defaults do not fit.
+``pytest -m gpu tests/plugins/sglang`` (see docs/guide/sglang.md). ``HYBRIDFLOW_SGLANG_SERVER_ARGS`` may hold a JSON
+object of extra sglang ServerArgs (e.g. ``{"attention_backend": "triton"}``) for GPUs where the defaults do not fit.
 """
 
 from __future__ import annotations
