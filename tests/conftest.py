@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections import Counter
 from collections.abc import Generator, Iterable
 
 import pytest
@@ -119,9 +118,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests/time_budget.py), or a guess from its ``slow`` marks when it has none.
     """
     recorded = module_seconds(load_report())
-    guess: Counter[str] = Counter()
+    guess: dict[str, float] = {}
     first: dict[str, int] = {}
     for index, item in enumerate(items):
         first.setdefault(_module(item), index)
-        guess[_module(item)] += GUESS_SLOW_S if item.get_closest_marker("slow") is not None else GUESS_OTHER_S
+        cost = GUESS_SLOW_S if item.get_closest_marker("slow") is not None else GUESS_OTHER_S
+        guess[_module(item)] = guess.get(_module(item), 0.0) + cost
     items.sort(key=lambda item: (-recorded.get(_module(item), guess[_module(item)]), first[_module(item)]))

