@@ -1,4 +1,4 @@
-"""A lean forward for generation with Llama/Qwen2-shaped HF causal LMs: the model's own parameters, a preallocated
+"""A lean forward for generation with Llama/Qwen2/Qwen3-shaped HF causal LMs: the model's own parameters, a preallocated
 KV cache written in place, one boolean attention mask per call and no module dispatch, decorators or cache objects.
 
 On small models the per-token cost of ``model(...)`` is Python and dispatch overhead, not arithmetic; this forward
@@ -36,6 +36,8 @@ class LeanDecoder(LeanForward):
         self._bias = torch.empty(0)
         self._keys = torch.empty(0, dtype=torch.bool)
         self._packed: list[Any] = []
+        #: per layer, Qwen3's q/k norm weights as one [H + KV, D] table (query rows pre-scaled by 1/√d); else empty
+        self._qk_norms: list[torch.Tensor] = []
         self._step_cos = self._step_sin = torch.empty(0)
         self._embedding = torch.empty(0)
         self._head: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
@@ -105,6 +107,8 @@ class LeanDecoder(LeanForward):
                 self._packed[index]
             qkv = F.linear(self._plain_norm(h), qkv_weight, qkv_bias)
             qk = qkv[..., : (heads + kv_heads) * dim].view(rows, width, heads + kv_heads, dim)
+            if self._qk_norms:
+                qk = self._scaled_head_norm(qk, index)
             qk = self._rope(qk, cos, sin).transpose(1, 2)  # [B, H+KV, W, D]
             k = qk[:, heads:]
             v = qkv[..., (heads + kv_heads) * dim :].view(rows, width, kv_heads, dim).transpose(1, 2)
@@ -133,13 +137,18 @@ class LeanDecoder(LeanForward):
                                       for m in modules])
 
         self._packed = []
+        self._qk_norms = []
         query_rows = self.num_heads * self.head_dim
         for layer in self.layers:
             attention, mlp = layer.self_attn, layer.mlp
             qkv_weight, qkv_bias = joined(layer.input_layernorm, attention.q_proj, attention.k_proj, attention.v_proj)
-            # the 1/√d of the attention scores folded into the query rows (RoPE is linear, so it commutes)
-            qkv_weight[:query_rows] *= self.head_dim**-0.5
-            if qkv_bias is not None:
+            if self.qk_norm:  # the query norm's output is scale-free: the 1/√d goes into its weight instead
+                dim = self.head_dim
+                self._qk_norms.append(torch.cat((attention.q_norm.weight.expand(self.num_heads, dim) * dim**-0.5,
+                                                 attention.k_norm.weight.expand(self.num_kv_heads, dim))))
+            else:  # the 1/√d of the attention scores folded into the query rows (RoPE is linear, so it commutes)
+                qkv_weight[:query_rows] *= self.head_dim**-0.5
+            if qkv_bias is not None and not self.qk_norm:
                 qkv_bias = qkv_bias.clone()
                 qkv_bias[:query_rows] *= self.head_dim**-0.5
             self._packed.append(((qkv_weight, qkv_bias),
@@ -161,6 +170,13 @@ class LeanDecoder(LeanForward):
     def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._plain_norm(h), *self._head)
 
+    def _scaled_head_norm(self, qk: torch.Tensor, index: int) -> torch.Tensor:
+        """Qwen3's q/k norms over ``qk`` [..., H + KV, D] with layer ``index``'s table (queries pre-scaled)."""
+        weight = self._qk_norms[index]
+        if qk.dtype == torch.float32:
+            return F.rms_norm(qk, (qk.shape[-1],), None, self.eps) * weight
+        return weight * F.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps).to(qk.dtype)
+
     def _plain_norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (folded into the next matmul by :meth:`_pack`)."""
         if x.dtype == torch.float32:
@@ -175,6 +191,8 @@ class LeanDecoder(LeanForward):
         rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(self._plain_norm(h), qkv_weight, qkv_bias)
         qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+        if self._qk_norms:
+            qk = self._scaled_head_norm(qk, index)
         qk = self._rope(qk, cos, sin)
         self._k[index][:, :, slot] = qk[:, heads:]
         self._v[index][:, :, slot] = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
@@ -214,7 +232,7 @@ class LeanDecoder(LeanForward):
 
     def release(self) -> None:
         """Free the KV cache."""
-        self._k, self._v, self._packed = [], [], []
+        self._k, self._v, self._packed, self._qk_norms = [], [], [], []
         self._keys = torch.empty(0, dtype=torch.bool)
         self._embedding, self._head = torch.empty(0), (torch.empty(0), None)  # no reference to the weights kept
         self._bias = torch.empty(0)

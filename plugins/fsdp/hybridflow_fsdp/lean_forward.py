@@ -1,13 +1,15 @@
-"""The lean forward of Llama/Qwen2-shaped HF causal LMs over whole sequences (no cache; gradients flow): the
+"""The lean forward of Llama/Qwen2/Qwen3-shaped HF causal LMs over whole sequences (no cache; gradients flow): the
 model's own parameters read at every call, no module dispatch, and rows that repeat a prompt sharing its forward.
 
 The training engine scores responses with it (:meth:`LeanForward.response_logits`); generation with a KV cache is
-:class:`hybridflow_fsdp.fast_decode.LeanDecoder`'s, which extends it. Models it does not recognise (other
-architectures, sliding windows, non-default RoPE) keep the HF forward.
+:class:`hybridflow_fsdp.fast_decode.LeanDecoder`'s, which extends it. Qwen3's q/k RMSNorms (per head, before RoPE) are
+applied where its config says so. Models it does not recognise (other families, mixture-of-experts MLPs, sliding
+windows, non-default RoPE) keep the HF forward: :func:`lean_decoder_unsupported_reason` says why and logs it once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -17,9 +19,15 @@ from torch import nn
 
 from hybridflow_fsdp.prompt_sharing import distinct_prompt_rows
 
-__all__ = ["LeanForward", "lean_decoder_unsupported_reason", "upcast_for_backward"]
+__all__ = ["LEAN_FAMILIES", "QK_NORM_FAMILIES", "LeanForward", "lean_decoder_unsupported_reason",
+           "upcast_for_backward"]
 
-_ARCHITECTURES = ("qwen2", "llama")
+#: the HF ``model_type`` values the lean forward and decoder compute (dense SwiGLU MLP, default RoPE, full attention)
+LEAN_FAMILIES = ("llama", "qwen2", "qwen3")
+#: those of them with an RMSNorm over each query/key head before RoPE (HF ``self_attn.q_norm`` / ``k_norm``)
+QK_NORM_FAMILIES = ("qwen3",)
+_logger = logging.getLogger(__name__)
+_logged_reasons: set[tuple[str, str]] = set()
 
 
 # The attributes this forward reads from an HF Llama/Qwen2 model (torch types submodule attributes as
@@ -38,6 +46,8 @@ class _Attention(Protocol):
     k_proj: _Linear
     v_proj: _Linear
     o_proj: _Linear
+    q_norm: _Norm  # QK_NORM_FAMILIES only
+    k_norm: _Norm
 
 
 class _Mlp(Protocol):
@@ -66,14 +76,34 @@ class _CausalLM(Protocol):
 
 
 def lean_decoder_unsupported_reason(model: nn.Module) -> str | None:
-    """Why :class:`LeanDecoder` cannot run ``model`` (None when it can)."""
+    """Why :class:`LeanForward` / :class:`LeanDecoder` cannot run ``model`` (None when they can).
+
+    The fallback rule: a model this returns a reason for runs HF's own modules (the generic path) in every engine that
+    asks, never a lean forward that would compute other numbers. Each distinct reason is logged once per process
+    (INFO, naming the model_type), so a run says why its fast path is off.
+    """
+    reason = _unsupported_reason(model)
+    if reason is not None:
+        model_type = str(getattr(getattr(model, "config", None), "model_type", None))
+        if (model_type, reason) not in _logged_reasons:
+            _logged_reasons.add((model_type, reason))
+            _logger.info("the lean forward/decoder does not run model_type %r (%s): HF's modules run instead",
+                         model_type, reason)
+    return reason
+
+
+def _unsupported_reason(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) not in _ARCHITECTURES:
-        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {_ARCHITECTURES}"
+    model_type = getattr(config, "model_type", None)
+    if config is None or model_type not in LEAN_FAMILIES:
+        moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+        return (f"model_type {model_type!r} is not one of {LEAN_FAMILIES}"
+                + (" (mixture-of-experts MLPs are not in the lean forward)" if moe else ""))
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         return f"rope_type {rope.get('rope_type')!r} (only the default RoPE is implemented)"
-    if getattr(config, "use_sliding_window", False):
+    if getattr(config, "use_sliding_window", False) or any(
+            kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention"
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout"
@@ -82,6 +112,9 @@ def lean_decoder_unsupported_reason(model: nn.Module) -> str | None:
     backbone = getattr(model, "model", None)
     if backbone is None or not hasattr(backbone, "layers") or not hasattr(model, "lm_head"):
         return "no model.layers / lm_head"
+    if model_type in QK_NORM_FAMILIES and not all(
+            hasattr(layer.self_attn, "q_norm") and hasattr(layer.self_attn, "k_norm") for layer in backbone.layers):
+        return f"a {model_type} attention without q_norm/k_norm"
     return None
 
 
@@ -104,6 +137,8 @@ class LeanForward:
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         self.eps = float(config.rms_norm_eps)
+        #: Qwen3: an RMSNorm over each query and key head (HF ``q_norm``/``k_norm``), before RoPE
+        self.qk_norm = config.model_type in QK_NORM_FAMILIES
         self._cos = self._sin = torch.empty(0)
 
     # --- pieces ---------------------------------------------------------------------------------------------------
@@ -112,6 +147,15 @@ class LeanForward:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def _head_norm(self, qk: torch.Tensor, attention: _Attention, heads: int, kv_heads: int) -> torch.Tensor:
+        """Qwen3's q/k RMSNorms over ``qk`` [..., heads + kv_heads, D] (queries then keys): each head normalised over
+        its D, the query heads scaled by ``q_norm``'s weight and the key heads by ``k_norm``'s."""
+        dim = qk.shape[-1]
+        weight = torch.cat((attention.q_norm.weight.expand(heads, dim), attention.k_norm.weight.expand(kv_heads, dim)))
+        if qk.dtype == torch.float32:
+            return F.rms_norm(qk, (dim,), None, self.eps) * weight
+        return weight * F.rms_norm(qk.float(), (dim,), None, self.eps).to(qk.dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,6 +173,8 @@ class LeanForward:
         q = F.linear(x, attention.q_proj.weight, attention.q_proj.bias).view(rows, width, -1, self.head_dim)
         k = F.linear(x, attention.k_proj.weight, attention.k_proj.bias).view(rows, width, -1, self.head_dim)
         v = F.linear(x, attention.v_proj.weight, attention.v_proj.bias).view(rows, width, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self._norm(q, attention.q_norm), self._norm(k, attention.k_norm)
         q = self._rope(q.transpose(1, 2), cos, sin)
         k = self._rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -254,6 +300,8 @@ class LeanForward:
             # split (one backward cat per split) rather than slices (a zero-filled gradient per slice)
             qk, v = torch.split(qkv, [(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
             qk = qk.view(-1, heads + kv_heads, dim)
+            if self.qk_norm:
+                qk = self._head_norm(qk, attention, heads, kv_heads)
             qk = self._rope(qk, cos, sin)
             if kept is not None:  # padding back in for the batched attention (zeros: masked keys, unused queries)
                 qk = qk.new_zeros(total, heads + kv_heads, dim).index_copy(0, kept, qk)
