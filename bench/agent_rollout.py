@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -28,6 +27,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+import results_page
 from hybridflow.agent import AgentLoop, ChatFormat, MultiTurnConfig
 from hybridflow.engines import ModelSpec, RolloutEngineConfig, SamplingParams, TokenCompletion
 from hybridflow.testing.chat_tokenizer import build_chat_tokenizer
@@ -138,12 +138,12 @@ def main() -> None:
         assert len(tokens) == 1, f"the runs saw different token streams: {counts}"
         best = {name: min(values) for name, values in walls.items()}
         prefill, full = counts["wait"][1], counts["no_reuse"][1]
-        print("RESULT " + json.dumps({
+        results_page.result({
             "K": args.conversations, "latency_ms": args.latency_ms, "turns": args.turns, "max_batch_rows": rows,
             "tokens": tokens.pop(), "wall_s": round(best["wait"], 3), "no_wait_wall_s": round(best["no_wait"], 3),
             "ratio": round(best["wait"] / best["no_wait"], 3), "no_reuse_wall_s": round(best["no_reuse"], 3),
             "reuse_speedup": round(best["no_reuse"] / best["wait"], 3), "prefill_tokens": prefill,
-            "no_reuse_prefill_tokens": full, "prefill_saved": round(1 - prefill / full, 3)}), flush=True)
+            "no_reuse_prefill_tokens": full, "prefill_saved": round(1 - prefill / full, 3)})
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="Multi-turn rollouts with slow tools vs instant tools"))

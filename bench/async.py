@@ -42,7 +42,6 @@ Run: ``OMP_NUM_THREADS=1 python bench/async.py [--steps 8] [--rounds 2] [--seeds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -55,9 +54,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import psutil
 import yaml
 
+import results_page
 from hybridflow.config import load_config
 from hybridflow.controller import CallRecord, init_ray
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.async_loop import AsyncRollout
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
@@ -148,11 +149,12 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, root: Path,
     try:
         trainer.start()  # what fit() does first; its loop below, timed (no validation or checkpoint is due)
         groups = [*trainer.worker_groups().by_pool.values()]
-        if trainer.async_rollout is not None:
-            trainer.async_rollout.sync_behind_update = not setting.endswith("-after-update")
-            trainer.async_rollout.stream = trainer.async_rollout.stream and not setting.endswith("-barrier")
-            trainer.async_rollout.group.observers.append(records.append)
-            groups.append(trainer.async_rollout.group)
+        source = trainer.rollout_source
+        if isinstance(source, AsyncRollout):
+            source.sync_behind_update = not setting.endswith("-after-update")
+            source.stream = source.stream and not setting.endswith("-barrier")
+            source.group.observers.append(records.append)
+            groups.append(source.group)
         pids = [os.getpid(), *(pid for group in groups for pid in (group.local_process_ids() or {}).values())]
         marks = [time.time()]
         cpu = [_cpu_seconds(pids)]
@@ -290,11 +292,11 @@ def main() -> None:
                     for weight_sync in (args.weight_sync if setting.startswith("split") else ["object_store"]):
                         result = run_setting(setting, seed, args, Path(directory), weight_sync)
                         results.setdefault(result["setting"], []).append(result)
-                        print("RESULT " + json.dumps(result), flush=True)
+                        results_page.result(result)
     for row in summarize(results):
-        print("RESULT " + json.dumps(row), flush=True)
+        results_page.result(row)
     print(f"# load average at end: {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="Asynchronous RL on a split rollout pool vs the synchronous loops"))

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_page
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PROMPTS, SAMPLES = 16, 4
@@ -132,8 +134,8 @@ def main() -> None:
                               / sum(seconds[b, "mesh_balanced"] for b in batches), 3)
     result["speedup_per_batch_median"] = round(statistics.median(
         seconds[b, "mesh"] / seconds[b, "mesh_balanced"] for b in batches), 3)
-    print("RESULT " + json.dumps(result), flush=True)
+    results_page.result(result)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="Token-balanced update dispatch vs the split in order"))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import time
@@ -34,6 +33,7 @@ import numpy as np
 import ray
 import torch
 
+import results_page
 from hybridflow.batch import Batch
 from hybridflow.controller import ResourcePool, Worker, WorkerGroup, init_ray, register
 
@@ -169,7 +169,7 @@ def main() -> None:
         for size in [int(b) for b in options.sizes.split(",")]:
             for method in options.methods.split(","):
                 result = bench_config(group, actors, pids, size, method, options.rounds, options.repeats)
-                print("RESULT " + json.dumps(result), flush=True)
+                results_page.result(result)
         group.shutdown()
         for actor in actors:
             ray.kill(actor)
@@ -177,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="Worker-group dispatch + collect vs the plain-Ray floor"))

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_page
 from e2e_fixture import (
     MAX_OPERAND,
     NEW_TOKENS,
@@ -393,8 +394,8 @@ def main() -> None:
                 statistics.mean(trajectory[-half:]) - statistics.mean(trajectory[:half]), 4)
     if notes:
         result["notes"] = notes
-    print("RESULT " + json.dumps(result), flush=True)
+    results_page.result(result)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="End-to-end GRPO throughput: hybridflow vs TRL"))

@@ -18,12 +18,12 @@ Run: ``.venv/bin/python bench/e2e_sizes.py`` (every size) or ``bench/e2e_sizes.p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from typing import Any
 
+import results_page
 from e2e_fixture import NEW_TOKENS, PROMPTS, SAMPLES, SIZES, model_config_of
 from e2e_grpo import add_shared_arguments, run_rounds, trl_available
 
@@ -71,7 +71,7 @@ def run_grid(args: argparse.Namespace) -> None:
                                                      **TRL_OPTIONS.get(name, {})}))
                  for name, (system, workers, threads) in GRID_SYSTEMS.items() if name in systems}
         runs, loads = run_rounds(plans, args.repeats, SIZES[size]["warmup"], notes, label=f"{size} ")
-        print("RESULT " + json.dumps(summarize_size(size, runs, notes, loads)), flush=True)
+        results_page.result(summarize_size(size, runs, notes, loads))
 
 
 def summarize_size(size: str, runs: dict[str, list[dict[str, Any]]], notes: list[str],
@@ -140,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="GRPO throughput per model size: hybridflow vs TRL"))

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_page
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo_arithmetic_scratch.yaml"
@@ -200,9 +202,9 @@ def main() -> int:
         clean[workload] = {"seconds": timing["seconds"], "export": export}
         print(f"# clean {workload}: {timing['seconds']:.1f}s, ledger audit {audit(run_dir)}", flush=True)
     for label in labels:
-        print("RESULT " + json.dumps(run_point(label, base, clean, args)), flush=True)
+        results_page.result(run_point(label, base, clean, args))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(results_page.run(main, title="Fault-injection matrix: recovery and final weights"))

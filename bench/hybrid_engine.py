@@ -38,7 +38,6 @@ Run: ``OMP_NUM_THREADS=1 python bench/hybrid_engine.py`` (``--quick``: FSDP d = 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -52,6 +51,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+import results_page
 from hybrid_engine_engines import (
     BUCKET_BYTES,
     KNOWN_MISSES,
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(label: str, tensor: int, results: list[dict[str, Any]]) -> None:
         for row in _report(label, tensor, results):
-            print("RESULT " + json.dumps(row), flush=True)
+            results_page.result(row)
             if row["scheme"] == "hybridflow":
                 _check(row, failed)
         responses.setdefault(label, {})[tensor] = _merged(results)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, outputs in responses.items():
         for tensor in sorted(t for t in outputs if t > 1):
             equal = outputs[tensor] == outputs[1]
-            print("RESULT " + json.dumps({"case": label, f"greedy_tg{tensor}_equals_tg1": equal}), flush=True)
+            results_page.result({"case": label, f"greedy_tg{tensor}_equals_tg1": equal})
             if not equal:
                 failed.append(f"{label}: greedy tokens at tg={tensor} differ from tg=1")
     for failure in failed:  # the targets: bytes = lower bound, peak <= M/tg + one bucket, tg > 1 generates as tg = 1
@@ -223,4 +223,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(results_page.run(
+        main, title="The hybrid engine's train -> generate handover vs full gather and two resident copies"))

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_page
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PHASES = ("handover", "generate", "update")
@@ -120,8 +122,8 @@ def main() -> None:
             result[key] = {"cpu_s": cpu, "cpu_s_step": round(sum(cpu.values()), 4), "wall_s": wall,
                            "response_tokens": statistics.median(r["response_tokens"] for r in kept),
                            "collectives": kept[-1]["counts"]}
-    print("RESULT " + json.dumps(result), flush=True)
+    results_page.result(result)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="The hybrid engine's two-rank step without Ray"))

@@ -17,12 +17,13 @@ Run: ``.venv/bin/python bench/layouts_learn.py`` (``--cases fsdp-d2-tg2`` runs t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import results_page
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,9 +89,10 @@ def main() -> int:
     results = []
     for name in names:
         results.append(run_case(name, base / name, args.steps, args.window, args.min_rise))
-        print("RESULT " + json.dumps(results[-1]), flush=True)
+        results_page.result(results[-1])
     return 0 if all(result["ok"] for result in results) else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(results_page.run(
+        main, title="GRPO learning at the generation layouts the hybrid engine hands over to"))

@@ -34,6 +34,8 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+import results_page
+
 ROOT = Path(__file__).resolve().parents[1]
 VAL_GREEDY = "val-core/hybridflow/arithmetic/acc/mean@1"
 VAL_MEAN8 = "val-core/hybridflow/arithmetic/acc/mean@8"
@@ -113,9 +115,9 @@ def main() -> int:
             if args.budget_s is not None and args.factor == 1:
                 result["checks"]["within_budget"] = result["total_s"] <= args.budget_s
             ok = ok and all(result["checks"].values())
-            print("RESULT " + json.dumps(result), flush=True)
+            results_page.result(result)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(results_page.run(main, title="The README's main job (SFT then GRPO) as CLI processes"))

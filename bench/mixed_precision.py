@@ -18,7 +18,6 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp .venv/bin/python bench/mix
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import results_page
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -148,8 +149,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     for size in args.sizes.split(","):
-        print("RESULT " + json.dumps(measure(size.strip(), args.repeats)), flush=True)
+        results_page.result(measure(size.strip(), args.repeats))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="bf16 vs fp32 compute on this CPU"))

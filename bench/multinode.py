@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_page
 from hybridflow.testing.ray_cluster import BIN, LoopbackCluster, start_head
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def main() -> int:
             seconds = train(cluster, base / name, layout, args.steps, args.timeout_s)
             runs[name] = {"run": name, "devices_per_node": layout, "seconds": round(seconds, 1),
                           **summarize(base / name, args.window)}
-            print("RESULT " + json.dumps(runs[name]), flush=True)
+            results_page.result(runs[name])
     finally:
         cluster.stop()
     two = runs["two_nodes"]
@@ -116,14 +117,14 @@ def main() -> int:
     }
     if "one_node" in runs:
         checks["same_as_one_node"] = two["rewards"] == runs["one_node"]["rewards"]
-    print("RESULT " + json.dumps({
+    results_page.result({
         "bench": "multinode", "devices_per_node": layouts["two_nodes"], "steps": args.steps, "window": args.window,
         "reward_first": round(two["reward_first"], 4), "reward_last": round(two["reward_last"], 4),
         "rise": round(two["reward_last"] - two["reward_first"], 4), "min_rise": args.min_rise,
-        "checks": checks, "ok": all(checks.values()), "seconds": round(time.time() - started, 1)}), flush=True)
+        "checks": checks, "ok": all(checks.values()), "seconds": round(time.time() - started, 1)})
     return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    raise SystemExit(main())
+    raise SystemExit(results_page.run(main, title="GRPO learning on a two-node Ray cluster vs one node"))

@@ -22,7 +22,6 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=core:plugins/fsdp python bench/packing.py`` 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+import results_page  # noqa: E402
 from hybridflow.batch import Batch  # noqa: E402
 from hybridflow.engines import ModelSpec, OptimConfig, TrainingEngineConfig  # noqa: E402
 from hybridflow.presets import tiny_model_config  # noqa: E402
@@ -132,15 +132,15 @@ def main() -> None:
              "max_length": int(lengths.max()), "padded_width": int(batch["input_ids"].shape[1]),
              "valid_fraction": round(float(lengths.sum()) / batch["attention_mask"].numel(), 3)}
     for name, result in medians.items():
-        print("RESULT " + json.dumps({"variant": name, **variants[name], **shape,
+        results_page.result({"variant": name, **variants[name], **shape,
                                       "train_step_ms": round(result["train"], 1),
-                                      "log_probs_ms": round(result["log_probs"], 1)}, default=str))
+                                      "log_probs_ms": round(result["log_probs"], 1)})
     packed = medians["packed"]
-    print("RESULT " + json.dumps({"summary": "packed speedup", **shape, **{
+    results_page.result({"summary": "packed speedup", **shape, **{
         f"{kind}_vs_{name}": round(medians[name][kind] / packed[kind], 2)
         for name in ("padded", "padded_lean", "packed_hf") for kind in ("train", "log_probs")},
-        "packed_budget_train_vs_packed": round(medians["packed_budget"]["train"] / packed["train"], 2)}))
+        "packed_budget_train_vs_packed": round(medians["packed_budget"]["train"] / packed["train"], 2)})
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="Padding removal: train step and log-prob pass, padded vs packed"))

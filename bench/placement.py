@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
+import results_page
 from hybridflow.errors import PlacementError
 from hybridflow.placement import LLAMA_PRESETS, Simulator, Workload, build_cluster, get_dataflow, search_placements
 from hybridflow.placement.explain import explain_choice, explain_standalone
@@ -25,24 +27,32 @@ from hybridflow.placement.models import ModelSpec
 KINDS = ("colocate", "split", "standalone")
 
 
-def cell(profile: str, algorithm: str, models: dict[str, ModelSpec], devices: int) -> str:
+def cell(profile: str, algorithm: str, models: dict[str, ModelSpec], devices: int) -> tuple[str, dict[str, Any]]:
+    """One cell of the grid: the printed lines and the row of the results page."""
     dataflow = get_dataflow(algorithm)
     simulator = Simulator(cluster=build_cluster(profile, devices), workload=Workload())
     started = time.perf_counter()
     try:
         result = search_placements(simulator, dataflow, models, top=60)
     except PlacementError:
-        return (f"{devices:>5}  {'infeasible':<11}{'-':>30}{time.perf_counter() - started:>9.2f}  "
-                f"memory floors exceed {devices} GPUs")
+        wall = time.perf_counter() - started
+        return (f"{devices:>5}  {'infeasible':<11}{'-':>30}{wall:>9.2f}  memory floors exceed {devices} GPUs",
+                {"gpus": devices, "chosen": "infeasible", "search_s": round(wall, 2),
+                 "reason": f"memory floors exceed {devices} GPUs"})
     wall = time.perf_counter() - started
     plans = [result.best, *result.runners_up]
     best_of = {kind: next((p.iteration_seconds for p in plans if p.kind == kind), None) for kind in KINDS}
     times = " / ".join(f"{best_of[k]:.1f}" if best_of[k] is not None else "-" for k in KINDS)
+    reason = explain_choice(result.best, result.runners_up)
     lines = (f"{devices:>5}  {result.best.kind:<11}{times:>30}{wall:>9.2f}  {result.best.describe()}\n"
-             f"       reason: {explain_choice(result.best, result.runners_up)}")
+             f"       reason: {reason}")
     standalone = next((p for p in plans if p.kind == "standalone"), None)
     merged = explain_standalone(simulator, dataflow, models, standalone) if standalone is not None else None
-    return lines + (f"\n       standalone: {merged[1]}" if merged is not None else "")
+    row = {"gpus": devices, "chosen": result.best.kind,
+           **{f"{kind}_s": round(best_of[kind], 1) if best_of[kind] is not None else None for kind in KINDS},
+           "search_s": round(wall, 2), "plan": result.best.describe(), "reason": reason,
+           "standalone": merged[1] if merged is not None else None}
+    return lines + (f"\n       standalone: {merged[1]}" if merged is not None else ""), row
 
 
 def main() -> None:
@@ -63,9 +73,16 @@ def main() -> None:
     started = time.perf_counter()
     for name, models in grid:
         for devices in (int(n) for n in args.devices.split(",")):
-            print(f"{name:<6}" + cell(args.profile, args.algorithm, models, devices), flush=True)
+            lines, row = cell(args.profile, args.algorithm, models, devices)
+            print(f"{name:<6}" + lines, flush=True)
+            results_page.result({"model": name, **row})
     print(f"whole grid: {time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(
+        main, title="Auto device mapping on the paper's grid (simulated, not measured)",
+        description="The placement search on Llama 7B-70B x 16-128 80 GB GPUs, PPO, all four models one size, costed "
+                    "by this repo's analytical simulator (uncalibrated A100 profile): per cell the chosen placement "
+                    "kind, the best plan of each kind in seconds per iteration, the search's wall time, the plan and "
+                    "the reason in the cost model's terms."))

@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import psutil
 import yaml
 
+import results_page
 from hybridflow.placement.autoparallel import LayoutPlanner
 from hybridflow.placement.calibration import compare_nodes, fit_efficiency, fit_efficiency_to_runs
 from hybridflow.placement.dataflow import Dataflow, Stage, get_dataflow
@@ -264,7 +265,7 @@ def analyse(inputs: PlanInputs, measured: dict[int, dict[str, dict[str, Any]]]) 
                     inputs, data_parallel_record(*PLACEMENTS[name]), fits[others[0]], dataflow).iteration_seconds, 3)
             report["seed"] = seed
             reports.append(report)
-            print("RESULT " + json.dumps(report), flush=True)
+            results_page.result(report)
         held_out = [r for r in reports if r["used_for"] == "held-out"]
         scores: dict[str, Any] = {"seed": seed, "placements": len(reports), "held_out": len(held_out),
                                   "fitted": {k: round(v, 5) for k, v in asdict(fits[seed]).items()},
@@ -326,4 +327,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="Placement simulator: predicted vs measured PPO iterations"))

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import results_page
+
 ROOT = Path(__file__).resolve().parents[1]
 NUMEL = 18_914_304
 
@@ -95,8 +97,8 @@ def main() -> None:
         shm_ms = statistics.median(systems["shm"]) * 1e3
         result[name] = {"gloo_ms": round(gloo_ms, 2), "shm_ms": round(shm_ms, 2),
                         "gloo_over_shm": round(gloo_ms / shm_ms, 2)}
-    print("RESULT " + json.dumps(result), flush=True)
+    results_page.result(result)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="FSDP collectives on one host: gloo vs shared memory"))

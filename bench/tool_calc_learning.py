@@ -39,6 +39,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import results_page
 from hybridflow.config import load_config
 from hybridflow.tasks.tool_calc import DATA_SOURCE, SFT_FILE, TRAIN_FILE, VAL_FILE, save_tool_calc_model
 from hybridflow.trainer import Trainer
@@ -154,19 +155,20 @@ def main(argv: Sequence[str]) -> int:
             started = time.perf_counter()
             model = sft(init, workdir / f"sft-{seed}", seed, args.sft_steps, args.sft_set)
             sft_s = time.perf_counter() - started
-            print("RESULT " + json.dumps({"seed": seed, "sft_s": round(sft_s, 1), "sft_loss_first_last": [
-                round(v, 3) for v in sft_loss(workdir / f"sft-{seed}", 10)]}), flush=True)
+            results_page.result({"seed": seed, "sft_s": round(sft_s, 1), "sft_loss_first_last": [
+                round(v, 3) for v in sft_loss(workdir / f"sft-{seed}", 10)]})
             for engine in args.engines:
                 row = measure(engine, seed, model, sft_s, workdir, args)
                 rows[engine].append(row)
-                print("RESULT " + json.dumps(row), flush=True)
+                results_page.result(row)
         failed = False
         for engine, engine_rows in rows.items():
             summary = summarize(engine, engine_rows, args)
             failed |= not all(summary["checks"].values())
-            print("RESULT " + json.dumps({"summary": summary}), flush=True)
+            results_page.result({"summary": summary})
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(results_page.run(
+        lambda: main(sys.argv[1:]), title="The shipped calculator tool task: held-out score before and after GRPO"))

@@ -35,7 +35,6 @@ Run: ``.venv/bin/python bench/two_core_ceiling.py [--sizes 77k,2.4m,20m] [--roun
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -47,6 +46,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import results_page
 from e2e_fixture import NEW_TOKENS, PROMPTS, SAMPLES, SIZES, model_config_of
 
 PROMPT_LENGTH = 6  # "12+57=": the fixture's prompts are 4-6 characters, most of them 6
@@ -235,8 +235,8 @@ def main() -> None:
                 result["one_rank_over_ideal_one"] = round(rates["hybridflow_1rank"] / (tokens_per_step / one), 3)
             if notes:
                 result["notes"] = notes
-        print("RESULT " + json.dumps(result), flush=True)
+        results_page.result(result)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(results_page.run(main, title="The GRPO step's compute ceiling on this box"))
