@@ -42,7 +42,8 @@ def _assert_columns_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     ("qwen2", False, False, [[1, 0]]),  # tensor rank 0 is global rank 1: the gather order follows the list
     ("llama", True, False, [[0, 1]]),
     ("llama", False, True, [[0, 1]]),  # o_proj / down_proj biases (row-parallel: replicated, added once)
-], ids=["qwen2-tied", "qwen2-untied-reversed", "llama-tied", "llama-untied-biases"])
+    ("qwen3", False, False, [[0, 1]]),  # q/k norms: per head, replicated on every tensor rank
+], ids=["qwen2-tied", "qwen2-untied-reversed", "llama-tied", "llama-untied-biases", "qwen3-untied"])
 def test_tp2_generation_matches_tg1(cluster: GlooCluster, architecture: str, tied: bool, biases: bool,
                                     groups: list[list[int]]) -> None:
     results = cluster.run(compare_job, model_config(architecture, tied, biases), groups)
