@@ -99,8 +99,12 @@ def tiny_model_config(
     return config
 
 
-def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
-    """Write an HF model directory (config, safetensors weights, tokenizer) with random init; returns it."""
+def save_tiny_model(path: str | Path, *, seed: int = 0, perturb: float = 0.0, **config_overrides: Any) -> Path:
+    """Write an HF model directory (config, safetensors weights, tokenizer) with random init; returns it.
+
+    ``perturb`` > 0 moves every tensor by ``perturb``·N(0, 1) off its init (from ``seed`` + 1), so that norms (init
+    to ones) and biases (zeros) carry information: what numerical comparisons between engines need.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -111,6 +115,11 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, **config_overrides: Any)
     config = AutoConfig.for_model(model_type, **config_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # untyped in HF
+    if perturb > 0:
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(perturb * torch.randn(parameter.shape, generator=generator))
     # written directly: save_pretrained writes only on rank 0 inside a torch.distributed world
     from safetensors.torch import save_file
 

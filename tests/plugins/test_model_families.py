@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
+from hybridflow.char_tokenizer import EOS_ID, PAD_ID
 from hybridflow.columns import compute_position_ids
 from hybridflow.engines import ModelSpec, RolloutEngineConfig, SamplingParams, TrainingEngineConfig
-from hybridflow.presets import tiny_model_config
+from hybridflow.presets import save_tiny_model
 from hybridflow.testing.contracts.rollout import build_prompt_batch
 from hybridflow_fsdp import lean_forward
 from hybridflow_fsdp.lean_forward import LEAN_FAMILIES
@@ -32,26 +32,10 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 ATOL = 1e-5  # fp32: the lean forward reorders no reduction HF does; measured gaps are <= 3e-6
 
 
-def write_family_model(family: str, path: Path, *, seed: int = 0) -> Path:
+def write_family_model(family: str, path: Path) -> Path:
     """An HF directory of ``family``'s tiny config with every tensor moved by 0.3·N(0, 1) off its init."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    values = tiny_model_config(architecture=family, tie_word_embeddings=family != "qwen3")  # qwen3: its own lm_head
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
-             if not (config.tie_word_embeddings and name == "lm_head.weight")}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    build_char_tokenizer().save_pretrained(path)
-    return path
+    # qwen3 with its own lm_head: the untied head through every path too
+    return save_tiny_model(path, perturb=0.3, architecture=family, tie_word_embeddings=family != "qwen3")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -1,4 +1,5 @@
-"""HF Llama/Qwen2 weights ↔ megatron-core GPTModel shards (fused qkv per query group, fused gate/up, padded vocab).
+"""HF Llama/Qwen2/Qwen3 weights ↔ megatron-core GPTModel shards (fused qkv per query group, fused gate/up, padded
+vocab; Qwen3's per-head q/k RMSNorms as megatron's ``q_layernorm``/``k_layernorm``, replicated).
 
 Pure tensor reshuffling with no process group: callers pick the shard position (tensor rank, pipeline layers) and
 move tensors between ranks themselves (:mod:`hybridflow_megatron.gather`).
@@ -26,6 +27,8 @@ import torch
 from hybridflow.errors import ConfigError, LayoutError
 
 __all__ = [
+    "CONVERTED_FAMILIES",
+    "QK_NORM_FAMILIES",
     "ArchInfo",
     "ShardPosition",
     "read_arch_info",
@@ -34,6 +37,14 @@ __all__ = [
     "hf_layer_names",
     "tensor_parallel_dim",
 ]
+
+#: the HF ``model_type`` values converted (dense SwiGLU decoders); mixture-of-experts families are refused
+CONVERTED_FAMILIES = ("llama", "qwen2", "qwen3")
+#: those with a per-head RMSNorm on queries and keys before RoPE (megatron's ``qk_layernorm``)
+QK_NORM_FAMILIES = ("qwen3",)
+#: HF ↔ megatron names of the q/k norms, within a layer
+_QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
 
 #: megatron parameter-name suffix → the tensor dim split over tensor ranks (others are replicated)
 _TENSOR_PARALLEL_DIMS = {
@@ -61,6 +72,7 @@ class ArchInfo:
     padded_vocab_size: int
     tied_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: q_layernorm / k_layernorm over each head
     value_head: bool = False  # critic: a [1, hidden] head with bias instead of the LM head
 
     @property
@@ -81,10 +93,20 @@ class ShardPosition:
 
 
 def read_arch_info(hf_config: Any, *, tp_size: int, vocab_multiple: int = 8, value_head: bool = False) -> ArchInfo:
-    """:class:`ArchInfo` of a Llama/Qwen2 ``transformers`` config for tensor parallel size ``tp_size``."""
+    """:class:`ArchInfo` of a Llama/Qwen2/Qwen3 ``transformers`` config for tensor parallel size ``tp_size``.
+
+    Raises:
+        ConfigError: another model family (naming it and the engines that run it instead), or sizes ``tp_size``
+            does not divide.
+    """
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in ("llama", "qwen2"):
-        raise ConfigError(f"the megatron engine converts llama and qwen2 models; got model_type={model_type!r}")
+    if model_type not in CONVERTED_FAMILIES:
+        moe = any(getattr(hf_config, key, None) for key in ("num_experts", "num_local_experts"))
+        raise ConfigError(
+            f"the megatron engine converts the model families {', '.join(CONVERTED_FAMILIES)}; got model_type="
+            f"{model_type!r}" + (" (a mixture-of-experts model: its MoE layers are not converted)" if moe else "")
+            + ". Fix: train it with actor.engine=fsdp or deepspeed (they run transformers' own modules), or use a "
+            "model of a converted family")
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     hidden = int(hf_config.hidden_size)
@@ -110,6 +132,7 @@ def read_arch_info(hf_config: Any, *, tp_size: int, vocab_multiple: int = 8, val
         padded_vocab_size=-(-vocab // step) * step,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         qkv_bias=qkv_bias,
+        qk_norm=model_type in QK_NORM_FAMILIES,
         value_head=value_head,
     )
 
@@ -168,6 +191,8 @@ def hf_layer_names(layer: int, arch: ArchInfo) -> list[str]:
     ]
     if arch.qkv_bias:
         names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if arch.qk_norm:
+        names += list(_QK_NORMS)
     return [prefix + name for name in names]
 
 
@@ -201,6 +226,9 @@ def megatron_shard_from_hf(
             qb, kb, vb = (_get(hf, f"{src}self_attn.{p}_proj.bias") for p in "qkv")
             out[dst + "self_attention.linear_qkv.bias"] = _chunk(_fuse_qkv(qb, kb, vb, arch), position, 0)
         out[dst + "self_attention.linear_proj.weight"] = _chunk(_get(hf, src + "self_attn.o_proj.weight"), position, 1)
+        if arch.qk_norm:
+            for hf_name, megatron_name in _QK_NORMS.items():
+                out[dst + megatron_name] = _get(hf, src + hf_name).clone()
         out[dst + "pre_mlp_layernorm.weight"] = _get(hf, src + "post_attention_layernorm.weight").clone()
         gate = _chunk(_get(hf, src + "mlp.gate_proj.weight"), position, 0)
         up = _chunk(_get(hf, src + "mlp.up_proj.weight"), position, 0)
@@ -247,6 +275,9 @@ def hf_from_megatron_shards(
             out[dst + "self_attn.q_proj.bias"], out[dst + "self_attn.k_proj.bias"] = qb, kb
             out[dst + "self_attn.v_proj.bias"] = vb
         out[dst + "self_attn.o_proj.weight"] = cat(src + "self_attention.linear_proj.weight", 1)
+        for hf_name, megatron_name in _QK_NORMS.items():
+            if src + megatron_name in first:
+                out[dst + hf_name] = first[src + megatron_name].clone()
         out[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"].clone()
         halves = [torch.chunk(shard[src + "mlp.linear_fc1.weight"], 2, dim=0) for shard in shards]
         out[dst + "mlp.gate_proj.weight"] = torch.cat([half[0] for half in halves], dim=0)

@@ -23,6 +23,8 @@ _LOCAL = {
     "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
     "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",

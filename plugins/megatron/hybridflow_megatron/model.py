@@ -169,6 +169,7 @@ def build_transformer_config(hf_config: Any, *, arch: ArchInfo, placement: Stage
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=placement.tp_size,
@@ -222,7 +223,7 @@ def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device
     with cpu_shim.cpu_tensor_methods():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=build_layer_spec(transformer_engine=transformer_engine),
+            transformer_layer_spec=build_layer_spec(transformer_engine=transformer_engine, qk_layernorm=arch.qk_norm),
             vocab_size=arch.padded_vocab_size,
             max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
             pre_process=placement.is_first_stage,

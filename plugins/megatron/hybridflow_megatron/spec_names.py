@@ -29,12 +29,14 @@ def uses_transformer_engine(device: str, extra: Mapping[str, Any]) -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def build_layer_spec(*, transformer_engine: bool) -> Any:
+def build_layer_spec(*, transformer_engine: bool, qk_layernorm: bool = False) -> Any:
+    """The layer spec; ``qk_layernorm``: RMSNorms over each query and key head (Qwen3), ``q_layernorm``/``k_layernorm``
+    in both specs."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
 def local_name(name: str) -> str:

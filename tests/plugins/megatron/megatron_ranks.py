@@ -49,7 +49,8 @@ def build_engine(args: dict, role: str = "actor"):
     from hybridflow_megatron.engine import build_megatron_training_engine
 
     values = {**tiny_model_config(**args.get("model", {})), **args.get("config", {})}  # e.g. vocab_size=64
-    spec = ModelSpec(config=values, seed=args.get("seed", 3))
+    # an HF directory (e.g. save_tiny_model(perturb=...)) or a tiny config with random init
+    spec = ModelSpec(path=args["path"]) if args.get("path") else ModelSpec(config=values, seed=args.get("seed", 3))
     config = TrainingEngineConfig(
         model=spec,
         parallel=ParallelConfig(tensor_parallel_size=args.get("tp", 1), pipeline_parallel_size=args.get("pp", 1)),
