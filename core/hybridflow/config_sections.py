@@ -13,7 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["RayConfig", "PoolConfig", "ModelConfig", "ParallelSection", "OptimSection", "LoraSection", "ActorConfig",
+__all__ = ["RayConfig", "PoolConfig", "ModelConfig", "ParallelSection", "OptimSection", "LoraSection",
+           "RouterReplaySection", "ActorConfig",
            "CriticConfig", "RoleSection", "ReferenceConfig", "PathList", "OneOrMany"]
 
 _Item = TypeVar("_Item")
@@ -197,8 +198,23 @@ class LoraSection(_Section):
         return self
 
 
+class RouterReplaySection(_Section):
+    """``actor.router_replay`` (verl's section): rollout routing replay for mixture-of-experts actors
+    (docs/guide/moe.md)."""
+
+    # disabled: the training forward routes with its own router (the flips are measured: actor/router_flip_ratio);
+    # R3: it replays the experts the rollout engine recorded per token and MoE layer (verl's R2 is not built)
+    mode: Literal["disabled", "R3"] = "disabled"
+
+
 class ActorConfig(_TrainedRole):
     lora: LoraSection | None = None  # LoRA adapters (fsdp engine); None: full fine-tuning
+    router_replay: RouterReplaySection = RouterReplaySection()  # MoE actors: replay the rollout's routing (R3)
+    # MoE actors: the router's load-balancing loss (Megatron's moe_aux_loss_coeff), summed over MoE layers, joins the
+    # actor loss; 0: off, still measured (actor/moe/load_balancing_loss)
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    # MoE actors: the router's z-loss (Megatron's moe_z_loss_coeff), summed over MoE layers; 0: off (actor/moe/z_loss)
+    router_z_loss_coef: float = Field(default=0.0, ge=0)
     # the policy loss (verl's policy_loss.loss_mode): vanilla (PPO's clipped surrogate), gspo or cispo
     loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"
     clip_ratio_low: float = Field(default=0.2, ge=0)

@@ -86,6 +86,8 @@ __all__ = [
     "GeneratesTensorParallel",
     "ReportsParameterShapes",
     "TRAINING_CAPABILITIES",
+    "ReplaysRouting",
+    "RecordsRouting",
     "ROLLOUT_CAPABILITY_PROTOCOLS",
     "TrainingEngineInfo",
     "RolloutEngineInfo",
@@ -243,11 +245,24 @@ class TrainingEngineConfig:
     #: the actor's generation tensor-parallel size tg (``rollout.tensor_parallel_size``): an engine may lay its
     #: shards out for it (fsdp: row-parallel weights sharded on dim 1); 1 for every other role
     generation_tensor_parallel_size: int = 1
+    #: mixture-of-experts actors (``actor.router_replay.mode``, verl's names): ``disabled`` routes with the training
+    #: router, ``R3`` replays the experts the rollout recorded (the batch's ``routed_experts`` column); engines
+    #: without MoE support refuse R3
+    router_replay: Literal["disabled", "R3"] = "disabled"
+    #: coefficients of the router's load-balancing loss and z-loss added to an MoE actor's loss (Megatron's
+    #: moe_aux_loss_coeff / moe_z_loss_coeff); 0: off
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     #: the user's engine-specific options (``<role>.extra``), passed through untouched; the core writes no key here
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
+        if self.router_replay not in ("disabled", "R3"):
+            raise ConfigError(f"router_replay must be 'disabled' or 'R3' (verl's names; R2 is not built), got "
+                              f"{self.router_replay!r}")
+        for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+            _positive(key, getattr(self, key), allow_zero=True)
         if self.max_tokens_per_micro_batch is not None:
             _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
 
@@ -507,14 +522,39 @@ class ReportsParameterShapes(Protocol):
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
 
+@runtime_checkable
+class ReplaysRouting(Protocol):
+    """Training capability, mixture-of-experts actors: under ``TrainingEngineConfig.router_replay = "R3"`` every
+    forward (log-probs and update) routes each token to the experts of the batch's ``routed_experts`` column
+    ([B, T, MoE layers, top-k] over the ``input_ids`` positions, -1 where not recorded: those keep the router's
+    choice); the router losses of ``router_aux_loss_coef`` / ``router_z_loss_coef`` join the actor loss; a train
+    step reports ``actor/router_flip_ratio`` (recorded response tokens routed differently from the rollout in any
+    MoE layer) and per-layer expert load. ``moe_layers``: the model's MoE layers (0: dense)."""
+
+    @property
+    def moe_layers(self) -> int: ...
+
+
+@runtime_checkable
+class RecordsRouting(Protocol):
+    """Rollout capability: for a mixture-of-experts model, ``generate`` adds the ``routed_experts`` column
+    ([B, T, MoE layers, top-k] int16 over the output's ``input_ids`` positions: the experts each prompt token and
+    each fed-back response token was routed to, -1 at padding and the last sampled token). ``moe_layers``: the
+    model's MoE layers (0: dense, no column)."""
+
+    @property
+    def moe_layers(self) -> int: ...
+
+
 #: the training capabilities, by the name a config error uses
 TRAINING_CAPABILITIES: dict[str, type] = {
     "reshards_generation_weights": ReshardsGenerationWeights, "parks_training_weights": ParksTrainingWeights,
-    "reports_handover": ReportsHandover, "holds_weights": HoldsWeights}
+    "reports_handover": ReportsHandover, "holds_weights": HoldsWeights, "replays_routing": ReplaysRouting}
 #: the rollout capabilities, by the name a config error uses
 ROLLOUT_CAPABILITY_PROTOCOLS: dict[str, type] = {
     "binds_generation_weights": BindsGenerationWeights, "generates_tensor_parallel": GeneratesTensorParallel,
-    "reports_parameter_shapes": ReportsParameterShapes, "holds_weights": HoldsWeights}
+    "reports_parameter_shapes": ReportsParameterShapes, "holds_weights": HoldsWeights,
+    "records_routing": RecordsRouting}
 
 
 def _check_names(names: frozenset[str], known: Mapping[str, type], what: str) -> None:

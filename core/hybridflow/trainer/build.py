@@ -210,6 +210,7 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             lora=build_lora_config(section) if kind == "actor" else None,
             use_remove_padding=getattr(section, "use_remove_padding", True),
             max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
+            **(_router_options(config, section) if kind == "actor" else {}),
             extra=dict(getattr(section, "extra", {})))
         options: dict[str, Any] = {}
         rollout = config.rollout
@@ -251,6 +252,27 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             role=kind, name=declaration.name, engine=section.engine, device=device, threads=threads,
             engine_config=engine_config, output_key=declaration.output_key, **options)))
     return plans
+
+
+def _router_options(config: Config, section: Any) -> dict[str, Any]:
+    """The actor's mixture-of-experts keys (docs/guide/moe.md) as engine options, after checking that its engines
+    declare what they need: ``replays_routing`` (training) for any of them, ``records_routing`` (rollout) for R3."""
+    from hybridflow.engines import require_capability
+
+    mode = section.router_replay.mode
+    options = {"router_replay": mode, "router_aux_loss_coef": section.router_aux_loss_coef,
+               "router_z_loss_coef": section.router_z_loss_coef}
+    used = [key for key, on in (("router_replay.mode", mode != "disabled"),
+                                ("router_aux_loss_coef", section.router_aux_loss_coef > 0),
+                                ("router_z_loss_coef", section.router_z_loss_coef > 0)) if on]
+    if used:
+        require_capability("training", section.engine, "replays_routing", needed_for=f"actor.{used[0]}",
+                           fix=f"use actor.engine=fsdp, or remove actor.{used[0]}")
+    if mode == "R3":
+        require_capability("rollout", config.rollout.engine, "records_routing",
+                           needed_for="actor.router_replay.mode=R3 (the rollout records each token's experts)",
+                           fix="use rollout.engine=hf, or set actor.router_replay.mode=disabled")
+    return options
 
 
 def _role_protocols(config: Config, worker: type, section: Any) -> dict[str, str]:

@@ -87,6 +87,12 @@ class HFTrainingEngineBase(abc.ABC):
         state); default: none."""
         return {}
 
+    def _auxiliary_loss(self, share: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """A loss term of the micro-batch just forwarded that the model itself adds (an MoE router's
+        load-balancing loss), already weighted by ``share`` (the micro-batch's share of the mini-batch rows), and
+        its metrics; default: none."""
+        return None, {}
+
     def _capture_scores(self, module: torch.nn.Module) -> None:
         """Record the output of ``module``'s ``score`` head on every forward (reward models)."""
         head = getattr(module, "score", None)
@@ -268,8 +274,12 @@ class HFTrainingEngineBase(abc.ABC):
                 self._before_micro(index, len(micros))
                 outputs = self._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=self.role == "actor")
                 loss, metrics = loss_fn(outputs, micro)
-                self._backward(loss)
                 weight = len(micro) / len(mini)  # metrics are micro-batch means; the loss is already a share
+                auxiliary, auxiliary_metrics = self._auxiliary_loss(weight)
+                if auxiliary is not None:
+                    loss = loss + auxiliary
+                metrics = {**metrics, **auxiliary_metrics}
+                self._backward(loss)
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + float(value) * weight

@@ -26,6 +26,7 @@ __all__ = [
     "VARLEN_ATTENTION",
     "PackedRows",
     "pack_rows",
+    "packed_source_index",
     "register_varlen_attention",
     "packing_unsupported_reason",
     "packed_forward_outputs",
@@ -73,9 +74,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_id
     if position_ids is None:
         position_ids = compute_position_ids(attention_mask)
     lengths = attention_mask.bool().sum(1)
-    order = torch.sort(lengths, stable=True).indices
-    valid = attention_mask.bool()[order]
-    flat = valid.reshape(-1).nonzero().squeeze(1)
+    order, valid, flat = _packing_order(attention_mask)
     total = int(flat.numel())
     cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
     cu_seqlens[1:] = lengths[order].cumsum(0)
@@ -97,6 +96,23 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_id
         rows=rows,
         response_width=response_width,
     )
+
+
+def _packing_order(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packing's row order (by length, stable), its valid mask in that order and the flat indices of the valid
+    positions of the reordered [B, T] grid, in packed order."""
+    order = torch.sort(attention_mask.bool().sum(1), stable=True).indices
+    valid = attention_mask.bool()[order]
+    return order, valid, valid.reshape(-1).nonzero().squeeze(1)
+
+
+def packed_source_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N]: for each token of the packed sequence :func:`pack_rows` builds, its flat index in the padded [B, T]
+    layout (how per-position columns, e.g. recorded MoE routing, follow the packing)."""
+    order, _, flat = _packing_order(attention_mask)
+    width = attention_mask.shape[1]
+    grid = order[:, None] * width + torch.arange(width, device=attention_mask.device)[None, :]
+    return grid.reshape(-1)[flat]
 
 
 def _varlen_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -47,7 +47,8 @@ def export_fsdp_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:
 @hookimpl
 def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("fsdp", build_fsdp_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
-        "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}),
+        "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights",
+        "replays_routing"}),
         auto_mixed_precision=True))
 
 
@@ -59,7 +60,8 @@ def hybridflow_register_checkpoint_exporters(registry: Any) -> None:
 @hookimpl
 def hybridflow_register_rollout_engines(registry: Any) -> None:
     registry.register("hf", build_hf_rollout_engine, info=RolloutEngineInfo(capabilities=frozenset({
-        "binds_generation_weights", "generates_tensor_parallel", "holds_weights"}), weights_target="hf"))
+        "binds_generation_weights", "generates_tensor_parallel", "holds_weights", "records_routing"}),
+        weights_target="hf"))
 
 
 @hookimpl

@@ -21,6 +21,7 @@ from hybridflow_fsdp.fast_decode import LeanDecoder, build_lean_decoder, lean_de
 from hybridflow_fsdp.forward import require_columns
 from hybridflow_fsdp.kv_reuse import ConversationKVCache
 from hybridflow_fsdp.models import build_hf_config, build_model, compute_position_ids
+from hybridflow_fsdp.moe import ROUTED_EXPERTS, RouterTap, assemble_routed_experts, find_moe_blocks
 from hybridflow_fsdp.sampling import sample_tokens
 from hybridflow_fsdp.tensor_parallel import (
     TensorGroup,
@@ -77,8 +78,13 @@ class HFRolloutEngine:
         if self.tensor_group is not None:
             self.decoder = TensorParallelDecoder(self.model, self.tensor_group)
         else:
-            # the lean forward (same logits, a fraction of the per-token overhead) unless disabled or unsupported
-            self.decoder = build_lean_decoder(self.model) if config.extra.get("lean_decoder", True) else None
+            # the lean forward (same logits, a fraction of the per-token overhead) unless disabled or unsupported;
+            # an MoE model keeps HF's modules, whose routers the tap records (moe.py)
+            moe = bool(find_moe_blocks(self.model))
+            self.decoder = (build_lean_decoder(self.model) if config.extra.get("lean_decoder", True) and not moe
+                            else None)
+        #: MoE models: each generated token's experts per layer, returned as the routed_experts column
+        self.router_tap = RouterTap(self.model) if find_moe_blocks(self.model) else None
         self._parameters = dict(self.model.named_parameters())
         self._names = {id(parameter): name for name, parameter in self._parameters.items()}
         self._bound: set[str] = set()  # parameters whose storage is a caller's tensor (update_weights(bind=True))
@@ -111,6 +117,11 @@ class HFRolloutEngine:
         comm = None if self.tensor_group is None else ("shm" if self.tensor_group.channel is not None else "gloo")
         return {"dtype": str(next(iter(self._parameters.values())).dtype).removeprefix("torch."),
                 "tensor_parallel_size": tg, "decoder": decoder, "comm": comm, "kv_cache_reuse": self._kv_reuse}
+
+    @property
+    def moe_layers(self) -> int:
+        """The model's MoE layers whose routing ``generate`` records (capability ``records_routing``; 0: dense)."""
+        return 0 if self.router_tap is None else self.router_tap.num_layers
 
     @property
     def tensor_rank(self) -> int:
@@ -234,6 +245,8 @@ class HFRolloutEngine:
             )
         prompts = batch.repeat_interleave(sampling.n) if sampling.n > 1 else batch
         generator = self._generator(sampling)
+        if self.router_tap is not None:
+            self.router_tap.start_recording()
         # each distinct prompt is prefilled once and shared by its n samples
         sampled = sample_tokens(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
                                 sampling=sampling, eos_token_id=self.config.eos_token_id,
@@ -253,6 +266,10 @@ class HFRolloutEngine:
             "response_mask": sampled.response_mask,
             "rollout_log_probs": sampled.log_probs,
         }
+        if self.router_tap is not None:  # the experts of every prompt and fed-back response token, per MoE layer
+            columns[ROUTED_EXPERTS] = assemble_routed_experts(
+                self.router_tap.stop_recording(), rows=len(prompts), prompt_width=prompt_ids.shape[1],
+                response_width=sampled.responses.shape[1], attention_mask=columns["attention_mask"])
         # a new column container: the caller's batch is never modified
         output = Batch(prompts.tensors.clone(recurse=False), dict(prompts.non_tensors),
                        {**prompts.meta, "policy_version": self._version})

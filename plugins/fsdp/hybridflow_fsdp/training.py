@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridflow.batch import Batch
 from hybridflow.engines import ROLES, LossFn, TrainingEngineConfig
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, EngineError
 from hybridflow.resharding.layout import ParallelLayout
 from hybridflow_fsdp import checkpoint, forward, handover, packing
 from hybridflow_fsdp.distributed import apply_fsdp, build_data_parallel_mesh, ensure_process_group
@@ -35,6 +35,15 @@ from hybridflow_fsdp.engine_options import (
 from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsupported_reason
 from hybridflow_fsdp.lora import adapter_parameters, apply_lora
 from hybridflow_fsdp.models import build_model
+from hybridflow_fsdp.moe import (
+    ROUTED_EXPERTS,
+    RouterTap,
+    RoutingPass,
+    compute_load_balancing_loss,
+    compute_routing_metrics,
+    compute_z_loss,
+    find_moe_blocks,
+)
 from hybridflow_fsdp.optim import build_optimizer, build_scheduler, clip_sharded_grad_norm_, count_state_bytes
 from hybridflow_fsdp.prompt_sharing import shares_prompts
 from hybridflow_fsdp.shm_comm import install_shm_comm
@@ -100,6 +109,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         if reason is not None:
             raise ConfigError(f"{role}.use_remove_padding=true cannot pack this model: {reason}. "
                               f"Fix: set {role}.use_remove_padding=false.")
+        # MoE (moe.py): the actor's routers are tapped for routing replay, the router losses and their metrics
+        self.router_tap = _build_router_tap(model, role=role, config=config)
         if config.gradient_checkpointing and role in TRAINABLE_ROLES:
             enable_gradient_checkpointing(model)
         self.trainable = role in TRAINABLE_ROLES
@@ -121,7 +132,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         checkpointing = self.trainable and config.gradient_checkpointing  # the lean forward would bypass it
         lean_possible = (role in ("actor", "reference") and not checkpointing
                          and config.lora is None and bool(config.extra.get("lean_forward", True))
-                         and lean_decoder_unsupported_reason(model) is None)
+                         and lean_decoder_unsupported_reason(model) is None
+                         and not find_moe_blocks(model))  # MoE: HF's modules, whose routers moe.py taps
         self.fsdp_units = resolve_fsdp_units(config.extra.get("fsdp_units", "auto"), weight_bytes, lean=lean_possible)
         # one unit of a trainable model stays gathered from its forward through its backward (one all-gather a step)
         self._one_unit = self.sharded and self.fsdp_units == "model"
@@ -156,6 +168,8 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
             self._lean_logits = getattr(self.model, LEAN_FORWARD_METHOD)
         #: micro-batches each packed forward computed in the current train_step (``lean_packed`` / ``hf_packed``)
         self._routes: Counter[str] = Counter()
+        #: what the routers did in each forward of the current train_step (MoE actors)
+        self._routing: list[RoutingPass] = []
         # fused AdamW and foreach clipping: one kernel (one DTensor dispatch when sharded) for all parameters
         self._fused = self.device.type in ("cpu", "cuda")
         self._memory_metrics_cache: tuple[object, dict[str, float]] | None = None
@@ -168,6 +182,11 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         if role == "reward_model":
             self._capture_scores(self.model)
 
+    @property
+    def moe_layers(self) -> int:
+        """The actor model's MoE layers whose routers are tapped (capability ``replays_routing``; 0: dense)."""
+        return 0 if self.router_tap is None else self.router_tap.num_layers
+
     # --- engine_base hooks ----------------------------------------------------------------------------------
     def _forward_module(self) -> torch.nn.Module:
         return self.model
@@ -176,13 +195,85 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         """The base class's step; with padding removal it also reports ``lean_forward_share``: the share of its
         micro-batches the lean forward computed (the rest went through HF's packed forward)."""
         self._routes.clear()
+        self._routing.clear()
         metrics = super().train_step(batch, loss_fn=loss_fn, mini_batch_size=mini_batch_size)
         if self._routes:
             metrics["lean_forward_share"] = self._routes["lean_packed"] / sum(self._routes.values())
+        if self.router_tap is not None:
+            metrics.update(compute_routing_metrics(self._routing, self.router_tap.blocks, prefix=self.role))
+            self._routing.clear()
         return metrics
 
     def _forward_outputs(self, micro: Batch, *, with_entropy: bool,
                          entropy_metric: bool = False) -> dict[str, torch.Tensor]:
+        """The model's outputs; for an MoE actor with its routers tapped: the recorded experts (``routed_experts``)
+        replayed under ``router_replay=R3``, compared with what the forward routed, and the router logits kept
+        for the losses when training."""
+        tap = self.router_tap
+        if tap is None:
+            return self._model_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
+        targets, compare, valid = self._routing_targets(micro)
+        tap.begin(targets, compare, replay=self.config.router_replay == "R3", keep_logits=torch.is_grad_enabled(),
+                  valid=valid)
+        try:
+            outputs = self._model_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
+        finally:
+            routing = tap.end()
+        if torch.is_grad_enabled():
+            self._routing.append(routing)
+        return outputs
+
+    def _routing_targets(self, micro: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The micro-batch's recorded experts [N, L, K], the tokens the flip metric counts [N] (recorded response
+        tokens) and the valid (non-padding) tokens [N], each in the order the routers see the tokens (packed:
+        :func:`packing.packed_source_index`; padded: row-major); the first two None without a recording."""
+        mask = micro["attention_mask"].to(self.device).bool()
+        rows, width = mask.shape
+        index = packing.packed_source_index(mask) if self.packed else None
+        valid = None if index is not None else mask.reshape(-1)
+        if ROUTED_EXPERTS not in micro:
+            if self.config.router_replay == "R3":
+                raise EngineError(
+                    f"actor.router_replay.mode=R3 replays the experts the rollout recorded, but the batch has no "
+                    f"{ROUTED_EXPERTS!r} column (columns: {sorted(micro.keys())}). The hf rollout engine records "
+                    "them in generate() for MoE models; multi-turn agent rollouts and other engines do not. Fix: "
+                    "use rollout.engine=hf single-turn, or set actor.router_replay.mode=disabled")
+            return None, None, valid
+        recorded = micro[ROUTED_EXPERTS].to(self.device)
+        if tuple(recorded.shape[:2]) != (rows, width):
+            raise EngineError(f"{ROUTED_EXPERTS} is {tuple(recorded.shape)} but input_ids is {(rows, width)}: the "
+                              "recorded routing must cover every input position [B, T, MoE layers, top-k]")
+        response = torch.zeros_like(mask)
+        response[:, width - forward.response_length(micro):] = True
+        compare = mask & response & (recorded[..., 0, 0] >= 0)
+        flat_targets = recorded.reshape(rows * width, *recorded.shape[2:])
+        flat_compare = compare.reshape(-1)
+        if index is None:
+            return flat_targets, flat_compare, valid
+        return flat_targets[index], flat_compare[index], valid
+
+    def _auxiliary_loss(self, share: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """An MoE actor's router losses of the micro-batch just forwarded (Megatron's, summed over MoE layers):
+        ``router_aux_loss_coef`` × load-balancing loss + ``router_z_loss_coef`` × z-loss, × ``share``; the metrics
+        ``<role>/moe/load_balancing_loss`` and ``<role>/moe/z_loss`` are their means over layers, unscaled
+        (measured when the coefficients are 0 too)."""
+        if self.router_tap is None or not self._routing or not self._routing[-1].logits:
+            return None, {}
+        routing = self._routing[-1]
+        blocks = self.router_tap.blocks
+        balance = torch.stack([compute_load_balancing_loss(logits, own, block.num_experts)
+                               for logits, own, block in zip(routing.logits, routing.own, blocks)])
+        z_loss = torch.stack([compute_z_loss(logits) for logits in routing.logits])
+        routing.logits = []  # the graph holds them until backward; the pass keeps only the own choices
+        metrics = {f"{self.role}/moe/load_balancing_loss": float(balance.detach().mean()),
+                   f"{self.role}/moe/z_loss": float(z_loss.detach().mean())}
+        aux, z = self.config.router_aux_loss_coef, self.config.router_z_loss_coef
+        if aux == 0 and z == 0:
+            return None, metrics
+        return share * (aux * balance.sum() + z * z_loss.sum()), metrics
+
+    def _model_outputs(self, micro: Batch, *, with_entropy: bool,
+                       entropy_metric: bool = False) -> dict[str, torch.Tensor]:
         if not self.packed:
             return super()._forward_outputs(micro, with_entropy=with_entropy, entropy_metric=entropy_metric)
         inputs = forward.model_inputs(micro, self.device) if self._lean_logits is not None else None
@@ -356,6 +447,24 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         self.lean = None
         self.optimizer = None
         self.scheduler = None
+
+
+def _build_router_tap(model: torch.nn.Module, *, role: str, config: TrainingEngineConfig) -> RouterTap | None:
+    """Hooks on an MoE actor's routers (None for other roles and dense models), after checking the MoE keys."""
+    moe = bool(find_moe_blocks(model))
+    wants = {key: value for key, value in (("router_replay", config.router_replay != "disabled"),
+                                           ("router_aux_loss_coef", config.router_aux_loss_coef > 0),
+                                           ("router_z_loss_coef", config.router_z_loss_coef > 0)) if value}
+    if wants and not (moe and role == "actor"):
+        key = next(iter(wants))
+        raise ConfigError(f"actor.{key} acts on the routers of a mixture-of-experts actor, but this {role}'s model "
+                          f"({type(model).__name__}) has no MoE layers. Fix: remove {key}, or train an MoE model "
+                          "(e.g. model_type qwen3_moe)")
+    if config.router_replay == "R3" and config.gradient_checkpointing:
+        raise ConfigError("actor.router_replay.mode=R3 with actor.gradient_checkpointing=true: the recomputed "
+                          "forward in backward would route afresh, not replay. Fix: set actor.gradient_checkpointing"
+                          "=false, or actor.router_replay.mode=disabled")
+    return RouterTap(model) if moe and role == "actor" else None
 
 
 def _row_dim_one_placement(model: torch.nn.Module) -> Callable[[torch.nn.Parameter], Any]:
