@@ -106,6 +106,7 @@ def scenario_logits(args: dict) -> dict:
     weights = dict(engine.generation_weights()) if engine.role != "critic" else {}
     out["weights_equal"] = all(torch.equal(weights[k], v) for k, v in hf.state_dict().items() if k in weights)
     out["weights_missing"] = sorted(set(hf.state_dict()) - set(weights) - {"lm_head.weight"})
+    out["hf_names"] = sorted(hf.state_dict())
     out["stats"] = engine.last_handover_stats
     return out
 

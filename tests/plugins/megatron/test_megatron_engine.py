@@ -38,7 +38,9 @@ PARK_IDS = ["qwen2_tied_kv2", "llama_kv4"]
 TWO_RANKS = [{"scenario": "logits", "model": {"architecture": "qwen2", **GQA}, "tp": 2},
              {**TRAIN, "tp": 2}, {**TRAIN, "pp": 2},
              {"scenario": "park", "cases": PARK, "tp": 2, "tensors": [1, 2], "config": {"vocab_size": 64},
-              "micro_batch_size": 1, "extra": {"handover_bucket_bytes": BUCKET_BYTES}}]
+              "micro_batch_size": 1, "extra": {"handover_bucket_bytes": BUCKET_BYTES}},
+             # qwen3: its q/k norms (replicated) over each rank's heads
+             {"scenario": "logits", "model": {"architecture": "qwen3", **GQA, "tie_word_embeddings": False}, "tp": 2}]
 HANDOVER = [  # vocab 64: a multiple of 8·t, so megatron pads nothing and the planner path runs
     {"pp": 1, "tp": 2, "model": {"architecture": "llama", "num_heads": 4, "num_kv_heads": 2,
                                  "tie_word_embeddings": False}},
@@ -107,6 +109,14 @@ def test_tp2_logits_and_generation_weights_equal_hf(two_ranks):
         assert result["weights_equal"] and result["weights_missing"] == []
         assert result["stats"].bytes_received > 0
         assert result["stats"].path == "gather"  # vocab 45 is padded to 48 for t=2: the planner cannot name it
+
+
+def test_tp2_qwen3_logits_and_generation_weights_equal_hf(two_ranks):
+    for result in two_ranks[4]:
+        valid = result["attention_mask"].bool()
+        assert (result["logits"] - result["hf_logits"]).abs()[valid].max() < 1e-5
+        assert result["weights_equal"] and result["weights_missing"] == []
+        assert any(".self_attn.q_norm." in name for name in result["hf_names"])
 
 
 def _assert_matches_reference(results, reference, atol=2e-5):
