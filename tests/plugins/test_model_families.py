@@ -129,3 +129,25 @@ def test_hf_rollout_greedy_and_log_probs_match_transformers(family_dir: tuple[st
     log_probs = reference_log_probs(reference, out["input_ids"], out["attention_mask"], responses)
     gap = (out["rollout_log_probs"] - log_probs)[mask].abs().max().item()
     assert gap < ATOL, f"{family}: rollout log-probs differ from transformers by {gap}"
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_forward_matches_transformers(family_dir: tuple[str, Path]) -> None:
+    """The deepspeed actor (ZeRO at its default stage, HF's modules for every family) scores the rows as
+    transformers does, and one optimizer step moves its log-probs (the engine trains this family)."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (bash scripts/setup.sh --all)")
+    from hybridflow.testing.contracts.training import sequence_mean_nll
+    from hybridflow_deepspeed.training import DeepSpeedTrainingEngine
+
+    family, path = family_dir
+    engine = DeepSpeedTrainingEngine(role="actor", config=TrainingEngineConfig(model=ModelSpec(path=str(path))))
+    batch = shared_prompt_batch()
+    log_probs = engine.compute_log_probs(batch)["log_probs"]
+    expected = reference_log_probs(load_reference(path), batch["input_ids"], batch["attention_mask"],
+                                   batch["responses"])
+    mask = batch["response_mask"].bool()
+    gap = (log_probs - expected)[mask].abs().max().item()
+    assert gap < ATOL, f"{family}: deepspeed log-probs differ from transformers by {gap}"
+    engine.train_step(batch, loss_fn=sequence_mean_nll)
+    moved = (engine.compute_log_probs(batch)["log_probs"] - log_probs)[mask].abs().max().item()
+    assert moved > 1e-3, f"{family}: a deepspeed train step left the log-probs where they were ({moved})"
