@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("hybridflow.plugin_listing", "list installed plugins, what they registered and load errors"),
     "train": ("hybridflow.trainer.cli", "run an algorithm from a YAML config plus dotted overrides"),
     "sft": ("hybridflow.trainer.sft", "supervised fine-tuning on demonstrations; writes an HF dir for model.path"),
+    "rm": ("hybridflow.trainer.rm", "reward-model training on chosen/rejected pairs; writes an HF dir for "
+           "reward.model.path"),
     "report": ("hybridflow.report", "render plots and a summary of a run directory"),
     "export": ("hybridflow.export", "write a Hugging Face model directory from a run's checkpoint"),
     "plan": ("hybridflow.placement.cli", "search placements and parallel sizes (auto device mapping)"),
