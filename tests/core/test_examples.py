@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import load_config
+from hybridflow.trainer.rm_config import load_rm_config
 from hybridflow.trainer.sft_config import load_sft_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -15,7 +16,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
 def test_every_example_config_loads(path: Path) -> None:
-    config = (load_sft_config if path.name.startswith("sft_") else load_config)(path, [])
+    loader = {"sft": load_sft_config, "rm": load_rm_config}.get(path.name.split("_")[0], load_config)
+    config = loader(path, [])
     assert config.trainer.run_dir
 
 
