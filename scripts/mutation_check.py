@@ -4,17 +4,17 @@ Each *mutant* is one known-bad change to the learner, written as a small textual
 source file and its replacement): PPO clipping off, the advantage's sign flipped, the ratio taken against the policy
 being trained (π_old := π, ratio ≡ 1), the KL and entropy terms' signs flipped, the loss aggregated over the wrong
 axis, one FSDP rank skipping its optimizer step, the actor handing the rollout stale weights, tensor-parallel shards
-handed to the wrong tensor rank. The shared tree is never written: the script makes one throw-away copy of the
-working tree (tracked and untracked-but-not-ignored files; a committed tree with ``--source git:REF``) in a temporary
-directory and, for each mutant, applies the patch there, runs a small, targeted set of fast tests of the default
-suite against the copy (``PYTHONPATH`` puts the copy's ``core/`` and ``plugins/*`` ahead of the editable installs;
-the Ray workers and spawned gloo ranks the tests start inherit it, and the script checks that ``hybridflow``
-resolves to the copy) and restores the file. A mutant is *caught* when a selected test fails (or errors, or the run
-times out), *survived* when they all pass: a surviving mutant is a hole in the suite. Each mutant's tests come in
-two tiers, reported apart: *component* tests (the changed code on hand-made inputs, engine contracts) and *learning*
-tests (RL updates of a tiny model through the FSDP engine or the trainer). A baseline run of every selected test on
-the unmutated copy comes first; if one of them fails there, no mutant's result would mean anything and the script
-stops.
+handed to the wrong tensor rank, the reward model's pairwise loss with its sign flipped. The shared tree is never
+written: the script makes one throw-away copy of the working tree (tracked and untracked-but-not-ignored files; a
+committed tree with ``--source git:REF``) in a temporary directory and, for each mutant, applies the patch there,
+runs a small, targeted set of fast tests of the default suite against the copy (``PYTHONPATH`` puts the copy's
+``core/`` and ``plugins/*`` ahead of the editable installs; the Ray workers and spawned gloo ranks the tests start
+inherit it, and the script checks that ``hybridflow`` resolves to the copy) and restores the file. A mutant is
+*caught* when a selected test fails (or errors, or the run times out), *survived* when they all pass: a surviving
+mutant is a hole in the suite. Each mutant's tests come in two tiers, reported apart: *component* tests (the changed
+code on hand-made inputs, engine contracts) and *learning* tests (RL updates of a tiny model through the FSDP engine
+or the trainer). A baseline run of every selected test on the unmutated copy comes first; if one of them fails there,
+no mutant's result would mean anything and the script stops.
 
 One ``RESULT {json}`` line per mutant on stdout (name, file, tests run, caught, caught_by_component,
 caught_by_learning, the failing tests, seconds); ``--write PATH`` writes a markdown table with the date, machine,
@@ -74,6 +74,9 @@ TRAINER_PPO = "tests/e2e/test_ppo_mini_batches_train.py"
 TWO_RANKS_MATCH_ONE = "tests/plugins/fsdp/test_contracts.py::test_two_ranks_match_one_rank"
 #: the tensor-parallel layouts and the reshard executor (the trainer at tg = 2 is a slow test: not selected)
 TENSOR_PARALLEL = ("tests/plugins/fsdp/test_tp_generation.py", "tests/core/resharding/test_reshard_executor.py")
+#: issue #43: the reward model's loss on hand-made rewards, and `hybridflow rm` learning the synthetic preference
+RM_UNITS = "tests/core/trainer/test_rm_data.py"
+RM_LEARNS = "tests/core/trainer/test_rm_trainer.py::test_reward_model_learns_the_hidden_preference_on_held_out_pairs"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,6 +176,12 @@ MUTANTS: tuple[Mutant, ...] = (
              '            if axis == "tensor" and isinstance(mesh, GenerationLayout):\n'
              "                part = parts - 1 - part\n"),
         component=TENSOR_PARALLEL, learning=(),
+    ),
+    Mutant(
+        name="rm_loss_sign", what="the reward model's Bradley-Terry loss takes r_r - r_c (prefers the rejected side)",
+        file="core/hybridflow/trainer/rm_loss.py",
+        old="    difference = chosen - rejected\n", new="    difference = rejected - chosen\n",
+        component=(RM_UNITS,), learning=(RM_LEARNS,),
     ),
 )
 
