@@ -17,6 +17,7 @@ import torch
 from tp_generation_jobs import bind_job, build_engine, compare_job, error_job, model_config, stride_job
 
 from hybridflow.errors import ConfigError
+from hybridflow.presets import tiny_model_config
 from hybridflow.resharding.builders import build_tensor_parallel_layout
 from hybridflow.resharding.layout import GenerationLayout
 from hybridflow.resharding.local_cluster import GlooCluster
@@ -92,7 +93,10 @@ def test_bound_weights_are_not_copied_and_sleep_drops_them(cluster: GlooCluster)
     ({"intermediate_size": 129}, [[0, 1]], 2, "intermediate_size \\(= 129\\)"),
     ({}, [[0], [1]], 2, "groups of the wrong size: \\[\\[0\\], \\[1\\]\\]"),
     ({}, [[0, 0]], 2, "each rank in exactly one group"),
-], ids=["no-groups", "kv-heads", "vocab", "intermediate", "group-size", "duplicate-rank"])
+    # a family the lean decoder does not run (issue #42): refused naming it, not generated with wrong numbers
+    ({**tiny_model_config(architecture="qwen3_moe", num_heads=4, num_kv_heads=2), "vocab_size": 46}, [[0, 1]], 2,
+     "tensor-parallel generation .*model_type 'qwen3_moe' is not one of .*mixture-of-experts"),
+], ids=["no-groups", "kv-heads", "vocab", "intermediate", "group-size", "duplicate-rank", "moe-family"])
 def test_tensor_parallel_config_errors(cluster: GlooCluster, change: dict[str, Any], groups: Any, tg: int,
                                        message: str) -> None:
     config = {**model_config("qwen2", tied=True), **change}
