@@ -210,7 +210,13 @@ def run(main: Callable[[], int | None], *, title: str, description: str = "",
     add_write_argument(parser, Path(argv[0]).stem)
     options, rest = parser.parse_known_args(argv[1:])
     sys.argv = [argv[0], *rest]
-    status = main()
+    try:
+        status = main()
+    except SystemExit:
+        if {"-h", "--help"} & set(rest):  # the bench's own help ran: name the two options it did not list
+            print(f"\nresults page (bench/results_page.py): --write PATH (default: "
+                  f"docs/benchmarks/{Path(argv[0]).stem}.md), --no-write (print the RESULT lines only)")
+        raise
     if ROWS:
         write_page(options.write, title=title, description=description, columns=columns, argv=argv)
     return int(status or 0)

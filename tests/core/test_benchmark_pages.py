@@ -99,3 +99,15 @@ def test_hand_recorded_numbers_must_name_a_command_that_exists(results_page: Mod
     assert results_page.check_page(good) == []
     assert "does not exist" in results_page.check_page(good.replace("e2e_sizes", "e2e_gone"))[0]
     assert "name no bench" in results_page.check_page(good.replace("python bench/e2e_sizes.py", "make it"))[0]
+
+
+def test_a_bench_help_names_the_page_options(results_page: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "bench" / "reshard.py"), "--help"])
+
+    def main() -> int:
+        raise SystemExit(0)  # what argparse does after printing the bench's own help
+
+    with pytest.raises(SystemExit):
+        results_page.run(main, title="t")
+    assert "--write PATH (default: docs/benchmarks/reshard.md), --no-write" in capsys.readouterr().out
