@@ -30,7 +30,7 @@ _logger = logging.getLogger(__name__)
 _logged_reasons: set[tuple[str, str]] = set()
 
 
-# The attributes this forward reads from an HF Llama/Qwen2 model (torch types submodule attributes as
+# The attributes this forward reads from an HF Llama/Qwen2/Qwen3 model (torch types submodule attributes as
 # ``Tensor | Module``); :func:`lean_decoder_unsupported_reason` checks the architecture before the cast.
 class _Linear(Protocol):
     weight: torch.Tensor

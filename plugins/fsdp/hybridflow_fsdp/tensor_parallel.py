@@ -1,4 +1,4 @@
-"""Tensor-parallel generation for the ``hf`` rollout engine: Megatron-style shards of a Llama/Qwen2 model over a
+"""Tensor-parallel generation for the ``hf`` rollout engine: Megatron-style shards of a Llama/Qwen2/Qwen3 model over a
 torch.distributed group (gloo on CPU, NCCL on GPU) and a lean decoder that communicates where the shards meet.
 
 The shards follow :func:`hybridflow.resharding.builders.build_tensor_parallel_layout`: column-parallel q/k/v/gate/up

@@ -202,7 +202,8 @@ def _chunk(tensor: torch.Tensor, position: ShardPosition, dim: int) -> torch.Ten
 
 def _get(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in hf:
-        raise LayoutError(f"HF state dict lacks {name!r}; expected a Llama/Qwen2 checkpoint (has {len(hf)} tensors)")
+        raise LayoutError(f"HF state dict lacks {name!r}; expected a Llama/Qwen2/Qwen3 checkpoint (has {len(hf)} "
+                          "tensors)")
     return hf[name]
 
 

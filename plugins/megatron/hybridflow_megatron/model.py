@@ -1,4 +1,4 @@
-"""Build one rank's megatron-core GPTModel stage from an HF Llama/Qwen2 spec, with the HF weights loaded into it.
+"""Build one rank's megatron-core GPTModel stage from an HF Llama/Qwen2/Qwen3 spec, with the HF weights loaded into it.
 
 It owns megatron's process-global parallel state for this process and the HF → TransformerConfig mapping; training,
 micro-batching and optimizers belong to :mod:`hybridflow_megatron.engine`. Import it only inside a factory.
@@ -144,7 +144,7 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
 
 def build_transformer_config(hf_config: Any, *, arch: ArchInfo, placement: StagePlacement, dtype: str,
                              device: str, overrides: dict[str, Any] | None = None) -> Any:
-    """megatron ``TransformerConfig`` equal in maths to the HF Llama/Qwen2 config; fusions off on the CPU."""
+    """megatron ``TransformerConfig`` equal in maths to the HF Llama/Qwen2/Qwen3 config; fusions off on the CPU."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if getattr(hf_config, "rope_scaling", None) not in (None, {}) and \
