@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         policy_roles,
         reference_role,
         reward_model_role,
+        teacher_role,
     )
     from hybridflow.algorithms.runtime import Runtime
 
@@ -43,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "critic_role": "roles",
     "reference_role": "roles",
     "reward_model_role": "roles",
+    "teacher_role": "roles",
     "policy_roles": "roles",
     "FixedKLController": "coefficients",
     "AdaptiveKLController": "coefficients",
@@ -64,6 +66,7 @@ __all__ = [
     "critic_role",
     "reference_role",
     "reward_model_role",
+    "teacher_role",
     "policy_roles",
     "FixedKLController",
     "AdaptiveKLController",

@@ -1,4 +1,5 @@
-"""Masked reductions, token-level rewards and the advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax).
+"""Masked reductions, token-level rewards and the advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax,
+on-policy distillation).
 
 Pure torch on ``[B, R]`` response tensors with a ``response_mask`` (bool or 0/1 float): padded positions never
 influence a result, even when they hold NaN, and every ``[B, R]`` output is 0 there. Which estimator an algorithm
@@ -24,6 +25,7 @@ __all__ = [
     "compute_reinforce_plus_plus_advantages",
     "compute_remax_advantages",
     "combine_reward_and_cost_advantages",
+    "compute_distillation_advantages",
 ]
 
 
@@ -260,3 +262,28 @@ def combine_reward_and_cost_advantages(
             f"{tuple(cost_advantages.shape)} must have the same shape"
         )
     return (reward_advantages - multiplier * cost_advantages) / (1.0 + multiplier)
+
+
+def compute_distillation_advantages(
+    teacher_log_probs: torch.Tensor,
+    student_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    coef: float = 1.0,
+    task_advantages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD at λ = 1 with the reverse KL; Thinking Machines 2025): each
+    sampled token's advantage is ``coef · (log π_teacher(y_t) − log π_student(y_t))``, the negative per-token
+    reverse-KL estimate (discount 0: no return over later tokens), plus ``task_advantages`` ``[B, R]`` (e.g. GRPO's
+    from a task reward) when given. ``student_log_probs`` are the sampling policy's (π_old); the policy gradient of
+    these advantages lowers KL(π_student ‖ π_teacher) on the student's own samples.
+    """
+    _check_mask("teacher_log_probs", teacher_log_probs, response_mask)
+    _check_mask("student_log_probs", student_log_probs, response_mask)
+    valid = _valid(response_mask)
+    teacher, student = _zero_padding(teacher_log_probs.float(), valid), _zero_padding(student_log_probs.float(), valid)
+    advantages = coef * (teacher - student)
+    if task_advantages is not None:
+        _check_mask("task_advantages", task_advantages, response_mask)
+        advantages = advantages + _zero_padding(task_advantages.float(), valid)
+    return _zero_padding(advantages, valid)

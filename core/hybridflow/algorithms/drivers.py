@@ -9,6 +9,7 @@ from hybridflow.hookspecs import hookimpl
 
 @hookimpl
 def hybridflow_register_algorithms(registry: Any) -> None:
+    from hybridflow.algorithms.distill import OnPolicyDistill
     from hybridflow.algorithms.grpo import GRPO
     from hybridflow.algorithms.ppo import PPO
     from hybridflow.algorithms.reinforce_pp import ReinforcePlusPlus
@@ -16,5 +17,5 @@ def hybridflow_register_algorithms(registry: Any) -> None:
     from hybridflow.algorithms.rloo import RLOO
     from hybridflow.algorithms.safe_rlhf import SafeRLHF
 
-    for algorithm in (PPO(), GRPO(), RLOO(), ReinforcePlusPlus(), ReMax(), SafeRLHF()):
+    for algorithm in (PPO(), GRPO(), RLOO(), ReinforcePlusPlus(), ReMax(), SafeRLHF(), OnPolicyDistill()):
         registry.register(algorithm.name, algorithm)

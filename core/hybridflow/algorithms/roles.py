@@ -21,6 +21,7 @@ __all__ = [
     "actor_role",
     "critic_role",
     "reference_role",
+    "teacher_role",
     "reward_model_role",
     "policy_roles",
     "check_algorithm_state",
@@ -97,6 +98,16 @@ def reference_role() -> RoleDeclaration:
     from hybridflow.workers import ReferenceWorker
 
     return RoleDeclaration(name="reference", worker=ReferenceWorker, section="reference", engine_role="reference")
+
+
+def teacher_role(name: str = "teacher", *, section: str = "roles.teacher", seed_offset: int = 5) -> RoleDeclaration:
+    """A frozen policy loaded from a model of its own (on-policy distillation's teacher): the reference's worker and
+    engine (``compute_ref_log_probs``, which returns the column ``ref_log_probs``), configured by ``section``, whose
+    ``model`` is the teacher's and whose ``pool`` may be the actor's (colocated) or one of its own."""
+    from hybridflow.workers import ReferenceWorker
+
+    return RoleDeclaration(name=name, worker=ReferenceWorker, section=section, engine_role="reference",
+                           seed_offset=seed_offset)
 
 
 def reward_model_role(name: str = "reward_model", *, section: str = "reward", output_key: str | None = None,
