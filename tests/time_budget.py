@@ -91,7 +91,7 @@ def offenders(times: dict[str, float], slow: set[str], recorded: dict[str, float
     return found
 
 
-@dataclass
+@dataclass(eq=False)  # pluggy keeps registered plugins in sets
 class TimeBudget:
     """Sums each test's phases as their reports arrive (on the xdist controller too) and judges them at the end."""
 

@@ -209,6 +209,11 @@ class TrainerConfig(_Section):
     deadline_s: float = Field(default=900.0, gt=0)
     threads_per_worker: int = Field(default=1, gt=0)
     plan: str | None = None  # plan.json (or its folder) from `hybridflow plan --output DIR`, copied into run_dir
+    # auto: search the placement at start-up from this config (its pools' devices, models and workload) and apply it:
+    # pools, each role's pool and parallel sizes; RUN_DIR/plan.json feeds the advisor (docs/design/placement.md)
+    placement: Literal["manual", "auto"] = "manual"
+    # the device profile trainer.placement=auto prices (a100-80gb, h100, h200, cpu, ...); unset: cpu for cpu pools
+    placement_profile: str | None = None
     # remap advisor (docs/design/placement.md): every advisor_every steps compare the plan's predicted node times with
     # the ledger's and record in RUN_DIR/advisor.jsonl whether a remap pays (0 = off; needs trainer.plan); advisor_runs:
     # earlier run dirs (plan.json + ledger.jsonl) it calibrates from too, e.g. one at another data-parallel size

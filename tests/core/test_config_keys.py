@@ -33,6 +33,7 @@ from hybridflow.batch import Batch
 from hybridflow.config import Config, load_config
 from hybridflow.errors import ConfigError, HybridflowError
 from hybridflow.testing.fixtures import save_tiny_model, tiny_model_config
+from hybridflow.trainer.rollout_source import ColocatedRollout
 
 BASE = [
     "algorithm.name=safe_rlhf", "actor.kl_loss_coef=0.1", "data.task.num_prompts=16", "data.batch_size=4",
@@ -135,6 +136,8 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "resource_pools.main.devices_per_node": [["resource_pools.main.devices_per_node=[4]"]],
         "trainer.run_dir": [[f"trainer.run_dir={tmp / 'other-run'}"]],
         "trainer.plan": [[f"trainer.plan={plan_dir}"]],
+        # the profile the start-up search prices: it is read with trainer.placement=auto only
+        "trainer.placement_profile": [["trainer.placement=auto", "trainer.placement_profile=h100"]],
         # earlier runs the periodic advisor calibrates from: the trainer refuses them without trainer.advisor_every
         "trainer.advisor_runs": [[f"trainer.advisor_runs=[{json.dumps(str(tmp / 'earlier-run'))}]"]],
         "ray.address": [["ray.address=ray://127.0.0.1:10001"]],
@@ -154,6 +157,9 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "rollout.multi_turn.tool_options": [['rollout.multi_turn.tools=["python"]',
                                              'rollout.multi_turn.tool_options={"python": {"cpu_seconds": 2}}']],
         "rollout.multi_turn.interaction": [["rollout.multi_turn.interaction=my_package.users:make_user"]],
+        # agents as code: the section needs its entry (the fixture's char tokenizer has no chat template: refused)
+        "rollout.agent.entry": [["rollout.agent.entry=agent.py:run"]],
+        "rollout.agent.host": [["rollout.agent.entry=agent.py:run", "rollout.agent.host=127.0.0.2"]],
     }
     for parent in MODEL_PARENTS:  # a model section needs a source: set one with the key (same preset)
         values[f"{parent}.dtype"] = [[f"{parent}.preset=tiny-qwen2", f"{parent}.dtype=bfloat16"]]
@@ -284,6 +290,7 @@ def observe(config: Config, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> d
                                   trainer.writer._tensorboard is not None, trainer.show_progress)),
             "lookahead": _describe(_lookahead_inside_a_step(trainer)),
             "validation": _describe(trainer.validation.describe() if trainer.validation is not None else None),
+            "placement": _describe(trainer.auto_placement.to_json() if trainer.auto_placement is not None else None),
         }
         try:
             trainer.start()
@@ -303,12 +310,15 @@ def observe(config: Config, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> d
 
 
 def _lookahead_inside_a_step(trainer: Any) -> bool:
-    """Whether the trainer would submit the next generation ahead from inside its first step."""
-    trainer._in_step = True
+    """Whether the trainer's rollout source would submit the next generation ahead from inside its first step."""
+    source = trainer.rollout_source
+    if not isinstance(source, ColocatedRollout):
+        return False  # a rollout pool generates ahead instead
+    source._step = trainer.step
     try:
-        return bool(trainer._lookahead_allowed())
+        return source.lookahead_allowed(trainer.step)
     finally:
-        trainer._in_step = False
+        source._step = None
 
 
 def _kl_batch() -> Batch:

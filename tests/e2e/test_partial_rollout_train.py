@@ -17,6 +17,7 @@ import yaml
 
 from hybridflow.batch import Batch
 from hybridflow.trainer import Trainer
+from hybridflow.trainer.async_loop import AsyncRollout
 from hybridflow.trainer.staleness import STALENESS_COLUMN, TOKEN_VERSIONS
 
 POOLS = {"main": {"devices_per_node": [1], "device": "cpu", "cpus_per_worker": 0.25},
@@ -37,8 +38,8 @@ def test_partial_rollout_loads_an_update_mid_generation_and_bounds_the_oldest_to
     claimed: list[Batch] = []
     try:
         trainer.start()
-        source = trainer.async_rollout
-        assert source is not None
+        source = trainer.rollout_source
+        assert isinstance(source, AsyncRollout)
         claim = source.claim
 
         def record(prompts: Batch) -> Batch:  # the rollout each step trains on, as handed to the algorithm

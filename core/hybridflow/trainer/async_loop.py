@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,7 @@ from hybridflow.controller.handles import node_method
 from hybridflow.data import PromptLoader
 from hybridflow.errors import ConfigError, VersionMismatchError
 from hybridflow.trainer.build import RolePlan, build_resource_pool, release_worker_group
+from hybridflow.trainer.rollout_source import StepStart
 from hybridflow.trainer.rollout_sync import WeightSyncs
 from hybridflow.trainer.staleness import (
     STALENESS_COLUMN,
@@ -47,7 +48,12 @@ from hybridflow.trainer.staleness import (
     use_weight_exporting_actor,
 )
 
+if TYPE_CHECKING:
+    from hybridflow.reliability import Supervisor
+    from hybridflow.trainer.build import Groups
+
 __all__ = ["STALENESS_COLUMN", "AsyncRollout", "enforce_staleness", "use_weight_exporting_actor"]
+
 
 @dataclass(slots=True)
 class PendingRollout:
@@ -63,8 +69,9 @@ class PendingRollout:
 class AsyncRollout:
     """The rollout pool of a run, the generations in flight on it and the staleness bound. Stability: experimental.
 
-    The trainer calls :meth:`start` once, :meth:`begin_step` / :meth:`end_step` around each algorithm step
-    (:meth:`reset` when a step fails) and :meth:`close` at the end."""
+    One of the trainer's rollout sources (:class:`~hybridflow.trainer.rollout_source.RolloutSource`): the trainer
+    calls :meth:`start` once, :meth:`begin_step` / :meth:`end_step` around each algorithm step (:meth:`abort_step`
+    when a step fails; recovery calls :meth:`reset` when it restarts the pool) and :meth:`close` at the end."""
 
     def __init__(self, config: Config, loader: PromptLoader, plans: list[RolePlan]) -> None:
         if config.rollout.pool is None:
@@ -113,8 +120,10 @@ class AsyncRollout:
         self._claimed: dict[int, tuple[list[int], int, bool]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------------------
-    def start(self, *, observers: list[Any], deadline_s: float, stack_dump_dir: str | None) -> None:
-        """Create the rollout pool's worker group (its engine gets weights at the first :meth:`begin_step`)."""
+    def start(self, groups: Groups, supervisor: Supervisor, *, observers: list[Any], deadline_s: float,
+              stack_dump_dir: str | None) -> None:
+        """Create the rollout pool's worker group (its engine gets weights at the first :meth:`begin_step`) and
+        attach it to the run's supervisor: recovery restarts the rollout pool too (its failed calls name it)."""
         from hybridflow.controller import WorkerGroup
         from hybridflow.workers.rollout import RolloutWorker
 
@@ -126,6 +135,7 @@ class AsyncRollout:
         self.group = WorkerGroup(self.pool, {"rollout": RolloutWorker}, init_kwargs={"rollout": init},
                                  name=self.pool_name, deadline_s=deadline_s, stack_dump_dir=stack_dump_dir,
                                  observers=[*observers, self._observe])
+        supervisor.attach_group(self.pool_name, self.group, restart_with=self.linked_pools(), on_restart=self.reset)
 
     def linked_pools(self) -> set[str]:
         """The pools whose restart must restart the rollout pool too: the actor's with ``weight_sync: collective``
@@ -181,10 +191,18 @@ class AsyncRollout:
 
         return ActorWithRolloutPool(self, actor)
 
+    def stream_chunks(self) -> int:
+        """Chunks a step streams in (trainer.stream_mini_batches: claimed from the rollout pool one by one)."""
+        return self.chunks if self.stream else 1
+
     # --- per step -----------------------------------------------------------------------------------------
-    def begin_step(self, step: int, prompts: Batch, actor: Any) -> None:
+    def begin_step(self, step: int, prompts: Batch, actor: Any) -> StepStart:
         """Before step ``step`` (actor weights at version ``step``): its rollout in flight, and the next ones up to
         ``step + k`` (under the latest weights sent)."""
+        self._begin_step(step, prompts, actor)
+        return StepStart(prompts, False)
+
+    def _begin_step(self, step: int, prompts: Batch, actor: Any) -> None:
         self._current, self._step = prompts, step
         self._stats = {key: 0.0 for key in _STEP_STATS}
         if self.partial:

@@ -25,18 +25,19 @@ from hybridflow.manifest import build_manifest, write_manifest
 from hybridflow.plugins import load_plugins
 from hybridflow.reliability import FaultPlan, RecoveryPolicy, Supervisor, attach_fault_plan
 from hybridflow.rewards_remote import RewardPool, build_reward_function
-from hybridflow.trainer.async_loop import AsyncRollout, use_weight_exporting_actor
 from hybridflow.trainer.build import Groups, build_groups, build_tokenizer, plan_roles, role_mapping, start_ray
 from hybridflow.trainer.checkpoint import CheckpointManager, archive_previous_logs
 from hybridflow.trainer.datasets import load_datasets
 from hybridflow.trainer.iteration_record import IterationRecorder
 from hybridflow.trainer.progress import MetricsWriter, Progress
+from hybridflow.trainer.rollout_source import build_rollout_source
 from hybridflow.trainer.rollouts import RolloutWriter
 from hybridflow.trainer.timing import timing_metrics
 
 if TYPE_CHECKING:
     from hybridflow.controller import CallObserver
     from hybridflow.placement.advisor import RunAdvisor
+    from hybridflow.placement.auto import AutoPlacement
 
 __all__ = ["Trainer"]
 
@@ -50,6 +51,12 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         load_plugins()
         check_registered_names(config)
+        self.auto_placement: AutoPlacement | None = None
+        if config.trainer.placement == "auto":  # the searched plan replaces pools and parallel sizes (plan.json)
+            from hybridflow.placement.auto import apply_auto_placement
+
+            config, self.auto_placement = apply_auto_placement(config, self.run_dir)
+            self.config = config
         self.algorithm = registries.algorithms.get(config.algorithm.name)
         self.tokenizer = build_tokenizer(config.role_model(config.actor))
         train, self.validation = load_datasets(config, self.tokenizer)
@@ -78,16 +85,13 @@ class Trainer:
             self.algorithm_state[ENTROPY_CONTROLLER] = entropy
         self.faults = FaultPlan.from_sources(config.reliability.faults, self.run_dir)
         self.plans = attach_fault_plan(self.plans, self.faults)
-        #: the rollout pool of an asynchronous run (rollout.pool; hybridflow.trainer.async_loop), else None
-        self.async_rollout: AsyncRollout | None = None
         if config.trainer.stream_mini_batches and not getattr(self.algorithm, "streams_mini_batches", False):
             raise ConfigError(f"trainer.stream_mini_batches trains a step's rollout chunk by chunk, but algorithm "
                               f"{self.algorithm.name!r} computes its advantages over the whole batch (it does not "
                               "declare streams_mini_batches). Fix: use grpo or rloo, or set "
                               "trainer.stream_mini_batches=false")
-        if config.rollout.pool is not None:
-            self.plans = use_weight_exporting_actor(self.plans)
-            self.async_rollout = AsyncRollout(config, self.loader, self.plans)
+        #: where each step's generations come from (the actor's workers, or a rollout pool: rollout.pool)
+        self.rollout_source, self.plans = build_rollout_source(config, self.loader, self.plans, self.validation)
         self.checkpoints = CheckpointManager(self.run_dir, keep=config.trainer.keep_checkpoints)
         self.ledger = Ledger(self.run_dir)
         loggers = [name for name in config.trainer.loggers if name != "tensorboard" or config.trainer.tensorboard]
@@ -97,8 +101,6 @@ class Trainer:
         self.groups: Groups | None = None
         self.step = 0
         self.recorder = IterationRecorder()  # the ledger row of the iteration in flight
-        self._ahead: Batch | None = None  # prompts of the next iteration whose generation was submitted ahead
-        self._in_step = False  # inside algorithm.step (an update then is this iteration's, not a replayed one)
         self._last_step_end: float | None = None
         self.advisor: RunAdvisor | None = None  # trainer.advisor_every: the periodic placement check
         self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults,
@@ -120,24 +122,29 @@ class Trainer:
         start_ray(self.config.ray)
         self.groups = build_groups(self.config, self.plans, deadline_s=self.config.trainer.deadline_s,
                                    stack_dump_dir=str(self.run_dir / "stacks"), observers=self.call_observers)
-        self.groups.group_of("actor").before_block = self._submit_generation_ahead
-        if self.async_rollout is not None:  # recovery restarts the rollout pool too (its failed calls name it)
-            self.async_rollout.start(observers=[self.recorder.observe, self.supervisor.observe],
-                                     deadline_s=self.config.trainer.deadline_s,
-                                     stack_dump_dir=str(self.run_dir / "stacks"))
-            self.supervisor.attach_group(self.async_rollout.pool_name, self.async_rollout.group,
-                                         restart_with=self.async_rollout.linked_pools(),
-                                         on_restart=self.async_rollout.reset)
+        observers = [self.recorder.observe, self.supervisor.observe]
+        self.rollout_source.start(self.groups, self.supervisor, observers=observers,
+                                  deadline_s=self.config.trainer.deadline_s,
+                                  stack_dump_dir=str(self.run_dir / "stacks"))
         protocols = self._protocols()
         mapping = role_mapping(self.config, self.plans)
         placement = {pool: group.placement() for pool, group in self.groups.by_pool.items()}
         options = {role: value for group in self.groups.by_pool.values()
                    for role, value in group.engine_options().items() if value}
         write_manifest(self.run_dir, build_manifest(self.config, protocols=protocols, mapping=mapping,
-                                                    placement=placement, engine_options=options))
+                                                    placement=placement, engine_options=options,
+                                                    plan=self._plan_record()))
         if self.advisor is not None:  # the measured start-up is what a remap's restart pays
             self.advisor.setup_seconds = time.perf_counter() - started
         self._maybe_resume()
+
+    def _plan_record(self) -> dict[str, Any]:
+        """How this run's placement was chosen, for the manifest."""
+        if self.auto_placement is not None:
+            return self.auto_placement.to_json()
+        if self.config.trainer.plan is not None:
+            return {"mode": "plan", "file": str(self.config.trainer.plan)}
+        return {"mode": "manual"}
 
     def _copy_plan(self) -> None:
         """Copy ``trainer.plan`` (a plan.json from ``hybridflow plan --output DIR``) into the run directory, where
@@ -164,17 +171,11 @@ class Trainer:
     def runtime(self) -> Runtime:
         assert self.groups is not None
         roles = {plan.role: self.groups.role(plan.role) for plan in self.plans}
-        if self.async_rollout is not None:  # the step's generation comes from the rollout pool
-            roles["actor"] = self.async_rollout.wrap_actor(roles["actor"])
+        roles["actor"] = self.rollout_source.wrap_actor(roles["actor"])  # its generate answered by the source
         return Runtime(config=self.config, tokenizer=self.tokenizer, roles=roles,
                        state=self.algorithm_state, reward_fn=self.reward_fn, cost_fn=self.cost_fn,
                        timeout_s=self.config.trainer.deadline_s, log_rollouts=self.config.trainer.log_rollouts,
-                       more_prompts=self._more_prompts, stream_chunks=self._stream_chunks())
-
-    def _stream_chunks(self) -> int:
-        """Chunks a step streams in (trainer.stream_mini_batches; 1 unless the rollout pool claims them one by one)."""
-        rollout = self.async_rollout
-        return rollout.chunks if rollout is not None and rollout.stream else 1
+                       more_prompts=self._more_prompts, stream_chunks=self.rollout_source.stream_chunks())
 
     def _more_prompts(self) -> Batch:
         """The loader's next batch for this iteration (dynamic sampling draws it inside a step; a retried step
@@ -182,8 +183,7 @@ class Trainer:
         return self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
 
     def close(self) -> None:
-        if self.async_rollout is not None:
-            self.async_rollout.close()
+        self.rollout_source.close()
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
@@ -260,75 +260,24 @@ class Trainer:
         self.writer.truncate_after(self.step - 1)
         self.rollouts.truncate_after(self.step - 1)
 
-    # --- lookahead ----------------------------------------------------------------------------------------
-    def _lookahead_allowed(self) -> bool:
-        """Submitting the next generation ahead changes nothing a run can observe when the update it queues behind
-        is this step's own (not a recovery replaying an earlier iteration's update), no checkpoint is taken after
-        this step (it would capture the rollout engine after that generation) and this is not the last step.
-
-        Faults need no gate: the generation is a function of its prompts, the weights version and the iteration's
-        seed, so one lost with a failed worker (or failed itself) is redone by the retried iteration."""
-        trainer = self.config.trainer
-        following = self.step + 1
-        if self.async_rollout is not None:
-            return False  # the rollout pool generates ahead instead
-        if not trainer.lookahead or not self._in_step or following >= trainer.total_steps:
-            return False
-        if self.validation is not None and self.validation.due(following, trainer.total_steps):
-            return False  # validation runs between the steps: this step's time is the step's alone
-        return not (trainer.checkpoint_every and following % trainer.checkpoint_every == 0)
-
-    def _submit_generation_ahead(self, role: str, method: str) -> None:
-        """``before_block`` of the actor's group: once ``actor.update_policy`` is dispatched, dispatch the next
-        iteration's ``actor.generate(prompts)`` behind it, so the actor starts generating the moment its update
-        ends instead of after a driver round trip (plus this step's bookkeeping)."""
-        if (role, method) != ("actor", "update_policy") or self._ahead is not None or not self._lookahead_allowed():
-            return
-        assert self.groups is not None
-        prompts = self.loader.peek().with_meta(iteration=self.step + 1, policy_version=self.step + 1)
-        self.groups.group_of("actor").submit_ahead("actor", "generate", prompts,
-                                                   deadline_s=self.supervisor.policy.deadlines.get("actor.generate"))
-        self._ahead = prompts
-
-    def _claim_ahead_prompts(self, prompts: Batch) -> tuple[Batch, bool]:
-        """The prompts object given to the generation submitted ahead when it is this iteration's batch."""
-        ahead, self._ahead = self._ahead, None
-        if (ahead is not None and ahead.meta.get("iteration") == prompts.meta.get("iteration")
-                and list(ahead.non_tensors.get("uid", [])) == list(prompts.non_tensors.get("uid", []))):
-            return ahead, True
-        return prompts, False
-
-    def _drop_ahead(self) -> None:
-        self._ahead = None
-        if self.groups is not None:
-            for group in self.groups.by_pool.values():
-                group.drop_ahead()
-
     # --- the loop -----------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """One iteration of the algorithm, recorded in the ledger and metrics (a failed attempt's nodes stay in the
         record, so the row of a retried iteration shows the lost work too)."""
         runtime = self.supervisor.wrap_runtime(self.runtime())
         prompts = self.loader.next_batch().with_meta(iteration=self.step, policy_version=self.step)
-        prompts, overlapped = self._claim_ahead_prompts(prompts)
         if self.recorder.record is None or self.recorder.record.iteration != self.step:
             self.recorder.record = self.ledger.begin(self.step, policy_version=self.step)
         start = time.perf_counter()
-        self._in_step = True
+        source, actor = self.rollout_source, self.worker_groups().role("actor")
         try:
-            if self.async_rollout is not None:
-                self.async_rollout.begin_step(self.step, prompts, self.worker_groups().role("actor"))
+            prompts, overlapped = source.begin_step(self.step, prompts, actor)
             metrics: dict[str, float] = self.algorithm.step(runtime, prompts)
             self._update_entropy_control(metrics)
-            if self.async_rollout is not None:
-                metrics.update(self.async_rollout.end_step(self.step, self.worker_groups().role("actor")))
+            metrics.update(source.end_step(self.step, actor))
         except BaseException:
-            self._drop_ahead()  # a retried or stopped iteration starts from a clean slate
-            if self.async_rollout is not None:  # keeps what stays valid for the retry
-                self.async_rollout.abort_step()
+            source.abort_step()  # keeps what stays valid for the retry
             raise
-        finally:
-            self._in_step = False
         record, self.recorder.record = self.recorder.record, None
         self.supervisor.annotate(record, prompts)
         now = time.perf_counter()
