@@ -48,11 +48,13 @@ def _tools(config: Config) -> dict[str, str]:
 
 def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[str, Any],
                    placement: dict[str, dict[str, Any]] | None = None,
-                   engine_options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                   engine_options: dict[str, dict[str, Any]] | None = None,
+                   plan: dict[str, Any] | None = None) -> dict[str, Any]:
     """Manifest dict; ``protocols`` maps ``role.method`` → protocol name, ``mapping`` role → pool and sizes,
     ``placement`` pool → its torch.distributed rendezvous and where each rank runs (rank, ``devices_per_node`` entry,
     Ray node id, pid), as reported by the workers themselves (:meth:`hybridflow.controller.WorkerGroup.placement`);
-    ``engine_options`` role → what its engines resolved on rank 0 (:meth:`WorkerGroup.engine_options`)."""
+    ``engine_options`` role → what its engines resolved on rank 0 (:meth:`WorkerGroup.engine_options`); ``plan``
+    how the placement was chosen (``trainer.placement: auto``'s search, ``trainer.plan``'s file, or by hand)."""
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "algorithm": config.algorithm.name,
@@ -61,6 +63,7 @@ def build_manifest(config: Config, *, protocols: dict[str, str], mapping: dict[s
         "protocols": protocols,
         "mapping": mapping,
         "placement": placement or {},
+        "plan": plan or {"mode": "manual"},
         "engine_options": engine_options or {},
         "ray": _ray_cluster(config),
         "engines": {"actor": config.actor.engine, "rollout": config.rollout.engine},

@@ -86,16 +86,16 @@ def main(argv: list[str]) -> int:
         from hybridflow.trainer.capacity import compute_capacity, format_capacity
 
         print(format_capacity(compute_capacity(history, config.model_dump(mode="json"))))
-        if config.trainer.plan is not None:
-            from hybridflow.trainer.capacity import advise_placement, format_verdict
+        from hybridflow.trainer.capacity import advise_placement, format_verdict
 
-            try:
-                verdict = advise_placement(Path(config.trainer.run_dir))
-            except HybridflowError as exc:
-                print(f"placement advisor: not available ({type(exc).__name__}: {exc})")
-            else:
-                if verdict is not None:
-                    print(format_verdict(verdict))
+        try:
+            verdict = advise_placement(Path(config.trainer.run_dir))
+        except HybridflowError as exc:
+            print(f"placement advisor: not available ({type(exc).__name__}: {exc})")
+        else:
+            print(format_verdict(verdict) if verdict is not None else
+                  "placement advisor: no plan for this run (placed by hand); trainer.placement=auto searches one "
+                  "at start-up, trainer.plan=DIR runs one from `hybridflow plan --output DIR`")
     for line in validation_lines(trainer.validation_history,
                                  lambda k: k.startswith("val-core/") and k.endswith("@1"), digits=2, label=" (greedy)"):
         print(line)
