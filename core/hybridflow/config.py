@@ -37,7 +37,7 @@ from hybridflow.errors import ConfigError
 # config_sections; they are re-exported here, where callers have always imported them
 __all__ = ["Config", "load_config", "apply_overrides", "read_yaml_mapping", "config_hash", "check_registered_names",
            "check_pool_batches", "RayConfig", "PoolConfig", "ModelConfig", "ParallelSection", "OptimSection",
-           "LoraSection", "ActorConfig", "CriticConfig", "RoleSection", "ReferenceConfig"]
+           "LoraSection", "ActorConfig", "AgentSection", "CriticConfig", "RoleSection", "ReferenceConfig"]
 
 
 class MultiTurnSection(_Section):
@@ -65,6 +65,21 @@ class MultiTurnSection(_Section):
         return self
 
 
+class AgentSection(_Section):
+    """Agents as code (docs/guide/agents_as_code.md): each sample's rollout is a user's agent program that calls an
+    OpenAI-compatible endpoint in front of the actor's rollout engine; the calls' tokens are what trains."""
+
+    # the agent: "path/to/agent.py:function" or "package.module:function", called as
+    # function(base_url=..., api_key=..., sample={...}) -> reward (a number) or None (reward.function scores)
+    entry: str
+    max_concurrency: int = Field(default=0, ge=0)  # agents running at once per worker (0: all of its samples)
+    timeout_s: float = Field(default=60.0, gt=0)  # per agent, wall clock; past it the sample fails (scored 0)
+    max_calls: int = Field(default=8, gt=0)  # requests per agent; further ones get HTTP 429 (call_budget_exhausted)
+    max_tokens: int = Field(default=256, gt=0)  # response ids per sample (model + tool/user turns): its width
+    host: str = "127.0.0.1"  # the endpoint's address (loopback: only this machine's processes reach it)
+    port: int = Field(default=0, ge=0, le=65535)  # 0: a free port per worker
+
+
 class RolloutConfig(_Section):
     engine: str = "hf"
     n: int = Field(default=4, gt=0)
@@ -80,6 +95,8 @@ class RolloutConfig(_Section):
     pipeline_parallel_size: int = Field(default=1, gt=0)
     extra: dict[str, Any] = Field(default_factory=dict)
     multi_turn: MultiTurnSection = MultiTurnSection()
+    # agents as code: an OpenAI-compatible endpoint per actor worker, a user's agent function per sample (None: off)
+    agent: AgentSection | None = None
     # a pool of its own for generation (split rollout, docs/guide/async.md): None = the actor generates on its own ranks
     pool: str | None = None
     # how the actor's weights reach rollout.pool (docs/guide/async.md): through Ray's object store, or broadcast over a
@@ -100,6 +117,16 @@ class RolloutConfig(_Section):
                 "(hf, vllm and sglang engines take tensor_parallel_size only). Fix: set "
                 "rollout.pipeline_parallel_size=1 (or remove it; in a `hybridflow plan` fragment too) and use "
                 "rollout.tensor_parallel_size")})
+        if self.agent is not None and self.multi_turn.enable:
+            raise PydanticCustomError("rejected_key", "{reason}", {"key": "agent", "reason": (
+                "rollout.agent and rollout.multi_turn.enable both choose how a sample is rolled out (the user's agent "
+                "over the endpoint, or the built-in tool loop). Fix: set rollout.multi_turn.enable=false or remove "
+                "rollout.agent")})
+        if self.agent is not None and (self.pool is not None or self.tensor_parallel_size != 1):
+            raise PydanticCustomError("rejected_key", "{reason}", {"key": "agent", "reason": (
+                f"rollout.agent serves its endpoint from the actor's own rollout engine at tensor_parallel_size = 1; "
+                f"got pool={self.pool!r}, tensor_parallel_size={self.tensor_parallel_size}. Fix: remove rollout.pool "
+                "and set rollout.tensor_parallel_size=1")})
         return self
 
 

@@ -12,7 +12,7 @@ import contextlib
 import json
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,9 @@ class PromptDataset:
     ground_truths: list[Any]
     data_sources: list[str]
     extra_infos: list[dict[str, Any]]  # each row's ``extra_info`` ({} when absent), passed to reward functions
+    #: each row's ``prompt`` as the file gives it (chat messages or text): verl's ``raw_prompt``, which agents as
+    #: code (rollout.agent) receive as their sample's ``prompt``
+    raw_prompts: list[Any] = field(default_factory=list)
 
     @classmethod
     def from_rows(cls, rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int,
@@ -122,7 +125,7 @@ class PromptDataset:
         if missing:
             raise DatasetError(f"{source} lacks column(s) {missing}; found {sorted(rows[0])}. verl layout expected: "
                                "prompt, data_source, reward_model.ground_truth")
-        texts, truths, sources, extras, ids = [], [], [], [], []
+        texts, truths, sources, extras, ids, raws = [], [], [], [], [], []
         for index, row in enumerate(rows):
             where = f"{source} row {index}"
             if "prompt" not in row:
@@ -137,6 +140,7 @@ class PromptDataset:
                     f"{max_prompt_length}; raise the limit or filter long prompts out"
                 )
             texts.append(text)
+            raws.append(row["prompt"])
             truths.append(_ground_truth(row))
             sources.append(str(row.get("data_source", "unknown")))
             extra = _extra_info(row, where)
@@ -150,7 +154,7 @@ class PromptDataset:
         for row_index, token_ids in enumerate(ids):
             input_ids[row_index, max_prompt_length - len(token_ids):] = torch.tensor(token_ids)
             attention_mask[row_index, max_prompt_length - len(token_ids):] = 1
-        return cls(input_ids, attention_mask, texts, truths, sources, extras)
+        return cls(input_ids, attention_mask, texts, truths, sources, extras, raws)
 
     def __len__(self) -> int:
         return len(self.prompt_texts)
@@ -165,6 +169,7 @@ class PromptDataset:
                 "ground_truth": [self.ground_truths[i] for i in indices],
                 "data_source": [self.data_sources[i] for i in indices],
                 "extra_info": [self.extra_infos[i] for i in indices],
+                **({"raw_prompt": [self.raw_prompts[i] for i in indices]} if self.raw_prompts else {}),
             },
         )
 

@@ -17,9 +17,11 @@ import torch
 from hybridflow.agent.loop import Conversation
 from hybridflow.batch import Batch
 
-__all__ = ["build_rollout_batch", "summarize_agent_metrics", "AGENT_COLUMNS"]
+__all__ = ["build_rollout_batch", "summarize_agent_metrics", "AGENT_COLUMNS", "AGENT_STATUSES"]
 
 AGENT_COLUMNS = ("num_turns", "tool_call_counts", "tool_error_counts")
+#: how an agent run by ``rollout.agent`` ended (``agent_status`` holds the index): ``ok`` or why its sample failed
+AGENT_STATUSES = ("ok", "error", "timeout", "no_calls", "bad_return")
 
 
 def build_rollout_batch(prompts: Batch, conversations: Sequence[Conversation], *, width: int, pad_token_id: int,
@@ -65,8 +67,19 @@ def build_rollout_batch(prompts: Batch, conversations: Sequence[Conversation], *
 
 def summarize_agent_metrics(batch: Batch) -> dict[str, float]:
     """verl's names: ``num_turns/{min,max,mean}``, ``tool_call_counts/{min,max,mean}``, plus
-    ``tool_error_counts/{min,max,mean}``; empty when the batch has no agent columns."""
+    ``tool_error_counts/{min,max,mean}``; with agents as code (``rollout.agent``) also ``agent/num_failed``,
+    ``agent/failed_ratio``, ``agent/<status>`` per failure kind (error, timeout, no_calls, bad_return),
+    ``agent/calls/mean``, ``agent/split_sequences`` (sequences beyond one per sample, not trained) and
+    ``agent/truncated``; empty when the batch has no agent columns."""
     metrics: dict[str, float] = {}
+    if "agent_failed" in batch and len(batch) > 0:
+        metrics["agent/num_failed"] = float(batch["agent_failed"].sum())
+        metrics["agent/failed_ratio"] = float(batch["agent_failed"].float().mean())
+        for code, status in enumerate(AGENT_STATUSES[1:], start=1):
+            metrics[f"agent/{status}"] = float((batch["agent_status"] == code).sum())
+        metrics["agent/calls/mean"] = float(batch["agent_calls"].float().mean())
+        metrics["agent/split_sequences"] = float((batch["agent_sequences"] - 1).clamp(min=0).sum())
+        metrics["agent/truncated"] = float(batch["agent_truncated"].sum())
     for name in AGENT_COLUMNS:
         if name not in batch or len(batch) == 0:
             continue

@@ -121,6 +121,9 @@ class Runtime:
         if model is not None:
             future = model_scores if model_scores is not None else model.compute_scores(batch)
             total += future.get(timeout=self.timeout_s)["costs" if cost else "scores"].float()
+        if not cost and "agent_rewards" in batch:  # rollout.agent: a reward the agent returned replaces the score
+            returned = batch["agent_rewards"].float()
+            total = torch.where(torch.isnan(returned), total, returned)
         batch[key] = total
         return batch
 

@@ -218,6 +218,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
         # every row for the batch's widest remaining budget (up to rollout.max_new_tokens)
         max_response = rollout.max_new_tokens + rollout.multi_turn.max_tokens if rollout.multi_turn.enable \
             else rollout.max_new_tokens
+        if rollout.agent is not None:  # rollout.agent: a call's prompt holds up to agent.max_tokens earlier ids
+            max_response = rollout.max_new_tokens + rollout.agent.max_tokens
         # seq-mean-token-sum-norm's constant divisor (Dr. GRPO): the key's, else the longest response possible
         loss_scale_factor = None if getattr(section, "loss_agg", None) != "seq-mean-token-sum-norm" else (
             section.loss_scale_factor or float(max_response))
@@ -240,7 +242,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                     pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, seed=seed, extra=dict(rollout.extra)),
                 "sampling": SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                            top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed),
-                "extra": {"multi_turn": _multi_turn_options(config, tokenizer)}}
+                "extra": {"multi_turn": _multi_turn_options(config, tokenizer),
+                          **_agent_options(config, tokenizer)}}
         elif kind == "critic":
             options = {"loss": make_critic_loss_fn(ValueLossConfig(clip_range=section.value_clip or None,
                                                                    loss_agg=section.loss_agg,
@@ -325,6 +328,26 @@ def _multi_turn_options(config: Config, tokenizer: Any) -> dict[str, Any]:
 
         build_tools(list(section.tools), section.tool_options)
     return section.model_dump()
+
+
+def _agent_options(config: Config, tokenizer: Any) -> dict[str, Any]:
+    """``rollout.agent`` as the actor worker's agent path reads it (hybridflow.agent.code_agent), the entry resolved
+    to an absolute path and loaded once here, so a run whose agent cannot load fails before any worker starts."""
+    section = config.rollout.agent
+    if section is None:
+        return {}
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("rollout.agent needs a tokenizer with a chat template (the endpoint renders the agents' chat "
+                          "messages with it); the model's tokenizer has none. Fix: set actor.model.path to an HF model "
+                          "directory saved with a chat tokenizer")
+    from hybridflow.agent.code_agent import load_agent_entry
+
+    options = section.model_dump()
+    target, _, name = section.entry.rpartition(":")
+    if target.endswith(".py"):
+        options["entry"] = f"{Path(target).expanduser().resolve()}:{name}"
+    load_agent_entry(options["entry"])
+    return {"agent": options}
 
 
 def start_ray(ray: RayConfig) -> None:

@@ -42,6 +42,7 @@ from hybridflow.reliability.faults import maybe_fail
 from hybridflow.workers.base import RANK_TOKENS_METRIC, RoleSpec, _iteration, _only, _TrainingRole
 
 if TYPE_CHECKING:
+    from hybridflow.agent.code_agent import CodeAgentRollout
     from hybridflow.agent.worker import AgentRollout
     from hybridflow.resharding import GenerationLayout
 
@@ -88,6 +89,7 @@ class ActorRolloutWorker(_TrainingRole):
         #: are then none of the policy versions
         self._mid_step = False
         self._agent: AgentRollout | None = None  # rollout.multi_turn's agent loop, built on first use
+        self._code_agent: CodeAgentRollout | None = None  # rollout.agent's endpoint and entry, built on first use
         # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
         self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
         if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
@@ -234,7 +236,9 @@ class ActorRolloutWorker(_TrainingRole):
             sampling = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                       top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                                       seed=sampling.seed + 1000 * iteration + self.generation_replica)
-        if self.spec.extra.get("multi_turn", {}).get("enable"):  # rollout.multi_turn: its own code path
+        if self.spec.extra.get("agent"):  # rollout.agent: the user's agents call this rank's endpoint
+            out = self._code_agent_rollout().generate(prompts, sampling, greedy=greedy)
+        elif self.spec.extra.get("multi_turn", {}).get("enable"):  # rollout.multi_turn: its own code path
             out = self._agent_rollout().generate(prompts, sampling)
         else:
             out = self.rollout.generate(prompts, sampling)
@@ -259,6 +263,17 @@ class ActorRolloutWorker(_TrainingRole):
             assert self.spec.rollout_config is not None
             self._agent = AgentRollout(self.rollout, self.spec.rollout_config, self.spec.extra["multi_turn"])
         return self._agent
+
+    def _code_agent_rollout(self) -> CodeAgentRollout:
+        """rollout.agent's OpenAI endpoint over this worker's rollout engine and the user's agent entry
+        (hybridflow.agent.code_agent), built once; the endpoint starts with the first generate."""
+        if self._code_agent is None:
+            from hybridflow.agent.code_agent import CodeAgentRollout
+
+            assert self.spec.rollout_config is not None and self.spec.sampling is not None
+            self._code_agent = CodeAgentRollout(self.rollout, self.spec.rollout_config, self.spec.extra["agent"],
+                                                max_new_tokens=self.spec.sampling.max_new_tokens)
+        return self._code_agent
 
     @register(protocol="mesh", blocking=False, idempotent=True)
     def compute_log_probs(self, batch: Batch) -> Batch:
