@@ -160,9 +160,6 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         # agents as code: the section needs its entry (the fixture's char tokenizer has no chat template: refused)
         "rollout.agent.entry": [["rollout.agent.entry=agent.py:run"]],
         "rollout.agent.host": [["rollout.agent.entry=agent.py:run", "rollout.agent.host=127.0.0.2"]],
-        # agents as code: the section needs its entry (the fixture's char tokenizer has no chat template: refused)
-        "rollout.agent.entry": [["rollout.agent.entry=agent.py:run"]],
-        "rollout.agent.host": [["rollout.agent.entry=agent.py:run", "rollout.agent.host=127.0.0.2"]],
     }
     for parent in MODEL_PARENTS:  # a model section needs a source: set one with the key (same preset)
         values[f"{parent}.dtype"] = [[f"{parent}.preset=tiny-qwen2", f"{parent}.dtype=bfloat16"]]
