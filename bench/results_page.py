@@ -13,6 +13,7 @@ the page from the rows. The page's header is fixed::
     - date: 2026-12-07 03:30 UTC
     - machine: <CPU model>, 2 CPUs, Linux <release>, Python 3.11.7, torch 2.13.0+cpu; load average (1 min) 1.3
     - command: `OMP_NUM_THREADS=1 python bench/<bench>.py ...`
+    - tree: commit 1a2b3c4, no uncommitted changes to tracked files
 
 then the bench's description and one table per run of rows with the same keys. :func:`check_page` is the format
 test's side of it (tests/core/test_benchmark_pages.py): a page that says it was written by a script must carry this
@@ -28,6 +29,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -70,6 +72,21 @@ def machine() -> str:
             f"Python {platform.python_version()}{torch}{load}")
 
 
+def tree() -> str:
+    """Which code ran: the checkout's commit and how many tracked files differ from it, or ``SOURCE_COMMIT`` (the CI
+    convention) for an exported tree without git metadata."""
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        source = os.environ.get("SOURCE_COMMIT")
+        return f"commit {source} (an exported tree)" if source else "not a git checkout, commit unknown"
+    return f"commit {commit}" + (f" with uncommitted changes in {len(changed)} tracked files" if changed else
+                                 ", no uncommitted changes to tracked files")
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command as a user retypes it: the thread and path settings that change results, then the script."""
     argv = list(sys.argv if argv is None else argv)
@@ -110,14 +127,16 @@ def tables(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None)
 
 
 def render(*, script: str, title: str, rows: Sequence[dict[str, Any]], command: str, description: str = "",
-           columns: Sequence[str] | None = None, date: str | None = None, machine_line: str | None = None) -> str:
+           columns: Sequence[str] | None = None, date: str | None = None, machine_line: str | None = None,
+           tree_line: str | None = None) -> str:
     """The page's text (see the module docstring for its header)."""
     if not rows:
         raise ValueError(f"{script}: no RESULT rows to write; expected at least one (did every case fail?)")
     lines = [f"# {title}", "", WRITTEN_BY.format(script=script), "",
              f"- date: {date or time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- machine: {machine_line or machine()}",
-             f"- command: `{command}`", ""]
+             f"- command: `{command}`",
+             *([f"- tree: {tree_line}"] if tree_line else []), ""]
     if description:
         lines += [description.strip(), ""]
     lines += tables(rows, columns)
@@ -193,7 +212,7 @@ def write_page(path: Path | None, *, title: str, description: str = "", columns:
         raise ValueError(f"write_page: the running script {script} is outside the repository {ROOT}; expected a "
                          "bench under bench/ (run it as python bench/NAME.py)")
     text = render(script=str(script.relative_to(ROOT)), title=title, rows=ROWS, command=command_line(argv),
-                  description=description, columns=columns)
+                  description=description, columns=columns, tree_line=tree())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     print(f"wrote {path}", flush=True)
