@@ -14,7 +14,7 @@ from typing import Any
 from hybridflow.engines import ModelSpec
 from hybridflow.errors import ConfigError
 
-__all__ = ["write_random_init_model_dir", "load_tokenizer"]
+__all__ = ["hf_checkpoint_tensors", "write_random_init_model_dir", "load_tokenizer"]
 
 
 def write_random_init_model_dir(spec: ModelSpec, *, prefix: str,
@@ -43,16 +43,38 @@ def write_random_init_model_dir(spec: ModelSpec, *, prefix: str,
         # not model.save_pretrained: under torch.distributed it writes on rank 0 only, and every rank starts its own
         # engine from its own directory
         config.save_pretrained(holder.name)
-        tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-        if getattr(config, "tie_word_embeddings", False):
-            tensors.pop("lm_head.weight", None)  # shares embed_tokens' storage; safetensors refuses shared tensors
-        save_file(tensors, str(Path(holder.name) / "model.safetensors"), metadata={"format": "pt"})
+        save_file(hf_checkpoint_tensors(model), str(Path(holder.name) / "model.safetensors"), metadata={"format": "pt"})
     except BaseException:
         holder.cleanup()
         raise
     finally:
         torch.random.set_rng_state(generator_state)
     return Path(holder.name), holder
+
+
+def hf_checkpoint_tensors(model: Any) -> dict[str, Any]:
+    """``model``'s tensors named and shaped as transformers' ``save_pretrained`` writes them (what the Hub holds and
+    vLLM loads): the conversion transformers applies when loading reverted — in transformers 5 a mixture-of-experts
+    model (Mixtral, Qwen3-MoE) holds its experts fused ([E, 2I, H] ``mlp.experts.gate_up_proj``), its checkpoints one
+    tensor per expert (Mixtral's ``block_sparse_moe.experts.<e>.w1/w2/w3``) — and a tied ``lm_head`` left out (it is
+    the embedding). Each tensor owns its storage (safetensors refuses shared ones). Written directly rather than by
+    ``save_pretrained``, which under torch.distributed writes on rank 0 only."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: the modules' names are the checkpoint's
+        pass
+    else:
+        state = dict(revert_weight_conversion(model, state))
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if pointer in seen or not tensor.is_contiguous() else tensor
+        seen.add(pointer)
+    return out
 
 
 #: tokenizer classes that mean "the tokenizers file as it is" (what ``PreTrainedTokenizerFast.save_pretrained`` writes)

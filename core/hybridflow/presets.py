@@ -108,6 +108,8 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, perturb: float = 0.0, **
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hybridflow.model_dir import hf_checkpoint_tensors
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config_dict = tiny_model_config(**config_overrides)
@@ -124,8 +126,7 @@ def save_tiny_model(path: str | Path, *, seed: int = 0, perturb: float = 0.0, **
     from safetensors.torch import save_file
 
     model.config.save_pretrained(path)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
-             if not (config.tie_word_embeddings and name == "lm_head.weight")}  # tied: stored once, as HF does
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    # tied: stored once; MoE experts one tensor each (transformers 5 fuses them in memory), as save_pretrained does
+    save_file(hf_checkpoint_tensors(model), str(path / "model.safetensors"), metadata={"format": "pt"})
     build_char_tokenizer().save_pretrained(path)
     return path

@@ -151,3 +151,19 @@ def test_deepspeed_forward_matches_transformers(family_dir: tuple[str, Path]) ->
     engine.train_step(batch, loss_fn=sequence_mean_nll)
     moved = (engine.compute_log_probs(batch)["log_probs"] - log_probs)[mask].abs().max().item()
     assert moved > 1e-3, f"{family}: a deepspeed train step left the log-probs where they were ({moved})"
+
+
+def test_the_models_page_matches_the_support_declarations() -> None:
+    """docs/guide/models.md is what scripts/gen_model_table.py makes of LEAN_FAMILIES and CONVERTED_FAMILIES."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_model_table", root / "scripts" / "gen_model_table.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--check"]) == 0, "docs/guide/models.md is stale: run python scripts/gen_model_table.py"
+    page = (root / "docs" / "guide" / "models.md").read_text(encoding="utf-8")
+    for family in FAMILIES:  # every family of this module has its row, its lean cells as the fsdp plugin declares
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{family}` |"))
+        assert (row.split(" | ")[2] == "lean") is (family in LEAN_FAMILIES), row

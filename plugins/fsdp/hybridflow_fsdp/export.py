@@ -81,14 +81,16 @@ def _check_adapter_base(checkpoint: Path, model: torch.nn.Module, lora: Any, *, 
 
 
 def write_hf_weights(model: torch.nn.Module, out_dir: Path) -> None:
-    """``config.json`` (with ``architectures`` and ``use_cache`` on, for generation) and ``model.safetensors``."""
+    """``config.json`` (with ``architectures`` and ``use_cache`` on, for generation) and ``model.safetensors`` in the
+    checkpoint format transformers' ``save_pretrained`` writes (:func:`hybridflow.model_dir.hf_checkpoint_tensors`:
+    MoE experts one tensor each, loadable by vLLM and older transformers too)."""
     from safetensors.torch import save_file
     from transformers import PretrainedConfig
 
+    from hybridflow.model_dir import hf_checkpoint_tensors
+
     config = cast(PretrainedConfig, model.config)
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+    state = hf_checkpoint_tensors(model)
     config.architectures = [type(model).__name__]
     config.use_cache = True
     config.save_pretrained(str(out_dir))
