@@ -36,6 +36,7 @@ def test_ppo_on_two_devices_is_split_and_grpo_colocated() -> None:
         {"devices_per_node": [2], "device": "cpu"}]
 
 
+@pytest.mark.slow
 def test_an_auto_placed_run_runs_its_plan_and_ends_with_the_verdict(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "auto"

@@ -8,6 +8,7 @@ from typing import Any
 
 from hybridflow.algorithms.advantages import compute_grpo_advantages
 from hybridflow.algorithms.coefficients import build_kl_state
+from hybridflow.algorithms.helpers import mean_over_ranks
 from hybridflow.algorithms.roles import RoleDeclaration, Stateful, policy_roles
 from hybridflow.algorithms.runtime import Runtime
 from hybridflow.batch import Batch
@@ -28,8 +29,12 @@ class GRPO:
         return build_kl_state(config)
 
     def step(self, rt: Runtime, prompts: Batch) -> dict[str, float]:
-        # n samples per prompt, π_old, π_ref, reward; with trainer.stream_mini_batches chunk by chunk as they arrive
-        batch, metrics = rt.stream_update(prompts, lambda chunk: self.advantages(rt, chunk))
+        if rt.stream_chunks > 1:  # trainer.stream_mini_batches: 1-3 per chunk of prompt groups, as each arrives
+            batch, metrics = rt.stream_update(prompts, lambda chunk: self.advantages(rt, chunk))
+        else:
+            batch = rt.rollout(prompts)                                # 1. n samples per prompt; π_old, π_ref, reward
+            self.advantages(rt, batch)                                 # 2. advantages within each prompt's group
+            metrics = mean_over_ranks(rt.actor.update_policy(batch))   # 3. learn
         summary = rt.summarize(batch)
         rt.update_kl_controller(summary, len(batch))
         return {**summary, **metrics}
