@@ -34,9 +34,10 @@ What the documentation lacked for writing this engine (found while writing it; d
   mini-batches. Not written down.
 - ``state_version()``: the contract suite counts optimizer steps (+2 per call of 2 mini-batches) and expects
   ``load_checkpoint`` to restore it; the Protocol gives only the name.
-- Which model the critic and reward model are (a scalar head: verl's token classification with one label; the
-  value at the position before each response token, the score at the last attended token) is in the module
-  docstring's column list only; that a role the engine cannot serve should raise is not said.
+- Which model the critic and reward model are: where each reads its head is in engines.py's column list (the value
+  at the position before each response token, the score at the last attended token), but not that the reward model
+  is a sequence-classification model (the directory ``hybridflow rm`` writes, bias-free ``score`` head) while the
+  critic is a token-classification one; nor that a role the engine cannot serve should raise.
 - That the actor always passes ``entropy`` in ``outputs`` is in engines.py's docstring; where ``required_outputs``
   lives (an attribute of ``loss_fn``, default ``("log_probs",)``) had to be read between the lines.
 - ``mesh_info()``'s ``is_collect`` ("its tensor rank 0") for a pure data-parallel engine (every rank: True), and

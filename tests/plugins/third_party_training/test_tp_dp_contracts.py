@@ -119,6 +119,32 @@ def test_checkpoint_is_replaced_whole_and_exports_as_a_hugging_face_model(plugin
         plugin.export_tp_dp_checkpoint(checkpoint=tmp_path, spec=None, out_dir=tmp_path / "none")
 
 
+def test_reward_model_from_a_sequence_classification_directory_scores_as_transformers_does(plugin: Any,
+                                                                                            tmp_path: Path) -> None:
+    """A reward model directory as ``hybridflow rm`` writes it (sequence classification, 1 label, ``score`` head)
+    loads whole (no fresh head) and each row's score is transformers' own, read at its last attended token."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from hybridflow.presets import tiny_model_config
+    from hybridflow.testing.fixtures import PAD_ID
+
+    values = tiny_model_config()
+    assert values["pad_token_id"] == PAD_ID  # what sequence classification pools by
+    config = AutoConfig.for_model(values.pop("model_type"), **values, num_labels=1)
+    torch.manual_seed(5)
+    reference = AutoModelForSequenceClassification.from_config(config).eval()
+    reference.save_pretrained(tmp_path / "rm")
+    batch = build_training_batch()
+    engine = plugin.build_tp_dp_engine(role="reward_model", config=TrainingEngineConfig(
+        model=ModelSpec(path=str(tmp_path / "rm"), seed=9), micro_batch_size=3), device="cpu")
+    scores = engine.compute_scores(batch)["scores"]
+    mask = batch["attention_mask"]
+    with torch.no_grad():  # transformers pools at the last non-pad id: the last attended token of these rows
+        expected = reference(input_ids=batch["input_ids"], attention_mask=mask,
+                             position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0]
+    assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
+
+
 @pytest.mark.parametrize(("options", "key"), [
     ({"parallel": ParallelConfig(tensor_parallel_size=2)}, "tensor_parallel_size"),
     ({"lora": LoraConfig(rank=4)}, "lora"),
