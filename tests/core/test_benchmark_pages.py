@@ -6,7 +6,6 @@ check fails on a page whose header is broken."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +57,7 @@ def test_a_bench_entry_point_writes_a_page_that_passes_the_check(results_page: M
     assert results_page.check_page(text) == []
     assert text.startswith("# Reshard bytes\n\nWritten by `bench/reshard.py` from its RESULT lines")
     assert f"python bench/reshard.py --quick --write {page}`" in text
-    assert re.search(r"^- tree: commit \w+", text, re.M), "the page does not say which code ran"
+    assert f"\n- tree: {results_page.tree()}\n" in text, "the page does not say which code ran"
     assert ("| case | ratio | exact |\n|---|---|---|\n| fsdp d=2 -> tg=1 | 1 | true |\n"
             "| fsdp d=2 -> tg=2 | 1 | true |") in text
     assert "| summary | worst_ratio |\n|---|---|\n| all | 1 |" in text
