@@ -26,7 +26,7 @@ from hybridflow_megatron.convert import (
 from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 
 __all__ = ["StagePlacement", "ValueHead", "VALUE_HEAD_ROLES", "ensure_parallel_state", "destroy_parallel_state",
-           "build_hf_model", "build_transformer_config", "build_stage"]
+           "build_hf_model", "build_transformer_config", "build_stage", "rope_parameters"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _parallel_sizes: tuple[int, int] | None = None
@@ -142,14 +142,25 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     return model
 
 
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE parameters (``rope_theta``, ``rope_type``, scaling): transformers 5 keeps them in
+    ``rope_parameters`` (a Qwen3 config has no ``rope_theta`` attribute), transformers 4 in ``rope_theta`` and
+    ``rope_scaling``."""
+    values = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if "rope_theta" not in values and getattr(hf_config, "rope_theta", None) is not None:
+        values["rope_theta"] = hf_config.rope_theta
+    return values
+
+
 def build_transformer_config(hf_config: Any, *, arch: ArchInfo, placement: StagePlacement, dtype: str,
                              device: str, overrides: dict[str, Any] | None = None) -> Any:
     """megatron ``TransformerConfig`` equal in maths to the HF Llama/Qwen2/Qwen3 config; fusions off on the CPU."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if getattr(hf_config, "rope_scaling", None) not in (None, {}) and \
-            (hf_config.rope_scaling or {}).get("rope_type", "default") != "default":
-        raise ConfigError(f"rope_scaling {hf_config.rope_scaling} is not mapped to megatron yet; use default RoPE")
+    rope = rope_parameters(hf_config)
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"RoPE parameters {rope} are not mapped to megatron yet (rope_type "
+                          f"{rope.get('rope_type')!r}); use a model with the default RoPE")
     if arch.num_layers % placement.pp_size:
         raise ConfigError(
             f"pipeline_parallel_size={placement.pp_size} must divide num_hidden_layers={arch.num_layers}"
@@ -231,7 +242,7 @@ def build_stage(spec: ModelSpec, *, role: str, placement: StagePlacement, device
             parallel_output=False,
             share_embeddings_and_output_weights=arch.tied_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(getattr(hf_config, "rope_theta", 10000)),
+            rotary_base=int(rope_parameters(hf_config).get("rope_theta", 10000)),
         )
     if arch.value_head and placement.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size)

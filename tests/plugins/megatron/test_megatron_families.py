@@ -3,11 +3,14 @@
 The converted families (:data:`hybridflow_megatron.convert.CONVERTED_FAMILIES`: llama, qwen2, qwen3 with its q/k
 norms as megatron's ``q_layernorm``/``k_layernorm``) load from an HF directory whose every tensor is moved off its init
 (the norms included), and their logits and log-probs equal the HF model's (fp32, 1e-5) at t = 1 on one rank, the
-generation weights read back equal to the HF ones; the mixture-of-experts families are refused when the engine
-reads the config, naming the family and the engines that run it.
+generation weights read back equal to the HF ones. The qwen3 directory has Qwen3's RoPE base (1e6, in transformers 5's
+``rope_parameters``: a base read from the old ``rope_theta`` attribute would silently be 10000). The mixture-of-experts
+families are refused when the engine reads the config, naming the family and the engines that run it.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -26,9 +29,13 @@ ATOL = 1e-5
 def family_logits(module_ranks, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """One 1-rank process: the logits case of every converted family, each from a perturbed HF directory."""
     root = tmp_path_factory.mktemp("families")
-    cases = [{"scenario": "logits", "path": str(save_tiny_model(root / family, perturb=0.3, architecture=family,
-                                                                 tie_word_embeddings=family != "qwen3"))}
+    paths = [save_tiny_model(root / family, perturb=0.3, architecture=family, tie_word_embeddings=family != "qwen3")
              for family in CONVERTED_FAMILIES]
+    qwen3_config = paths[CONVERTED_FAMILIES.index("qwen3")] / "config.json"
+    values = json.loads(qwen3_config.read_text())
+    values["rope_parameters"] = {**values["rope_parameters"], "rope_theta": 1_000_000.0}  # Qwen3's own base
+    qwen3_config.write_text(json.dumps(values))
+    cases = [{"scenario": "logits", "path": str(path)} for path in paths]
     (result,) = module_ranks("cases", 1, {"cases": cases}, timeout_s=600)
     return dict(zip(CONVERTED_FAMILIES, result["cases"], strict=True))
 
