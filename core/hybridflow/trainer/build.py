@@ -272,6 +272,10 @@ def _router_options(config: Config, section: Any) -> dict[str, Any]:
         require_capability("training", section.engine, "replays_routing", needed_for=f"actor.{used[0]}",
                            fix=f"use actor.engine=fsdp, or remove actor.{used[0]}")
     if mode == "R3":
+        if config.rollout.multi_turn.enable or config.rollout.agent is not None:
+            raise ConfigError("actor.router_replay.mode=R3 replays the experts the rollout engine recorded in "
+                              "generate; multi-turn and agent rollouts assemble their rows from several calls and "
+                              "record none. Fix: set actor.router_replay.mode=disabled, or run single-turn rollouts")
         require_capability("rollout", config.rollout.engine, "records_routing",
                            needed_for="actor.router_replay.mode=R3 (the rollout records each token's experts)",
                            fix="use rollout.engine=hf, or set actor.router_replay.mode=disabled")

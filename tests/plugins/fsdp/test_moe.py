@@ -112,10 +112,11 @@ def test_mismatched_recording_is_refused() -> None:
     tap.end()
 
 
-def test_rollout_column_lines_up_with_the_packed_training_forward() -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_rollout_column_lines_up_with_the_training_forward(packed: bool) -> None:
     """fp32 generation and fp32 training route every recorded response token alike: the column's positions are
-    the ones the actor's packed forward routes (an off-by-one would flip most tokens)."""
-    engine = actor()
+    the ones the actor's forward routes, packed (the default) or padded (an off-by-one would flip most tokens)."""
+    engine = actor(use_remove_padding=packed)
     batch = rollout(engine, "float32")
     column = batch[ROUTED_EXPERTS]
     assert column.dtype == torch.int16 and tuple(column.shape) == (*batch["input_ids"].shape, 2, 2)
