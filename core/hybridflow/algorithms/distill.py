@@ -60,14 +60,27 @@ class DistillationOptions:
         return cls(distillation_loss_coef=float(coef), use_task_rewards=task)
 
 
+def _tokenizer(model: Any, key: str) -> Any:
+    """The tokenizer saved with ``model.path``, else the presets' character tokenizer (as the trainer builds it)."""
+    if model.path is None:
+        from hybridflow.char_tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from hybridflow.model_dir import load_tokenizer
+
+    try:
+        return load_tokenizer(str(model.path))
+    except (OSError, ValueError) as exc:  # transformers raises either for a directory without a tokenizer
+        raise ConfigError(f"{key} {str(model.path)!r}: no tokenizer could be loaded from it ({exc}); expected a "
+                          "Hugging Face model directory with its tokenizer. Fix: point it at one") from exc
+
+
 def check_teacher_tokenizer(config: Any, section: str = "roles.teacher") -> None:
     """Refuse a teacher whose tokenizer differs from the student's: it scores the student's token ids, so both must
     map every id to the same token (same vocabulary, same special tokens)."""
-    from hybridflow.trainer.build import build_tokenizer
-
     teacher_model = config.roles["teacher"].model
-    student = build_tokenizer(config.role_model(config.actor))
-    teacher = build_tokenizer(teacher_model)
+    student = _tokenizer(config.role_model(config.actor), "model.path")
+    teacher = _tokenizer(teacher_model, f"{section}.model.path")
     student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
     differing = sorted(token for token in set(student_vocab) | set(teacher_vocab)
                        if student_vocab.get(token) != teacher_vocab.get(token))

@@ -157,3 +157,9 @@ def test_options_read_verls_names_from_algorithm_extra() -> None:
         plan(config("roles.teacher.model.preset=tiny-qwen2", "algorithm.extra.use_task_rewad=true"))
     assert math.isclose(DistillationOptions.from_config(config("algorithm.extra.distillation_loss_coef=2")).
                         distillation_loss_coef, 2.0)
+
+
+def test_a_teacher_directory_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(ConfigError, match=r"roles.teacher.model.path '.*bare': no tokenizer could be loaded"):
+        OnPolicyDistill().roles(config(f"roles.teacher.model.path={tmp_path / 'bare'}"))
