@@ -248,10 +248,15 @@ class HFRolloutEngine:
         if self.router_tap is not None:
             self.router_tap.start_recording()
         # each distinct prompt is prefilled once and shared by its n samples
-        sampled = sample_tokens(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
-                                sampling=sampling, eos_token_id=self.config.eos_token_id,
-                                pad_token_id=self.config.pad_token_id, generator=generator, decoder=self.decoder,
-                                repeats=sampling.n)
+        try:
+            sampled = sample_tokens(self.model, batch["input_ids"].to(self.device),
+                                    batch["attention_mask"].to(self.device), sampling=sampling,
+                                    eos_token_id=self.config.eos_token_id, pad_token_id=self.config.pad_token_id,
+                                    generator=generator, decoder=self.decoder, repeats=sampling.n)
+        except BaseException:
+            if self.router_tap is not None:  # a failed call leaves nothing recorded for the next one
+                self.router_tap.stop_recording()
+            raise
         prompt_ids = prompts["input_ids"].to(self.device)
         prompt_mask = prompts["attention_mask"].to(self.device)
         prompt_positions = compute_position_ids(prompt_mask)
