@@ -77,7 +77,8 @@ class OpenAIEndpoint:
     """Serves one engine (capability ``continue_from_tokens``) over HTTP on ``host:port`` (0: a free port).
 
     ``max_new_tokens`` caps a call's ``max_tokens`` (and is its default); ``max_context_tokens`` caps prompt +
-    completion (longer calls get OpenAI's ``context_length_exceeded``). Sampling seeds come from ``seed`` (a
+    completion (a call's ``max_tokens`` is cut to the room left; a prompt that leaves none gets OpenAI's
+    ``context_length_exceeded``). Sampling seeds come from ``seed`` (a
     request's own ``seed`` is ignored: concurrent calls share one generate call)."""
 
     def __init__(self, engine: TokenContinuationEngine, chat_format: ChatFormat, *, max_new_tokens: int,
@@ -320,13 +321,18 @@ class OpenAIEndpoint:
             temperature = 0.0
         return (temperature, top_p, stop_ids), min(max_tokens, self.max_new_tokens), n
 
-    def _check_context(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
-        if len(prompt_ids) + max_tokens > self.max_context_tokens:
+    def _fit_context(self, prompt_ids: Sequence[int], max_tokens: int) -> int:
+        """``max_tokens`` cut to the room the context leaves (the call then ends with finish_reason "length", as a
+        conversation that ran out of its token budget does in the built-in loop); OpenAI's
+        ``context_length_exceeded`` when the prompt leaves no room at all."""
+        room = self.max_context_tokens - len(prompt_ids)
+        if room < 1:
             raise RequestError(400, f"This model's maximum context length is {self.max_context_tokens} tokens. "
-                                    f"However, you requested {len(prompt_ids) + max_tokens} tokens "
-                                    f"({len(prompt_ids)} in the messages, {max_tokens} in the completion). Please "
-                                    "reduce the length of the messages or completion.", param="messages",
-                               code="context_length_exceeded")
+                                    f"However, your messages resulted in {len(prompt_ids)} tokens, which leaves no "
+                                    "room for a completion. Please reduce the length of the messages "
+                                    "(rollout.agent.max_tokens sets the room after the first prompt).",
+                               param="messages", code="context_length_exceeded")
+        return min(max_tokens, room)
 
     def _prompt_from_text(self, session: EndpointSession, text: str) -> tuple[list[int], int | None]:
         """Prompt ids for ``text``: a recorded call's ids + the new text's tokens when ``text`` extends that call's
@@ -363,7 +369,7 @@ class OpenAIEndpoint:
                 raise RequestError(400, f"the chat template could not render these messages: "
                                         f"{type(exc).__name__}: {exc}", param="messages") from exc
             prompt_ids, spliced_on = self._prompt_from_text(session, text)
-            self._check_context(prompt_ids, max_tokens)
+            max_tokens = self._fit_context(prompt_ids, max_tokens)
             self._admit(session)
         except RequestError as error:
             return error.response()
@@ -537,7 +543,7 @@ class OpenAIEndpoint:
                 raise RequestError(400, f"prompt token ids must lie in [0, {vocab}); got "
                                         f"{[t for t in prompt_ids if not 0 <= t < vocab][:5]}", param="prompt",
                                    code="invalid_value")
-            self._check_context(prompt_ids, max_tokens)
+            max_tokens = self._fit_context(prompt_ids, max_tokens)
             self._admit(session)
         except RequestError as error:
             return error.response()
