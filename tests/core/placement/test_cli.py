@@ -71,8 +71,8 @@ def test_every_registered_algorithm_gets_a_dataflow_from_its_roles(tmp_path: Pat
         validate_fragment(fragment)
         assert {"actor", "reference", "reward"} <= set(fragment)
     assert main(["--algorithm", "nope", "--devices", "8"]) == 1
-    assert "Unknown algorithm 'nope' for placement. Known: grpo, ppo, reinforce_plus_plus, remax, rloo" in \
-        capsys.readouterr().err
+    assert ("Unknown algorithm 'nope' for placement. Known: grpo, on_policy_distill, ppo, reinforce_plus_plus, "
+            "remax, rloo") in capsys.readouterr().err
 
 
 def test_a_plugin_algorithm_plans_its_own_roles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
