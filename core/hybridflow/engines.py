@@ -70,6 +70,9 @@ __all__ = [
     "MeshInfo",
     "LossFn",
     "TrainingEngine",
+    "TRAINING_FEATURES",
+    "check_training_features",
+    "training_features_used",
     "RolloutEngine",
     "TrainingEngineFactory",
     "RolloutEngineFactory",
@@ -557,10 +560,50 @@ ROLLOUT_CAPABILITY_PROTOCOLS: dict[str, type] = {
     "records_routing": RecordsRouting}
 
 
-def _check_names(names: frozenset[str], known: Mapping[str, type], what: str) -> None:
+#: the optional keys of :class:`TrainingEngineConfig` an engine implements only when its info record lists them in
+#: ``features`` (feature → what turns it on); a role whose config turns one on is refused at config time, before any
+#: worker starts, when its engine did not declare it
+TRAINING_FEATURES: dict[str, str] = {
+    "lora": "lora (LoRA adapters on the actor)",
+    "bf16": "mixed_precision=bf16 (bf16 compute on fp32 master weights)",
+    "gradient_checkpointing": "gradient_checkpointing=true (activations recomputed in backward)",
+    "token_budget_micro_batches": "max_tokens_per_micro_batch (micro-batches cut by tokens)",
+    "tensor_parallel": "parallel.tensor_parallel_size > 1",
+    "pipeline_parallel": "parallel.pipeline_parallel_size > 1",
+}
+
+
+def training_features_used(config: TrainingEngineConfig) -> list[str]:
+    """The :data:`TRAINING_FEATURES` a role's engine config turns on (``mixed_precision`` as resolved: ``auto``
+    gives bf16 only on an engine that declares ``auto_mixed_precision``)."""
+    used = {"lora": config.lora is not None, "bf16": config.mixed_precision == "bf16",
+            "gradient_checkpointing": config.gradient_checkpointing,
+            "token_budget_micro_batches": config.max_tokens_per_micro_batch is not None,
+            "tensor_parallel": config.parallel.tensor_parallel_size > 1,
+            "pipeline_parallel": config.parallel.pipeline_parallel_size > 1}
+    return [name for name, on in used.items() if on]
+
+
+def check_training_features(role: str, engine: str, config: TrainingEngineConfig) -> None:
+    """Raise a :class:`~hybridflow.errors.ConfigError` naming the first feature ``role``'s config turns on that its
+    training engine ``engine`` did not declare, and the registered engines that do."""
+    from hybridflow import registries
+
+    declared = training_engine_info(engine).features
+    for feature in training_features_used(config):
+        if feature in declared:
+            continue
+        others = sorted(name for name in registries.training_engines.names()
+                        if feature in training_engine_info(name).features)
+        raise ConfigError(f'{role}.{TRAINING_FEATURES[feature]} needs a training engine with feature "{feature}"; '
+                          f'training engine "{engine}" declares {sorted(declared) or "none"}. Fix: remove the key, '
+                          f"or use {role}.engine= one of {others or 'no registered engine'}")
+
+
+def _check_names(names: frozenset[str], known: Mapping[str, Any], what: str, kind: str = "capabilities") -> None:
     unknown = sorted(names - set(known))
     if unknown:
-        raise ConfigError(f"{what} declares unknown capabilities {unknown}; known: {sorted(known)}")
+        raise ConfigError(f"{what} declares unknown {kind} {unknown}; known: {sorted(known)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -569,12 +612,19 @@ class TrainingEngineInfo:
     declares nothing optional."""
 
     capabilities: frozenset[str] = frozenset()
+    #: the optional config keys it implements (names of :data:`TRAINING_FEATURES`); a role that turns on one it does
+    #: not list is refused at config time (:func:`check_training_features`)
+    features: frozenset[str] = frozenset()
     #: ``mixed_precision: auto`` may pick bf16 for this engine (fp32 master weights, bf16 compute; the fsdp engine's
     #: measured switch point, hybridflow.precision); engines without it resolve ``auto`` to ``none``
     auto_mixed_precision: bool = False
 
     def __post_init__(self) -> None:
         _check_names(self.capabilities, TRAINING_CAPABILITIES, "TrainingEngineInfo")
+        _check_names(self.features, TRAINING_FEATURES, "TrainingEngineInfo", "features")
+        if self.auto_mixed_precision and "bf16" not in self.features:
+            raise ConfigError("TrainingEngineInfo declares auto_mixed_precision (auto may pick bf16) without the "
+                              'feature "bf16". Fix: add "bf16" to features')
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -136,6 +136,11 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "resource_pools.main.devices_per_node": [["resource_pools.main.devices_per_node=[4]"]],
         "trainer.run_dir": [[f"trainer.run_dir={tmp / 'other-run'}"]],
         "trainer.plan": [[f"trainer.plan={plan_dir}"]],
+        # tensor and pipeline sizes > 1 need an engine declaring them (megatron); cost_critic's 1 is its default
+        "cost_critic.parallel.tensor_parallel_size": [["cost_critic.engine=megatron",
+                                                       "cost_critic.parallel.tensor_parallel_size=2"]],
+        "cost_critic.parallel.pipeline_parallel_size": [["cost_critic.engine=megatron",
+                                                         "cost_critic.parallel.pipeline_parallel_size=2"]],
         # the profile the start-up search prices: it is read with trainer.placement=auto only
         "trainer.placement_profile": [["trainer.placement=auto", "trainer.placement_profile=h100"]],
         # earlier runs the periodic advisor calibrates from: the trainer refuses them without trainer.advisor_every

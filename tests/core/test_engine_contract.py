@@ -32,13 +32,14 @@ def plugins() -> None:
 
 def test_the_first_party_engines_declare_what_the_hybrid_engine_uses() -> None:
     hybrid = {"reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}
-    for name in ("fsdp", "megatron", "deepspeed"):
+    for name in ("megatron", "deepspeed"):
         assert training_engine_info(name).capabilities == hybrid, name
+    assert training_engine_info("fsdp").capabilities == {*hybrid, "replays_routing"}  # MoE routing replay (R3)
     # mixed_precision: auto may pick bf16 only where the engine says so (the switch point is the fsdp engine's)
     assert [training_engine_info(n).auto_mixed_precision for n in ("fsdp", "megatron", "deepspeed")] == [
         True, False, False]
     assert rollout_engine_info("hf").capabilities == {"binds_generation_weights", "generates_tensor_parallel",
-                                                      "holds_weights"}
+                                                      "holds_weights", "records_routing"}
     vllm = rollout_engine_info("vllm")
     assert vllm.capabilities == {"generates_tensor_parallel", "reports_parameter_shapes"}
     assert (vllm.vocab_multiple, vllm.tensor_parallel_world) == (64, "whole")
@@ -85,6 +86,41 @@ def test_what_an_engine_lacks_is_refused_at_config_time(engine_without_tensor_pa
         load_config(None, [*tensor_parallel, f"actor.engine={engine_without_tensor_parallel}"])
     assert training_engine_info(engine_without_tensor_parallel) == TrainingEngineInfo()
     assert load_config(None, tensor_parallel).rollout.tensor_parallel_size == 2  # fsdp + hf declare both
+
+
+def test_the_first_party_engines_declare_the_config_features_they_implement() -> None:
+    assert training_engine_info("fsdp").features == {"lora", "bf16", "gradient_checkpointing",
+                                                     "token_budget_micro_batches"}
+    assert training_engine_info("megatron").features == {"tensor_parallel", "pipeline_parallel"}
+    assert training_engine_info("deepspeed").features == {"bf16", "gradient_checkpointing",
+                                                          "token_budget_micro_batches"}
+    with pytest.raises(ConfigError, match=r"unknown features \['flash'\]"):
+        TrainingEngineInfo(features=frozenset({"flash"}))
+    with pytest.raises(ConfigError, match=r'auto_mixed_precision .*without the feature "bf16"'):
+        TrainingEngineInfo(auto_mixed_precision=True)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["actor.engine=megatron", "actor.lora.rank=4"],
+     r'actor\.lora \(LoRA adapters on the actor\) needs a training engine with feature "lora"; training engine '
+     r"\"megatron\" declares \['pipeline_parallel', 'tensor_parallel'\]\. Fix: remove the key, or use "
+     r"actor\.engine= one of \['fsdp'\]"),
+    (["actor.engine=deepspeed", "actor.parallel.tensor_parallel_size=2"],
+     r'actor\.parallel\.tensor_parallel_size > 1 needs a training engine with feature "tensor_parallel".*'
+     r"one of \['megatron'\]"),
+    (["actor.engine=megatron", "actor.gradient_checkpointing=true"],
+     r'feature "gradient_checkpointing".*one of \[.*\'deepspeed\', \'fsdp\'\]'),
+    (["actor.engine=plain-test-engine", "actor.max_tokens_per_micro_batch=64"],
+     r'actor\.max_tokens_per_micro_batch .*training engine "plain-test-engine" declares none'),
+])
+def test_a_config_feature_the_engine_lacks_is_refused_before_any_worker(
+        engine_without_tensor_parallel: str, overrides: list[str], message: str, tmp_path: Any) -> None:
+    """A role that turns on a config feature its training engine did not declare is refused while the trainer
+    plans its roles (no worker, no Ray), naming the feature and the engines that have it."""
+    from hybridflow.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=message):
+        Trainer(load_config(None, [f"trainer.run_dir={tmp_path}", *overrides]), progress=False)
 
 
 class _FailingTrainer:

@@ -19,6 +19,7 @@ from hybridflow.engines import (
     RolloutEngineConfig,
     SamplingParams,
     TrainingEngineConfig,
+    check_training_features,
 )
 from hybridflow.errors import ConfigError
 from hybridflow.precision import resolve_mixed_precision
@@ -212,6 +213,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
             **(_router_options(config, section) if kind == "actor" else {}),
             extra=dict(getattr(section, "extra", {})))
+        # what the role's config turns on, its engine must have declared (never a crash inside a worker)
+        check_training_features(declaration.section, section.engine, engine_config)
         options: dict[str, Any] = {}
         rollout = config.rollout
         # multi-turn: a later turn's prefix holds up to multi_turn.max_tokens earlier ids, and a generate call asks

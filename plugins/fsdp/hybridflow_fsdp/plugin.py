@@ -49,6 +49,7 @@ def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("fsdp", build_fsdp_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
         "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights",
         "replays_routing"}),
+        features=frozenset({"lora", "bf16", "gradient_checkpointing", "token_budget_micro_batches"}),
         auto_mixed_precision=True))
 
 
