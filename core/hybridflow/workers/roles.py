@@ -20,6 +20,7 @@ import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
+from hybridflow.adapter_sync import HandsOverAdapters, LoadsAdapters
 from hybridflow.batch import Batch
 from hybridflow.controller import register
 from hybridflow.engines import (
@@ -85,6 +86,10 @@ class ActorRolloutWorker(_TrainingRole):
         self._park = self._bind and self._parks
         self.handover: dict[str, float] = {"seconds": 0.0, "bytes_received": 0, "count": 0}
         self._asleep = False
+        #: adapter-only weight sync (hybridflow.adapter_sync): wrapped module → alpha / rank, empty when off (no LoRA,
+        #: an engine without it, tg > 1, actor.extra.lora_sync=merged); None until the first handover asks
+        self._adapter_scales: dict[str, float] | None = None
+        self._base_loaded = False  # the rollout engine holds the LoRA actor's base weights (adapter sync)
         #: inside a streamed step (trainer.stream_mini_batches): chunks taken, the final one not yet; the weights
         #: are then none of the policy versions
         self._mid_step = False
@@ -175,15 +180,20 @@ class ActorRolloutWorker(_TrainingRole):
         """Reshard the training weights into the rollout engine if it holds an older version."""
         # the same version already loaded is reused, unless the last handover parked training storage in bound
         # shards: end_generation took that storage back, so the bound tensors are gone and must be handed over again
+        adapters = self._adapter_sync()
         if (self.rollout.weights_version == self.policy_version and self.handover["count"] and not self._asleep
-                and not self._park):
+                and (adapters or not self._park)):
             return
         start = time.perf_counter()
         if self._asleep:  # only what this worker put to sleep is woken (engines may refuse waking an awake engine)
             self.rollout.wake()
+            self._base_loaded = False
         maybe_fail("actor.handover", iteration=iteration, rank=self.rank, plan=self.faults)
         target = self.rollout_info.weights_target
         layout = self.generation_layout
+        if adapters:  # the base once (copied: the engine keeps it across steps), then the factors alone
+            self._sync_adapters(target, start)
+            return
         if layout is not None:  # tg > 1: the reshards_generation_weights capability was checked at start
             weights = cast(ReshardsGenerationWeights, self.engine).generation_weights(
                 target=target, tensor_parallel_size=layout.tensor, park=self._park)
@@ -196,6 +206,37 @@ class ActorRolloutWorker(_TrainingRole):
         else:
             self.rollout.update_weights(weights, version=self.policy_version)
         self.handover["seconds"] += time.perf_counter() - start
+        self._count_handover()
+        self.handover["count"] += 1
+        self._asleep = False
+
+    def _adapter_sync(self) -> bool:
+        """Whether this actor syncs LoRA adapters alone (:mod:`hybridflow.adapter_sync`): both engines implement it,
+        generation runs at tg = 1 and the training engine reports adapters to hand over."""
+        if self._adapter_scales is None:
+            able = (isinstance(self.engine, HandsOverAdapters) and isinstance(self.rollout, LoadsAdapters)
+                    and self.generation_layout is None)
+            self._adapter_scales = cast(HandsOverAdapters, self.engine).adapter_scales() if able else {}
+        return bool(self._adapter_scales)
+
+    def _sync_adapters(self, target: str, start: float) -> None:
+        """Adapter-only sync: the base weights when the rollout engine lacks them, then every LoRA factor; both
+        handovers' bytes counted, the rollout engine's weights_version set to the policy version."""
+        engine, rollout = cast(HandsOverAdapters, self.engine), cast(LoadsAdapters, self.rollout)
+        assert self._adapter_scales is not None
+        if not self._base_loaded:
+            self.rollout.update_weights(engine.generation_base_weights(target=target), version=self.policy_version)
+            self._count_handover()
+            self._base_loaded = True
+        rollout.update_adapters(engine.generation_adapters(), scales=self._adapter_scales, version=self.policy_version)
+        self.handover["seconds"] += time.perf_counter() - start
+        self._count_handover()
+        self.handover["adapter_syncs"] = self.handover.get("adapter_syncs", 0) + 1
+        self.handover["count"] += 1
+        self._asleep = False
+
+    def _count_handover(self) -> None:
+        """Add the training engine's last handover stats to the cumulative counters (the ledger's handover edge)."""
         stats = (cast(ReportsHandover, self.engine).last_handover_stats
                  if "reports_handover" in self.training_info.capabilities else None)
         if stats is not None:
@@ -208,8 +249,6 @@ class ActorRolloutWorker(_TrainingRole):
                 self.handover["aliased_bytes"] = float(stats.aliased_bytes)
         else:
             self.handover["planned"] = 0.0
-        self.handover["count"] += 1
-        self._asleep = False
 
     @register(protocol="generation_mesh", blocking=False, idempotent=True)
     def generate(self, prompts: Batch, greedy: bool = False) -> Batch:
@@ -249,8 +288,9 @@ class ActorRolloutWorker(_TrainingRole):
                 f"rollout engine produced policy_version {out.meta.get('policy_version')} but the actor weights are "
                 f"version {self.policy_version}: the weight handover did not complete"
             )
-        if "sleep" in self.rollout.capabilities:
-            # free the generation weights (and KV cache) so training runs with only its shards resident
+        if "sleep" in self.rollout.capabilities and not self._adapter_sync():
+            # free the generation weights (and KV cache) so training runs with only its shards resident (not with
+            # adapter sync: the rollout engine keeps the base, so later syncs move only the adapters)
             self.rollout.sleep()
             self._asleep = True
         return out

@@ -25,7 +25,9 @@ Two paths, chosen by the training engine's ``extra["handover"]``:
   time; bytes received are computed as the payload each rank lacked (full − shard), not counted from buffers.
 
 With LoRA (``actor.lora``) both paths hand over the base model's parameters with the adapters merged into their
-weights (:func:`generation_parameters`); the adapter factors themselves never reach the rollout engine.
+weights (:func:`generation_parameters`) — unless the rollout engine applies adapters itself
+(:mod:`hybridflow.adapter_sync`, the default with the hf engine): then the first handover is the *base* weights
+(``merge_lora=False``) and every later one :func:`adapter_generation_weights`, the factors alone.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HandoverStats", "generation_parameters", "stream_generation_weights", "reshard_generation_weights",
            "handover_plan", "fsdp_shard_dims", "restore_training_shards", "parked_bytes", "TARGETS", "PATHS",
-           "DEFAULT_PATH", "unshard_generation_weights", "unshard_handover_unsupported_reason", "fsdp_params"]
+           "DEFAULT_PATH", "unshard_generation_weights", "unshard_handover_unsupported_reason", "fsdp_params",
+           "adapter_generation_weights"]
 
 TARGETS = ("hf",)
 PATHS = ("reshard", "stream")
@@ -95,14 +98,15 @@ def _base_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
     return {name: p for name, p in engine.model.named_parameters() if not is_adapter_name(name)}
 
 
-def generation_parameters(engine: FSDPTrainingEngine) -> dict[str, torch.Tensor]:
+def generation_parameters(engine: FSDPTrainingEngine, *, merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """What generation receives, by HF name: the model's parameters, with LoRA adapters (``actor.lora``) merged
-    into their base weights (``W + B·A·scale``, fresh tensors in the weight's placement; a collective)."""
+    into their base weights (``W + B·A·scale``, fresh tensors in the weight's placement; a collective), or with
+    ``merge_lora=False`` the base weights alone."""
     from hybridflow_fsdp.lora import merged_parameters
 
     if engine.config.lora is None:
         return dict(engine.model.named_parameters())
-    return merged_parameters(engine.model)
+    return merged_parameters(engine.model) if merge_lora else _base_parameters(engine)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -140,6 +144,27 @@ def stream_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf")
         rank=engine.rank, world_size=engine.world_size, parameters=count, bytes_total=total, bytes_local=local,
         bytes_received=received, peak_gathered_bytes=peak, seconds=time.perf_counter() - started,
     )
+
+
+def adapter_generation_weights(engine: FSDPTrainingEngine) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, whole factor)`` for every LoRA factor (``….lora_A`` / ``….lora_B``), all-gathered from the FSDP
+    shards (a collective: every rank consumes the whole iterator). ``last_handover_stats``: ``path="adapters"``,
+    bytes received computed as for ``stream`` (whole factor − own shard, per factor), ``bytes_total`` the adapter
+    bytes."""
+    from torch.distributed.tensor import DTensor
+
+    from hybridflow_fsdp.lora import full_adapters, is_adapter_name
+
+    started = _begin_handover(engine, "hf")
+    shards = {name: p for name, p in engine.model.named_parameters() if is_adapter_name(name)}
+    local = sum(_nbytes(p.to_local() if isinstance(p, DTensor) else p) for p in shards.values())
+    factors = full_adapters(engine.model)
+    total = sum(_nbytes(tensor) for tensor in factors.values())
+    engine.last_handover_stats = HandoverStats(
+        rank=engine.rank, world_size=engine.world_size, parameters=len(factors), bytes_total=total, bytes_local=local,
+        bytes_received=total - local, peak_gathered_bytes=total, seconds=time.perf_counter() - started,
+        path="adapters", via="full_tensor")
+    yield from factors.items()
 
 
 def fsdp_shard_dims(engine: FSDPTrainingEngine) -> dict[str, int]:
@@ -183,7 +208,7 @@ def _begin_handover(engine: FSDPTrainingEngine, target: str) -> float:
 
 
 def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf", tensor: int = 1,
-                               park: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                               park: bool = False, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf name, this rank's generation shard)`` for generation layout (pg = 1, tg = ``tensor``), moved by the
     reshard planner's cached plan (stride grouping: only the micro-DP group's pieces travel); a collective: every
     rank must consume the whole iterator.
@@ -193,14 +218,14 @@ def reshard_generation_weights(engine: FSDPTrainingEngine, *, target: str = "hf"
     into them. With ``park`` every other FSDP shard whose box lies inside this rank's generation shard is released
     once copied there (see the module docstring): the consumer must not write into those generation shards either
     until :func:`restore_training_shards`. ``last_handover_stats`` gets the executor's counts and the plan's lower
-    bound.
+    bound. ``merge_lora=False``: a LoRA actor's base weights, adapters not merged.
     """
     from torch.distributed.tensor import DTensor
 
     from hybridflow.resharding import execute_reshard
 
     started = _begin_handover(engine, target)
-    parameters = generation_parameters(engine)
+    parameters = generation_parameters(engine, merge_lora=merge_lora)
     plan = handover_plan(engine, tensor=tensor)
     parking = None
     with torch.no_grad():

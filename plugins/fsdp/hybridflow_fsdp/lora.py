@@ -24,7 +24,7 @@ from hybridflow.errors import ConfigError
 
 __all__ = ["LoRALinear", "apply_lora", "lora_modules", "is_adapter_name", "merge_weight", "merge_state_dict",
            "merged_parameters", "adapter_parameters", "base_fingerprint", "describe_adapters", "check_same_base",
-           "unload_merged", "ADAPTER_NAMES"]
+           "unload_merged", "ADAPTER_NAMES", "lora_scales", "full_adapters"]
 
 #: the adapter parameters' own names on a wrapped module
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -185,6 +185,21 @@ def merged_parameters(model: nn.Module) -> dict[str, Any]:
             continue
         parameters[name] = _local_merged(wrapped[name]) if name in wrapped else parameter
     return parameters
+
+
+def lora_scales(model: nn.Module) -> dict[str, float]:
+    """Wrapped module name → its ``alpha / rank`` (what a consumer of the bare factors needs to merge them)."""
+    return {name: module.scale for name, module in lora_modules(model).items()}
+
+
+@torch.no_grad()
+def full_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter factor by name (``….lora_A`` / ``….lora_B``), whole: all-gathered from its FSDP shards (a
+    collective: call it on every rank) or the parameter itself, detached."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
 @torch.no_grad()

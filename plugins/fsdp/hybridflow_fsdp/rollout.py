@@ -9,7 +9,7 @@ Weights only come back through :meth:`HFRolloutEngine.update_weights` after :met
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -34,6 +34,8 @@ from hybridflow_fsdp.tensor_parallel import (
 __all__ = ["HFRolloutEngine", "build_hf_rollout_engine", "CAPABILITIES"]
 
 CAPABILITIES = frozenset({"sleep", "update_weights_in_memory", "log_probs", "seed", "continue_from_tokens"})
+#: ``….lora_A`` / ``….lora_B``: the factor names :meth:`HFRolloutEngine.update_adapters` takes
+_FACTORS = ("lora_A", "lora_B")
 
 
 class HFRolloutEngine:
@@ -95,6 +97,9 @@ class HFRolloutEngine:
         self._version = int(config.extra.get("initial_version", 0))
         self._asleep = False
         self._weights_loaded = True
+        #: adapter sync: wrapped weight name → its base (a copy of what update_weights loaded), taken at the first
+        #: update_adapters after it; emptied by update_weights and sleep
+        self._adapter_base: dict[str, torch.Tensor] = {}
         self._calls = 0
         self.last_update_stats: dict[str, float] = {}
         # keys/values kept across generate_from_tokens calls (multi-turn): the lean decoder continues from them
@@ -142,8 +147,9 @@ class HFRolloutEngine:
         return sum(size for _, size in seen)
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The tensors holding the generation weights now, bound or owned (capability ``holds_weights``)."""
-        return list(self.model.parameters())
+        """The tensors holding the generation weights now, bound or owned (capability ``holds_weights``), and the
+        base copies adapter sync keeps (:meth:`update_adapters`)."""
+        return [*self.model.parameters(), *self._adapter_base.values()]
 
     def resident_weight_bytes(self) -> int:
         """Bytes of the parameters held now, bound or owned, each distinct tensor once (0 while asleep)."""
@@ -338,10 +344,61 @@ class HFRolloutEngine:
                 f"{' ...' if len(missing) > 6 else ''} ({len(missing)} of {len(self._parameters)})"
             )
         self._weights_loaded = True
+        self._adapter_base.clear()  # the weights just loaded are the base the next adapters apply to
         self._version = int(version)
         self.release_cache()  # kept keys/values were computed with the old weights
         self.last_update_stats = {"bytes_copied": float(copied), "bytes_bound": float(bound),
                                   "seconds": time.perf_counter() - started, "parameters": float(len(seen))}
+
+    def update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, scales: Mapping[str, float],
+                        version: int) -> None:
+        """Adapter-only weight sync (:mod:`hybridflow.adapter_sync`): set each wrapped module's weight to
+        ``base + B·A·scale`` (fp32 math, the training side's :func:`~hybridflow_fsdp.lora.merge_weight`) from the
+        factors ``{module}.lora_A`` [rank, in] / ``{module}.lora_B`` [out, rank] of every module in ``scales``.
+
+        The base is what the last :meth:`update_weights` loaded: the first call after it keeps a copy of each wrapped
+        weight (the targeted weights' bytes, once), later calls merge into the weights from that copy, so nothing
+        drifts however many syncs run. Merging rather than adding ``x·Aᵀ·Bᵀ`` in the forward keeps the lean decoder's
+        packed matmuls (it reads the modules' weights) and costs nothing per token; per sync it costs one
+        ``out×rank×in`` product per module. Records ``version`` as ``weights_version``.
+        """
+        from hybridflow_fsdp.lora import merge_weight
+
+        if self._asleep or not self._weights_loaded:
+            raise EngineError("update_adapters() needs the base weights loaded: after wake() call "
+                              "update_weights(base weights) first, then update_adapters(...)")
+        started = time.perf_counter()
+        factors = dict(named_tensors)
+        received = sum(t.numel() * t.element_size() for t in factors.values())
+        expected = {f"{module}.{factor}" for module in scales for factor in _FACTORS}
+        if set(factors) != expected:
+            missing, unknown = sorted(expected - set(factors)), sorted(set(factors) - expected)
+            raise EngineError(f"update_adapters: expected lora_A and lora_B of each of the {len(scales)} modules in "
+                              f"scales; missing {missing[:4]}, unexpected {unknown[:4]} (send every factor of "
+                              "generation_adapters() with its engine's adapter_scales())")
+        with torch.no_grad():
+            for module, scale in scales.items():
+                name = f"{module}.weight"
+                target = self._aliases.get(name)
+                if target is None:
+                    raise EngineError(f"update_adapters: scales name module {module!r}, but {name!r} is not a "
+                                      f"parameter of {type(self.model).__name__}; expected the HF names of the "
+                                      "training model's wrapped linear layers")
+                if self._names[id(target)] in self._bound:
+                    raise EngineError(f"update_adapters: {name!r} is bound to a caller's tensor; adapters merge into "
+                                      "weights this engine owns: load the base with update_weights(..., bind=False)")
+                lora_a, lora_b = factors[f"{module}.lora_A"], factors[f"{module}.lora_B"]
+                if lora_a.shape[1] != target.shape[1] or lora_b.shape[0] != target.shape[0] or \
+                        lora_a.shape[0] != lora_b.shape[1]:
+                    raise EngineError(f"update_adapters: {module} has lora_A {tuple(lora_a.shape)} and lora_B "
+                                      f"{tuple(lora_b.shape)}; its weight is {tuple(target.shape)}, so expected "
+                                      f"[rank, {target.shape[1]}] and [{target.shape[0]}, rank]")
+                base = self._adapter_base.setdefault(name, target.detach().clone())
+                target.copy_(merge_weight(base, lora_a.to(self.device), lora_b.to(self.device), float(scale)))
+        self._version = int(version)
+        self.release_cache()
+        self.last_update_stats = {"bytes_copied": float(received), "bytes_bound": 0.0,
+                                  "seconds": time.perf_counter() - started, "parameters": float(len(scales))}
 
     def sleep(self) -> None:
         """Drop every parameter's storage, bound tensors' references included, and the keys/values kept for
@@ -352,6 +409,7 @@ class HFRolloutEngine:
         for parameter in self._parameters.values():
             parameter.data = torch.empty(0, dtype=parameter.dtype, device=self.device)
         self._bound.clear()
+        self._adapter_base.clear()
         self._asleep = True
         self._weights_loaded = False
 

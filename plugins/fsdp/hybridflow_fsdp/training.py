@@ -33,7 +33,7 @@ from hybridflow_fsdp.engine_options import (
     resolve_unshard_handover,
 )
 from hybridflow_fsdp.fast_decode import build_lean_decoder, lean_decoder_unsupported_reason
-from hybridflow_fsdp.lora import adapter_parameters, apply_lora
+from hybridflow_fsdp.lora import adapter_parameters, apply_lora, lora_scales
 from hybridflow_fsdp.models import build_model
 from hybridflow_fsdp.moe import (
     ROUTED_EXPERTS,
@@ -59,6 +59,8 @@ __all__ = ["FSDPTrainingEngine", "build_fsdp_training_engine", "resolve_fsdp_uni
 
 #: the method name the lean forward gets on the FSDP root, so FSDP's forward hooks run around it
 LEAN_FORWARD_METHOD = "hybridflow_lean_response_logits"
+#: ``extra.lora_sync``: how a LoRA actor's weights reach a rollout engine that applies adapters itself
+LORA_SYNC_MODES = ("adapters", "merged")
 
 
 class FSDPTrainingEngine(HFTrainingEngineBase):
@@ -430,6 +432,34 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
                                   f"for tg = {tensor_parallel_size}; remove actor.extra.handover (default reshard)")
             return handover.stream_generation_weights(self, target=target)
         return handover.reshard_generation_weights(self, target=target, tensor=tensor_parallel_size, park=park)
+
+    def adapter_scales(self) -> dict[str, float]:
+        """Wrapped module → ``alpha / rank`` for adapter-only weight sync (:mod:`hybridflow.adapter_sync`); empty
+        without LoRA, on a non-actor role, or with ``extra.lora_sync=merged`` (every handover the merged model)."""
+        mode = self.config.extra.get("lora_sync", "adapters")
+        if mode not in LORA_SYNC_MODES:
+            raise ConfigError(f"actor.extra.lora_sync must be one of {LORA_SYNC_MODES}, got {mode!r}. Fix: "
+                              "'adapters' (the default: the base once, then the LoRA factors) or 'merged' (the whole "
+                              "merged model every sync)")
+        if self.config.lora is None or self.role != "actor" or mode == "merged":
+            return {}
+        return lora_scales(self.model)
+
+    def generation_base_weights(self, *, target: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA actor's base weights, full tensors by HF name, adapters not merged (the reshard planner at tg = 1,
+        no parking): what a rollout engine that applies adapters itself keeps. A collective."""
+        self._check_role("generation_base_weights", ("actor",))
+        self._ensure_sharded()
+        return handover.reshard_generation_weights(self, target=target, tensor=1, merge_lora=False)
+
+    def generation_adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every LoRA factor, whole (:func:`handover.adapter_generation_weights`). A collective."""
+        self._check_role("generation_adapters", ("actor",))
+        if self.config.lora is None:
+            raise ConfigError("generation_adapters() needs LoRA adapters on the actor; this actor has none. Fix: "
+                              "set actor.lora.rank, or hand over generation_weights()")
+        self._ensure_sharded()
+        return handover.adapter_generation_weights(self)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors holding this rank's weights (capability ``holds_weights``; none once released)."""

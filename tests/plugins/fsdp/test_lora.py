@@ -18,7 +18,7 @@ from hybridflow.engines import (
     SamplingParams,
     TrainingEngineConfig,
 )
-from hybridflow.errors import CheckpointError, ConfigError
+from hybridflow.errors import CheckpointError, ConfigError, EngineError
 from hybridflow.testing.contracts.rollout import build_prompt_batch, prepare_model, read_weights
 from hybridflow.testing.contracts.training import build_training_batch, sequence_mean_nll
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID
@@ -110,6 +110,64 @@ def test_generation_gets_merged_weights_and_reflects_the_update(model_path: Path
     untrained = base_actor.compute_log_probs(after)["log_probs"]
     assert (untrained[mask] - trained[mask]).abs().max() > 1e-2
     assert not torch.equal(before["rollout_log_probs"], after["rollout_log_probs"])
+
+
+def test_adapter_only_sync_generates_as_the_merged_sync(model_path: Path) -> None:
+    """Adapter-only sync (hybridflow.adapter_sync): the base once, then the factors alone; the rollout engine merges
+    them into its own base copy. Sampled generation (fp32) equals the merged handover's: same tokens, log-probs within
+    1e-6, after each of two updates (the second merge starts from the kept base, not from the first merge)."""
+    actor = build_actor(model_path)
+    batch = build_training_batch(rows=8)
+    config = RolloutEngineConfig(model=ModelSpec(path=str(model_path)), pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+    merged, adapters = HFRolloutEngine(config=config), HFRolloutEngine(config=config)
+    scales = actor.adapter_scales()
+    assert scales == {name: 2.0 for name in lora_modules(actor.model)}
+    adapters.update_weights(actor.generation_base_weights(), version=0)
+    base = read_weights(model_path)
+    assert all(torch.equal(adapters._parameters[name], tensor) for name, tensor in base.items())
+    prompts = build_prompt_batch()
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
+    factor_bytes = sum(p.numel() * 4 for name, p in actor.model.named_parameters() if name.endswith(("_A", "_B")))
+    for version in (1, 2):
+        for _ in range(2):
+            actor.train_step(batch, loss_fn=sequence_mean_nll)
+        merged.update_weights(actor.generation_weights(), version=version)
+        adapters.update_adapters(actor.generation_adapters(), scales=scales, version=version)
+        stats = actor.last_handover_stats
+        # the factors alone moved: the rank-4 adapters, a small fraction of the model's bytes
+        assert stats is not None and stats.path == "adapters" and stats.bytes_total == factor_bytes
+        assert factor_bytes * 20 < sum(t.numel() * 4 for t in base.values())
+        want, got = merged.generate(prompts, sampling), adapters.generate(prompts, sampling)
+        assert got.meta["policy_version"] == want.meta["policy_version"] == version
+        assert torch.equal(got["responses"], want["responses"])
+        mask = want["response_mask"].bool()
+        gap = (got["rollout_log_probs"][mask] - want["rollout_log_probs"][mask]).abs().max()
+        assert gap <= 1e-6, gap
+    # the update moved the policy off the base (the comparison above is not between two base models)
+    assert not torch.equal(adapters._parameters["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_adapter_sync_refuses_bad_input(model_path: Path) -> None:
+    actor = build_actor(model_path)
+    config = RolloutEngineConfig(model=ModelSpec(path=str(model_path)), pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+    rollout = HFRolloutEngine(config=config)
+    factors = dict(actor.generation_adapters())
+    scales = actor.adapter_scales()
+    missing = {name: t for name, t in factors.items() if not name.startswith("model.layers.0.self_attn.q_proj")}
+    with pytest.raises(EngineError, match=r"missing \['model.layers.0.self_attn.q_proj.lora_A'"):
+        rollout.update_adapters(missing.items(), scales=scales, version=1)
+    wrong = dict(factors, **{"model.layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 32)})
+    with pytest.raises(EngineError, match=r"expected \[rank, 64\]"):
+        rollout.update_adapters(wrong.items(), scales=scales, version=1)
+    rollout.sleep()
+    rollout.wake()
+    with pytest.raises(EngineError, match="needs the base weights loaded"):
+        rollout.update_adapters(factors.items(), scales=scales, version=1)
+    with pytest.raises(ConfigError, match="lora_sync must be one of"):
+        build_actor(model_path, extra={"lora_sync": "delta"}).adapter_scales()
+    assert build_actor(model_path, extra={"lora_sync": "merged"}).adapter_scales() == {}
+    assert rollout.weights_version == 0  # nothing refused moved the version
 
 
 def test_checkpoint_holds_adapters_and_resumes_bit_identically(model_path: Path, tmp_path: Path) -> None:
