@@ -157,7 +157,8 @@ ALGORITHMS: dict[str, Dataflow] = {
 
 #: the config that asks an algorithm for every model it can use: the KL term on (a reference) and a reward model
 #: (the paper's setting, in which the four written-out graphs place a reward model too)
-PLANNING_OVERRIDES: tuple[str, ...] = ("actor.kl_loss_coef=0.001", "reward.model.preset=tiny-qwen2")
+PLANNING_OVERRIDES: tuple[str, ...] = ("actor.kl_loss_coef=0.001", "reward.model.preset=tiny-qwen2",
+                                      "roles.teacher.model.preset=tiny-qwen2")
 #: where a scoring stage of each kind goes in dispatch order (the written-out graphs' order)
 _SCORING_ORDER = {"old_log_probs": 0, "ref_log_probs": 1, "values": 2, "reward": 3, "cost": 4}
 

@@ -60,13 +60,19 @@ def test_plan_records_shared_cores(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_every_registered_algorithm_gets_a_dataflow_from_its_roles(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """The derivation from declared roles reproduces the paper's written-out graphs for ppo and grpo; rloo and
-    reinforce_plus_plus (no written-out graph) plan and write a valid fragment; unknown names list the known."""
+    """The derivation from declared roles reproduces the paper's written-out graphs for ppo and grpo; every
+    registered algorithm (a new built-in included) plans and writes a valid fragment; unknown names list the
+    known."""
+    from hybridflow import registries
     from hybridflow.placement.dataflow import ALGORITHMS, derive_dataflow
+    from hybridflow.plugins import load_plugins
 
     assert derive_dataflow("ppo") == ALGORITHMS["ppo"] and derive_dataflow("grpo") == ALGORITHMS["grpo"]
-    for algorithm in ("rloo", "reinforce_plus_plus"):
-        assert main(["--algorithm", algorithm, "--model", "7b", "--devices", "16", "--json"]) == 0
+    load_plugins()
+    registered = registries.algorithms.names()
+    assert {"grpo", "ppo", "rloo", "reinforce_plus_plus", "remax", "on_policy_distill"} <= set(registered)
+    for algorithm in registered:
+        assert main(["--algorithm", algorithm, "--model", "7b", "--devices", "16", "--json"]) == 0, algorithm
         fragment = json.loads(capsys.readouterr().out)["fragment"]
         validate_fragment(fragment)
         assert {"actor", "reference", "reward"} <= set(fragment)
