@@ -1,5 +1,6 @@
 """GRPO with LoRA through the trainer (FSDP actor on 2 ranks, HF rollout): the reward rises while only the adapters
-train; the rollout generates with the merged weights; the step metrics and the ledger carry the per-rank memory
+train; the rollout generates with the merged weights (the base handed over once, then adapter-only syncs of
+LoRA factor bytes); the step metrics and the ledger carry the per-rank memory
 counts; checkpoints hold only the adapters; ``hybridflow export`` merges them into an HF directory whose logits are
 the engine's."""
 
@@ -37,7 +38,8 @@ def _prompts(tokenizer: Any, version: int) -> Batch:
 
 
 @pytest.mark.slow  # one 16-step trainer run and an export: ~40 CPU-seconds
-def test_grpo_learns_with_lora_and_exports_the_merged_model(tmp_path: Path, tiny_config) -> None:
+def test_grpo_learns_with_lora_and_exports_the_merged_model(tmp_path: Path, tiny_config,
+                                                            preset_weight_bytes) -> None:
     (tmp_path / "digits.py").write_text(REWARD)
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, "actor.lora.rank=8", "actor.optim.lr=0.1", f"trainer.total_steps={STEPS}",
@@ -69,6 +71,18 @@ def test_grpo_learns_with_lora_and_exports_the_merged_model(tmp_path: Path, tiny
     ledger = read_ledger(run_dir)
     assert [row["metrics"]["actor/optimizer_state_bytes"] for row in ledger] == \
         [m["actor/optimizer_state_bytes"] for m in history]
+
+    # adapter-only weight sync (the default with LoRA on fsdp + hf): the ledger's handover edge per step and rank is
+    # the base model once (each rank receives the half it lacks, through the planner), then only the adapters (each
+    # rank all-gathers the half of the 2 · 8192 · 4 adapter bytes it lacks), far below the merged model's half
+    model_bytes = preset_weight_bytes("tiny-qwen2")[0]
+    adapter_bytes = 2 * per_rank * 4
+    edges = [next(e for e in row["edges"] if e["target"] == "actor.rollout_engine") for row in ledger]
+    first = edges[0]["bytes_per_rank"]
+    assert len(first) == 2 and all(b > 2 * adapter_bytes for b in first), edges[0]
+    later = [b for edge in edges[1:] for b in edge["bytes_per_rank"]]
+    assert len(later) == 2 * (STEPS - 1) and all(b == adapter_bytes // 2 for b in later), later
+    assert max(later) <= 2 * adapter_bytes and 4 * max(later) < model_bytes // 2, (later, model_bytes)
 
     # the checkpoint holds the adapters only; the export merges them into the base
     from torch.distributed.checkpoint.filesystem import FileSystemReader
