@@ -205,7 +205,7 @@ class ActorRolloutWorker(_TrainingRole):
             cast(BindsGenerationWeights, self.rollout).update_weights(weights, version=self.policy_version, bind=True)
         else:
             self.rollout.update_weights(weights, version=self.policy_version)
-        self.handover["seconds"] += time.perf_counter() - start
+        self._add_seconds(time.perf_counter() - start)
         self._count_handover()
         self.handover["count"] += 1
         self._asleep = False
@@ -229,11 +229,18 @@ class ActorRolloutWorker(_TrainingRole):
             self._count_handover()
             self._base_loaded = True
         rollout.update_adapters(engine.generation_adapters(), scales=self._adapter_scales, version=self.policy_version)
-        self.handover["seconds"] += time.perf_counter() - start
+        self._add_seconds(time.perf_counter() - start)
         self._count_handover()
         self.handover["adapter_syncs"] = self.handover.get("adapter_syncs", 0) + 1
         self.handover["count"] += 1
         self._asleep = False
+
+    def _add_seconds(self, seconds: float) -> None:
+        """A sync's wall seconds into the counters: the total and the first sync's alone (with adapter sync the
+        first moves the base, so later syncs' mean is (total - first) / (count - 1))."""
+        self.handover["seconds"] += seconds
+        if not self.handover["count"]:
+            self.handover["seconds_first"] = seconds
 
     def _count_handover(self) -> None:
         """Add the training engine's last handover stats to the cumulative counters (the ledger's handover edge)."""
