@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -195,11 +195,46 @@ def lora_scales(model: nn.Module) -> dict[str, float]:
 @torch.no_grad()
 def full_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every adapter factor by name (``….lora_A`` / ``….lora_B``), whole: all-gathered from its FSDP shards (a
-    collective: call it on every rank) or the parameter itself, detached."""
-    from torch.distributed.tensor import DTensor
+    collective: call it on every rank) or the parameter itself, detached.
 
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-            for name, p in model.named_parameters() if is_adapter_name(name)}
+    Factors sharded ``Shard(0)`` over one 1-D mesh (FSDP2's layout) travel in *one* all-gather: each rank's shards,
+    padded to ``ceil(rows / world)`` rows as FSDP pads them, flattened into one buffer (a factor is small and there
+    are two per wrapped layer, so one collective instead of one per factor); any other placement uses
+    ``full_tensor()``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    factors = {name: p for name, p in model.named_parameters() if is_adapter_name(name)}
+    flat = [name for name, p in factors.items() if isinstance(p, DTensor) and p.device_mesh.ndim == 1
+            and tuple(p.placements) == (Shard(0),)]
+    meshes = {id(cast(Any, factors[name]).device_mesh) for name in flat}
+    dtypes = {factors[name].dtype for name in flat}
+    if len(meshes) != 1 or len(dtypes) != 1:
+        flat = []
+    out = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+           for name, p in factors.items() if name not in flat}
+    if not flat:
+        return out
+    mesh = cast(Any, factors[flat[0]]).device_mesh
+    world = mesh.size()
+    rows = {name: -(-factors[name].shape[0] // world) for name in flat}  # rows per rank, padded
+    widths = {name: rows[name] * math.prod(factors[name].shape[1:]) for name in flat}
+    buffer = torch.zeros(sum(widths.values()), dtype=factors[flat[0]].dtype, device=factors[flat[0]].device)
+    offset = 0
+    for name in flat:
+        local = cast(Any, factors[name]).to_local().detach().reshape(-1)
+        buffer[offset:offset + local.numel()] = local
+        offset += widths[name]
+    gathered = torch.empty(world * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+    dist.all_gather_into_tensor(gathered, buffer, group=mesh.get_group())
+    per_rank = gathered.view(world, -1)
+    offset = 0
+    for name in flat:
+        shape = factors[name].shape
+        pieces = per_rank[:, offset:offset + widths[name]].reshape(world * rows[name], *shape[1:])
+        out[name] = pieces[:shape[0]].clone()
+        offset += widths[name]
+    return {name: out[name] for name in factors}
 
 
 @torch.no_grad()

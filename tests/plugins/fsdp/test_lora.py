@@ -237,10 +237,16 @@ def test_bad_lora_settings_are_refused_with_the_fix(model_path: Path) -> None:
 
 def _sharded_lora_rank(rank: int, world_size: int, model_path: str, workdir: str) -> None:
     """Module-level (spawned): a LoRA actor FSDP-sharded over 2 ranks trains, hands over on both paths, resumes."""
-    actor = build_actor(Path(model_path), lora=LoraConfig(rank=4, target_modules=("q_proj", "o_proj", "up_proj")),
+    # rank 3: lora_A's 3 rows shard unevenly over 2 ranks (2 + 1), which the adapters' one flat all-gather pads
+    actor = build_actor(Path(model_path), lora=LoraConfig(rank=3, target_modules=("q_proj", "o_proj", "up_proj")),
                         micro_batch_size=2)
     batch = build_training_batch(rows=8).chunk(world_size)[rank]
     actor.train_step(batch, loss_fn=sequence_mean_nll)
+    adapters = {name: tensor.clone() for name, tensor in actor.generation_adapters()}
+    one_by_one = {name: p.full_tensor() for name, p in actor.model.named_parameters() if name.endswith("_A")
+                  or name.endswith("_B")}
+    assert adapters.keys() == one_by_one.keys() and len(adapters) == 3 * 2 * 2
+    assert all(torch.equal(adapters[name], one_by_one[name]) for name in adapters)
     reshard = {name: tensor.clone() for name, tensor in actor.generation_weights()}
     from hybridflow_fsdp.handover import stream_generation_weights
 
