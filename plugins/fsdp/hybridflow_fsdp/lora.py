@@ -226,7 +226,7 @@ def full_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
         buffer[offset:offset + local.numel()] = local
         offset += widths[name]
     gathered = torch.empty(world * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-    dist.all_gather_into_tensor(gathered, buffer, group=mesh.get_group())
+    dist.all_gather_single(gathered, buffer, group=mesh.get_group())
     per_rank = gathered.view(world, -1)
     offset = 0
     for name in flat:
