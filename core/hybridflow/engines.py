@@ -49,6 +49,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from hybridflow.adapter_sync import HandsOverAdapters, LoadsAdapters
 from hybridflow.errors import ConfigError, EngineContractError
 
 if TYPE_CHECKING:
@@ -552,12 +553,13 @@ class RecordsRouting(Protocol):
 #: the training capabilities, by the name a config error uses
 TRAINING_CAPABILITIES: dict[str, type] = {
     "reshards_generation_weights": ReshardsGenerationWeights, "parks_training_weights": ParksTrainingWeights,
-    "reports_handover": ReportsHandover, "holds_weights": HoldsWeights, "replays_routing": ReplaysRouting}
+    "reports_handover": ReportsHandover, "holds_weights": HoldsWeights, "replays_routing": ReplaysRouting,
+    "hands_over_adapters": HandsOverAdapters}
 #: the rollout capabilities, by the name a config error uses
 ROLLOUT_CAPABILITY_PROTOCOLS: dict[str, type] = {
     "binds_generation_weights": BindsGenerationWeights, "generates_tensor_parallel": GeneratesTensorParallel,
     "reports_parameter_shapes": ReportsParameterShapes, "holds_weights": HoldsWeights,
-    "records_routing": RecordsRouting}
+    "records_routing": RecordsRouting, "loads_adapters": LoadsAdapters}
 
 
 #: the optional keys of :class:`TrainingEngineConfig` an engine implements only when its info record lists them in

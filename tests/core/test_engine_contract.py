@@ -34,12 +34,13 @@ def test_the_first_party_engines_declare_what_the_hybrid_engine_uses() -> None:
     hybrid = {"reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}
     for name in ("megatron", "deepspeed"):
         assert training_engine_info(name).capabilities == hybrid, name
-    assert training_engine_info("fsdp").capabilities == {*hybrid, "replays_routing"}  # MoE routing replay (R3)
+    # MoE routing replay (R3) and LoRA adapter-only sync
+    assert training_engine_info("fsdp").capabilities == {*hybrid, "replays_routing", "hands_over_adapters"}
     # mixed_precision: auto may pick bf16 only where the engine says so (the switch point is the fsdp engine's)
     assert [training_engine_info(n).auto_mixed_precision for n in ("fsdp", "megatron", "deepspeed")] == [
         True, False, False]
     assert rollout_engine_info("hf").capabilities == {"binds_generation_weights", "generates_tensor_parallel",
-                                                      "holds_weights", "records_routing"}
+                                                      "holds_weights", "records_routing", "loads_adapters"}
     vllm = rollout_engine_info("vllm")
     assert vllm.capabilities == {"generates_tensor_parallel", "reports_parameter_shapes"}
     assert (vllm.vocab_multiple, vllm.tensor_parallel_world) == (64, "whole")

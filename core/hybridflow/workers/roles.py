@@ -211,11 +211,12 @@ class ActorRolloutWorker(_TrainingRole):
         self._asleep = False
 
     def _adapter_sync(self) -> bool:
-        """Whether this actor syncs LoRA adapters alone (:mod:`hybridflow.adapter_sync`): both engines implement it,
-        generation runs at tg = 1 and the training engine reports adapters to hand over."""
+        """Whether this actor syncs LoRA adapters alone (:mod:`hybridflow.adapter_sync`): both engines declare it
+        (``hands_over_adapters``, ``loads_adapters``), generation runs at tg = 1 and the training engine reports
+        adapters to hand over."""
         if self._adapter_scales is None:
-            able = (isinstance(self.engine, HandsOverAdapters) and isinstance(self.rollout, LoadsAdapters)
-                    and self.generation_layout is None)
+            able = ("hands_over_adapters" in self.training_info.capabilities
+                    and "loads_adapters" in self.rollout_info.capabilities and self.generation_layout is None)
             self._adapter_scales = cast(HandsOverAdapters, self.engine).adapter_scales() if able else {}
         return bool(self._adapter_scales)
 

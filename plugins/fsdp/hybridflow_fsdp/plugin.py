@@ -48,7 +48,7 @@ def export_fsdp_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:
 def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("fsdp", build_fsdp_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
         "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights",
-        "replays_routing"}),
+        "replays_routing", "hands_over_adapters"}),
         features=frozenset({"lora", "bf16", "gradient_checkpointing", "token_budget_micro_batches"}),
         auto_mixed_precision=True))
 
@@ -61,7 +61,8 @@ def hybridflow_register_checkpoint_exporters(registry: Any) -> None:
 @hookimpl
 def hybridflow_register_rollout_engines(registry: Any) -> None:
     registry.register("hf", build_hf_rollout_engine, info=RolloutEngineInfo(capabilities=frozenset({
-        "binds_generation_weights", "generates_tensor_parallel", "holds_weights", "records_routing"}),
+        "binds_generation_weights", "generates_tensor_parallel", "holds_weights", "records_routing",
+        "loads_adapters"}),
         weights_target="hf"))
 
 
