@@ -86,6 +86,15 @@ def test_without_the_variable_nothing_is_judged_and_the_report_is_written(
     assert module_seconds(tests) == pytest.approx(document["modules"], abs=0.02)
 
 
+def test_the_recorded_report_covers_the_suite() -> None:
+    """The kept report names real test modules (a renamed module leaves a stale entry to re-record)."""
+    tests = load_report()
+    assert tests, "tests/durations.json is missing: record it with HYBRIDFLOW_TEST_TIMES_OUT=tests/durations.json"
+    root = Path(__file__).parent.parent
+    missing = sorted({module for module in module_seconds(tests) if not (root / module).exists()})
+    assert len(missing) <= 0.1 * len(module_seconds(tests)), f"report names modules that are gone: {missing}"
+
+
 def budget_offenders(result: pytest.RunResult) -> list[time_budget.Offender]:
     """The offenders the session's plugin judged (read back from the terminal lines it wrote)."""
     found = []

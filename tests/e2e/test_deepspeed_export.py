@@ -62,6 +62,7 @@ def _same_weights(left: Path, right: Path) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 def test_deepspeed_zero3_export_round_trip(tmp_path: Path, tiny_config) -> None:  # type: ignore[no-untyped-def]
     """A ZeRO-3 actor on 2 ranks: its checkpoint holds only flat partitions (the module's tensors are empty), and
     the export reassembles the full model: the trainer's export_hf, tensor for tensor, and the engine's log-probs."""

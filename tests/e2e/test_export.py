@@ -96,7 +96,8 @@ def test_fsdp_export_round_trip_and_errors(tmp_path: Path, tiny_config, capsys) 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core not installed (bash scripts/install_megatron.sh .venv)")
 @pytest.mark.parametrize(("axis", "overrides"), [
-    ("tp", ["model.preset=tiny-qwen2-h16", "actor.parallel.tensor_parallel_size=2"]),
+    pytest.param("tp", ["model.preset=tiny-qwen2-h16", "actor.parallel.tensor_parallel_size=2"],
+                 marks=pytest.mark.slow),  # 64 s in the full run of 2026-12-07 (tests/durations.json)
     pytest.param("pp", ["actor.parallel.pipeline_parallel_size=2"], marks=pytest.mark.slow),
 ])
 def test_megatron_export_round_trip(tmp_path: Path, tiny_config, axis: str, overrides: list[str]) -> None:

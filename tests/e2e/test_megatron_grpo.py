@@ -57,6 +57,7 @@ def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(  # typ
     assert all(m["grad_norm"] > 0 for m in history if m["reward/max"] > 0) and history[-1]["reward/max"] > 0
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 def test_ppo_with_megatron_actor_critic_reference_checkpoints_and_resumes(tmp_path: Path, tiny_config) -> None:
     overrides = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "actor.engine=megatron", "critic.engine=megatron",
                  "reference.engine=megatron", "trainer.checkpoint_every=1")

@@ -149,6 +149,7 @@ pool.release()
 """
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 @pytest.mark.timeout(400)
 def test_two_ranks_per_node_sit_on_their_node_and_reduce_together(two_nodes: LoopbackCluster) -> None:
     nodes = {two_nodes.head.node_id, two_nodes.workers[0].node_id}

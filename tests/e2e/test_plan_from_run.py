@@ -44,6 +44,7 @@ def _plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     return plan_dir
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 def test_train_with_plan_then_advise_from_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_dir = _plan(tmp_path, capsys)
     fragment = yaml.safe_load((plan_dir / "placement.yaml").read_text())

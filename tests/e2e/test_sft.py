@@ -35,6 +35,7 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, fl
     return trainer.validation_history, target, run_dir
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 def test_sft_lowers_held_out_loss_raises_exact_match_and_writes_an_hf_dir(sft_run) -> None:  # type: ignore[no-untyped-def]
     validation_history, target, run_dir = sft_run
     first, last = validation_history[0], validation_history[-1]

@@ -136,6 +136,7 @@ def groups(ray_session: None, records: list[CallRecord]) -> Iterator[dict[str, W
     narrow_pool.release()
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 def test_ranks_env_and_colocated_roles_share_one_process(groups: dict[str, WorkerGroup]) -> None:
     wide = groups["wide"]
     described = wide.actor.describe()

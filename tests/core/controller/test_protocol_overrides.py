@@ -65,6 +65,7 @@ def pool(ray_session: None) -> Iterator[ResourcePool]:
     pool.release()
 
 
+@pytest.mark.slow  # 45-70 s in the full run of 2026-12-07 (tests/durations.json)
 def test_override_replaces_the_declared_protocol_and_keeps_the_rest(pool: ResourcePool,
                                                                       protocol: LastRankOnly) -> None:
     batch = Batch({"x": torch.arange(6)})
