@@ -83,11 +83,12 @@ def test_a_rank_failing_its_constructor_fails_the_group_at_once_with_its_error(r
     started = time.monotonic()
     try:
         with pytest.raises(WorkerError) as caught:
-            WorkerGroup(pool, FailsBeforeTheRendezvous, name="init", deadline_s=90)
+            WorkerGroup(pool, FailsBeforeTheRendezvous, name="init", deadline_s=240)
     finally:
         pool.release()
     elapsed = time.monotonic() - started
-    assert elapsed < 30, f"the group waited {elapsed:.0f} s for rank 1, blocked in the rendezvous (deadline 90 s)"
+    # well under the 120 s rank 1 would wait in its rendezvous (31 s once at load ~15: no tighter wall-clock bound)
+    assert elapsed < 100, f"the group waited {elapsed:.0f} s for rank 1, blocked in the rendezvous (deadline 240 s)"
     message = str(caught.value)
     assert caught.value.rank == 0 and caught.value.method == "__init__", message
     assert "could not bind its rendezvous port" in message and "ranks [1] had not finished" in message, message

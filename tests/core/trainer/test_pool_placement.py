@@ -54,6 +54,7 @@ def test_a_batch_that_does_not_split_over_a_roles_own_pool_is_refused_naming_the
         plans(cfg)
     # the same pool with tensor parallelism 5 has one data-parallel rank: every batch splits
     assert plans(config(*SPLIT, "data.batch_size=6", "resource_pools.b.devices_per_node=[5]",
+                        "critic.engine=megatron", "reward.engine=megatron",  # tensor parallel: megatron's
                         "critic.parallel.tensor_parallel_size=5", "reward.parallel.tensor_parallel_size=5"))
     with pytest.raises(ConfigError, match=r"reward\.parallel: tensor × pipeline = 2 does not divide the 1 devices of "
                                           r"pool 'b'"):
