@@ -53,8 +53,9 @@ HAND_RECORDED_RE = re.compile(r"recorded by hand on (?P<date>\d{4}-\d{2}-\d{2}),
 SCRIPT_RE = re.compile(r"(?:bench|scripts)/[\w./-]+\.py")
 
 
-def machine() -> str:
-    """CPU model, CPU count, OS, Python and torch (from the installed metadata: importing torch is not needed)."""
+def machine(*, with_load: bool = True) -> str:
+    """CPU model, CPU count, OS, Python and torch (from the installed metadata: importing torch is not needed), and
+    the 1-minute load average unless ``with_load`` is false."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -67,7 +68,7 @@ def machine() -> str:
         torch = f", torch {metadata.version('torch')}"
     except metadata.PackageNotFoundError:
         torch = ""
-    load = f"; load average (1 min) {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    load = f"; load average (1 min) {os.getloadavg()[0]:.1f}" if with_load and hasattr(os, "getloadavg") else ""
     return (f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}{torch}{load}")
 

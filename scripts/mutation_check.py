@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -54,6 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import results_page  # noqa: E402  (bench/results_page.py: the benches' machine line)
+
 PLUGINS = ("fsdp", "megatron", "vllm", "sglang", "deepspeed")
 #: what a copy needs to run the tests (docs and README are read by a few tests too)
 COPIED = ("core", "plugins", "tests", "examples", "scripts", "bench", "docs", "pyproject.toml", "README.md")
@@ -345,21 +347,6 @@ def apply(copy: Path, mutant: Mutant) -> str:
     return original
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch  # the venv's, for the record
-
-    return (f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}")
-
-
 TIER_CELL = {True: "yes", False: "no", None: "- (none selected)"}
 
 
@@ -376,8 +363,8 @@ def write_markdown(path: Path, *, results: list[dict[str, object]], source: str,
         "learner or its tests.",
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- machine: {machine()}; load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end (the "
-        "box is shared: the seconds below grow with it)",
+        f"- machine: {results_page.machine(with_load=False)}; load average (1 min) {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end (the box is shared: the seconds below grow with it)",
         f"- command: `{command}`",
         f"- tree: {source}",
         f"- baseline (every selected test, unmutated): passed in {baseline_s:.0f} s",
