@@ -243,7 +243,10 @@ class OpenAIEndpoint:
         jobs = [_Job(list(prompt_ids), max_tokens, loop.create_future()) for _ in range(n)]
         for job in jobs:
             self._queue.put_nowait((sampling_key, job))
-        return list(await asyncio.gather(*[job.future for job in jobs]))
+        try:
+            return list(await asyncio.gather(*[job.future for job in jobs]))
+        except Exception as exc:  # an engine failure is the server's error (raised again, not swallowed)
+            raise RequestError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error") from exc
 
     async def _schedule(self) -> None:
         """Take every queued job, one generate call per sampling setting, in the engine's thread; repeat."""
@@ -371,12 +374,9 @@ class OpenAIEndpoint:
             prompt_ids, spliced_on = self._prompt_from_text(session, text)
             max_tokens = self._fit_context(prompt_ids, max_tokens)
             self._admit(session)
+            completions = await self._generate(prompt_ids, sampling_key, max_tokens, n)
         except RequestError as error:
             return error.response()
-        try:
-            completions = await self._generate(prompt_ids, sampling_key, max_tokens, n)
-        except Exception as exc:  # noqa: BLE001 - an engine failure is the server's error
-            return RequestError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error").response()
         choices = [self._chat_choice(session, index, completion, text, prompt_ids, spliced_on, logprobs)
                    for index, completion in enumerate(completions)]
         usage = _usage(prompt_ids, completions)
@@ -545,12 +545,9 @@ class OpenAIEndpoint:
                                    code="invalid_value")
             max_tokens = self._fit_context(prompt_ids, max_tokens)
             self._admit(session)
+            completions = await self._generate(prompt_ids, sampling_key, max_tokens, n)
         except RequestError as error:
             return error.response()
-        try:
-            completions = await self._generate(prompt_ids, sampling_key, max_tokens, n)
-        except Exception as exc:  # noqa: BLE001 - an engine failure is the server's error
-            return RequestError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error").response()
         choices = []
         for index, completion in enumerate(completions):
             ids = list(completion.token_ids)
@@ -589,12 +586,17 @@ class OpenAIEndpoint:
 
 
 def _pieces(chat_format: ChatFormat, ids: Sequence[int]) -> list[str]:
-    """Each id's text as it extends the decoded text (so the pieces concatenate to the decoded whole)."""
-    pieces, before = [], ""
+    """Each id's text as it extends the decoded text, so the pieces concatenate to the decoded whole: a prefix that
+    ends inside a character (a byte-level token holding part of its UTF-8 bytes decodes to U+FFFD) gives an empty
+    piece, and the character comes whole with the id that completes it."""
+    pieces, emitted = [], ""
     for end in range(1, len(ids) + 1):
         now = chat_format.decode(ids[:end])
-        pieces.append(now[len(before):] if now.startswith(before) else now)
-        before = now
+        if end < len(ids) and now.endswith("\ufffd"):
+            pieces.append("")
+            continue
+        pieces.append(now[len(emitted):] if now.startswith(emitted) else now)
+        emitted = now
     return pieces
 
 

@@ -286,3 +286,20 @@ def test_bad_requests_get_openai_error_bodies(endpoint: OpenAIEndpoint) -> None:
     assert len(endpoint.close_session("errors")) == 2
     with pytest.raises(openai.AuthenticationError):  # a closed session's key stops working
         client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+
+
+def test_streamed_pieces_hold_a_character_split_over_tokens_until_it_is_whole() -> None:
+    """Byte-level tokens can split a UTF-8 character: the prefix ending inside it decodes to U+FFFD, and a streamed
+    delta cut there would repeat the text before it once the character completes (the flake this test pins)."""
+    from hybridflow.agent.endpoint import _pieces
+
+    class Bytes:  # id 1 and 2: the two bytes of "ű"; other ids: their own byte
+        def decode(self, ids: list[int]) -> str:
+            raw = {1: b"\xc5", 2: b"\xb1"}
+            return b"".join(raw.get(i, bytes([i])) for i in ids).decode("utf-8", "replace")
+
+    tokens = Bytes()
+    ids = [89, 1, 2, 104, 101, 1]  # "Y", "ű" in two ids, "he", then a character cut off at the end
+    pieces = _pieces(tokens, ids)  # type: ignore[arg-type]
+    assert pieces == ["Y", "", "ű", "h", "e", "\ufffd"]
+    assert "".join(pieces) == tokens.decode(ids)
