@@ -76,11 +76,11 @@ def hybridflow_register_layouts(registry: Any) -> None:
 def hybridflow_report_capabilities() -> dict[str, str]:
     return {
         "training": "FSDP2 fully_shard over data-parallel ranks (gloo on CPU, nccl on CUDA); tp = pp = 1; "
-                    "unsharded on a single fp32 rank; LoRA adapters on the actor (actor.lora, merged for generation "
-                    "and export)",
-        "rollout": "hf: KV-cache sampling (lean Qwen2/Llama decoder, HF forward otherwise); tg > 1: Megatron-style "
-                   "shards over torch.distributed tensor groups (Llama/Qwen2); sleep frees weights, wake + "
-                   "update_weights (copied, or bound zero-copy with bind=True)",
+                    "unsharded on a single fp32 rank; LoRA adapters on the actor (actor.lora: the hf engine gets "
+                    "the base once, then the adapters alone each sync; merged for export)",
+        "rollout": "hf: KV-cache sampling (lean Llama/Qwen2/Qwen3 decoder, HF forward otherwise); tg > 1: "
+                   "Megatron-style shards over torch.distributed tensor groups (Llama/Qwen2/Qwen3); sleep frees "
+                   "weights, wake + update_weights (copied, or bound zero-copy with bind=True)",
         "handover": "reshard (default): the 3D-HybridEngine planner and executor to the generation layout (pg=1, tg), "
                     "views of the FSDP shards where they coincide, the other FSDP shards parked in the generation "
                     "shards while generating (park=True), bytes counted from buffers next to the lower bound; "
