@@ -14,9 +14,24 @@ export HYBRIDFLOW_REQUIRE_ENGINES=1
 export HYBRIDFLOW_TEST_BUDGET=1
 echo "ruff: $("$py" -m ruff --version)"
 "$py" -m ruff check core plugins tests bench scripts examples
-echo "$("$py" -m mypy --version): strict over core and the five plugins (files in pyproject.toml [tool.mypy])"
-"$py" -m mypy
+# mypy --strict (~150 CPU-s from a cold cache, one core) runs beside pytest instead of before it: its report is printed
+# and its status decides the run after pytest ends (a type error still fails the run, after the tests).
+mypy_log="$(mktemp)"
+trap 'rm -f "$mypy_log"' EXIT
+"$py" -m mypy > "$mypy_log" 2>&1 &
+mypy_pid=$!
 # Two pytest workers (HYBRIDFLOW_TEST_WORKERS; 0 runs in this process): most tests keep one core busy, a trainer run
 # rarely two. --dist loadfile keeps each module on one worker, so a module-scoped run or Ray is set up once; modules
 # go out in the order tests/conftest.py sorts them (most `slow` tests first), not xdist's own (most tests first).
-exec "$py" -m pytest -ra --durations=60 -n "${HYBRIDFLOW_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+status=0
+"$py" -m pytest -ra --durations=60 -n "${HYBRIDFLOW_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" \
+  || status=$?
+mypy_status=0
+wait "$mypy_pid" || mypy_status=$?
+echo "$("$py" -m mypy --version): strict over core and the five plugins (files in pyproject.toml [tool.mypy])"
+cat "$mypy_log"
+if [ "$mypy_status" != 0 ]; then
+  echo "test.sh: mypy failed (exit $mypy_status): fix the type errors above" >&2
+  [ "$status" != 0 ] || status=$mypy_status
+fi
+exit "$status"
