@@ -1,8 +1,10 @@
-"""The rows the export tests probe a model with, the log-probs an exported HF directory gives them, and a run's final
-weights as its actor exports them."""
+"""The rows the export tests probe a model with, the log-probs an exported HF directory gives them, a run's final
+weights as its actor exports them, and a run that is probed and exported at its end (so a learning run of another
+test can be the run an export round trip checks)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.columns import compute_position_ids
+from hybridflow.export import main as export_main
 
 PROMPTS = ["3+4=", "12+9=", "7+7=", "0+5="]
 
@@ -54,3 +57,49 @@ def fit_and_export(config: Any, export_dir: Path) -> tuple[list[dict[str, float]
     finally:
         trainer.close()
     return history, load_file(str(export_dir / "model.safetensors"))
+
+
+def train_and_probe(config: Any, trainer_export: Path, *, reference: bool = False
+                    ) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Fit ``config``; its metrics per step and the probe: ``batch`` (the probe rows at the final policy version),
+    ``actor`` (the actor engine's log-probs of them) and, with ``reference``, ``reference`` (the reference engine's).
+    The trainer's own ``export_hf`` of the actor goes to ``trainer_export``."""
+    from hybridflow.trainer import Trainer
+
+    trainer = Trainer(config, progress=False)
+    try:
+        history = trainer.fit()
+        batch = probe_batch(trainer.tokenizer, trainer.step)
+        actor = trainer.groups.role("actor")
+        probes: dict[str, Any] = {
+            "batch": batch, "actor": actor.compute_log_probs(batch).get(timeout=120)["old_log_probs"]}
+        if reference:
+            probes["reference"] = trainer.groups.role("reference").compute_ref_log_probs(batch).get(
+                timeout=120)["ref_log_probs"]
+        actor.export_hf(str(trainer_export))
+    finally:
+        trainer.close()
+    return history, probes
+
+
+def check_round_trip(run_dir: Path, out: Path, trainer_export: Path, probes: dict[str, Any], step: int) -> None:
+    """``hybridflow export RUN OUT`` exports the checkpoint of ``step``; loaded with ``transformers`` it computes the
+    actor engine's log-probs of the probe rows, and the logits of the trainer's own export."""
+    assert export_main([str(run_dir), str(out)]) == 0
+    batch, engine_log_probs = probes["batch"], probes["actor"]
+    log_probs, logits = hf_log_probs(out, batch)
+    _, reference_logits = hf_log_probs(trainer_export, batch)
+    assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
+    assert torch.allclose(logits, reference_logits, atol=1e-6, rtol=0)
+    info = json.loads((out / "hybridflow_export.json").read_text())
+    assert info["step"] == step and info["role"] == "actor"
+
+
+def same_weights(left: Path, right: Path) -> None:
+    """The two exported directories hold the same tensors (names, dtypes, values)."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(left / "model.safetensors")), load_file(str(right / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name

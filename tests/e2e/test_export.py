@@ -10,48 +10,21 @@ import importlib.util
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from export_probe import hf_log_probs, probe_batch
+from export_probe import check_round_trip, hf_log_probs, train_and_probe
 
-from hybridflow.batch import Batch
 from hybridflow.export import main as export_main
-from hybridflow.trainer import Trainer
-
-
-def _train_and_probe(config: Any, reference_dir: Path) -> tuple[torch.Tensor, Batch]:
-    """Fit ``config``; return the actor engine's log-probs of the probe rows and write the trainer's own export."""
-    trainer = Trainer(config, progress=False)
-    try:
-        trainer.fit()
-        batch = probe_batch(trainer.tokenizer, trainer.step)
-        actor = trainer.groups.role("actor")
-        engine_log_probs = actor.compute_log_probs(batch).get(timeout=120)["old_log_probs"]
-        actor.export_hf(str(reference_dir))
-    finally:
-        trainer.close()
-    return engine_log_probs, batch
-
-
-def _check_round_trip(run_dir: Path, out: Path, reference_dir: Path, engine_log_probs: torch.Tensor,
-                      batch: Batch) -> None:
-    assert export_main([str(run_dir), str(out)]) == 0
-    log_probs, logits = hf_log_probs(out, batch)
-    _, reference_logits = hf_log_probs(reference_dir, batch)
-    assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
-    assert torch.allclose(logits, reference_logits, atol=1e-6, rtol=0)
-    info = json.loads((out / "hybridflow_export.json").read_text())
-    assert info["step"] == 2 and info["role"] == "actor"
 
 
 def test_fsdp_export_round_trip_and_errors(tmp_path: Path, tiny_config, capsys) -> None:
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, "trainer.total_steps=2", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2")
-    engine_log_probs, batch = _train_and_probe(config, tmp_path / "trainer_export")
+    _, probes = train_and_probe(config, tmp_path / "trainer_export")
+    batch, engine_log_probs = probes["batch"], probes["actor"]
     out = tmp_path / "hf"
-    _check_round_trip(run_dir, out, tmp_path / "trainer_export", engine_log_probs, batch)
+    check_round_trip(run_dir, out, tmp_path / "trainer_export", probes, step=2)
     info = json.loads((out / "hybridflow_export.json").read_text())
     assert info["engine"] == "fsdp"
 
@@ -92,22 +65,18 @@ def test_fsdp_export_round_trip_and_errors(tmp_path: Path, tiny_config, capsys) 
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 42 s in the full run of 2026-12-07 (tests/durations.json)
 @pytest.mark.megatron
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core not installed (bash scripts/install_megatron.sh .venv)")
-@pytest.mark.parametrize(("axis", "overrides"), [
-    pytest.param("tp", ["model.preset=tiny-qwen2-h16", "actor.parallel.tensor_parallel_size=2"],
-                 marks=pytest.mark.slow),  # 64 s in the full run of 2026-12-07 (tests/durations.json)
-    pytest.param("pp", ["actor.parallel.pipeline_parallel_size=2"], marks=pytest.mark.slow),
-])
-def test_megatron_export_round_trip(tmp_path: Path, tiny_config, axis: str, overrides: list[str]) -> None:
-    """A tensor-parallel (t=2) or pipeline-parallel (p=2) megatron actor's checkpoint shards are reassembled offline
-    into the HF model."""
+def test_megatron_pipeline_parallel_export_round_trip(tmp_path: Path, tiny_config) -> None:  # type: ignore[no-untyped-def]
+    """A pipeline-parallel (p = 2) megatron actor's checkpoint shards are reassembled offline into the HF model. (The
+    tensor-parallel (t = 2) round trip exports the t = 2 run of tests/e2e/test_megatron_grpo.py.)"""
     run_dir = tmp_path / "run"
-    config = tiny_config(run_dir, "actor.engine=megatron", *overrides, "trainer.total_steps=2",
-                         "trainer.checkpoint_every=2")
-    engine_log_probs, batch = _train_and_probe(config, tmp_path / "trainer_export")
+    config = tiny_config(run_dir, "actor.engine=megatron", "actor.parallel.pipeline_parallel_size=2",
+                         "trainer.total_steps=2", "trainer.checkpoint_every=2")
+    _, probes = train_and_probe(config, tmp_path / "trainer_export")
     out = tmp_path / "hf"
-    _check_round_trip(run_dir, out, tmp_path / "trainer_export", engine_log_probs, batch)
+    check_round_trip(run_dir, out, tmp_path / "trainer_export", probes, step=2)
     assert json.loads((out / "hybridflow_export.json").read_text())["engine"] == "megatron"
-    assert json.loads((run_dir / "checkpoints" / "step-2" / "actor" / "layout.json").read_text())[axis] == 2
+    assert json.loads((run_dir / "checkpoints" / "step-2" / "actor" / "layout.json").read_text())["pp"] == 2
