@@ -1,14 +1,22 @@
 """GRPO and PPO with DeepSpeed ZeRO engines and the hf rollout engine: a config change only (actor.engine=deepspeed),
-through the real trainer on 2 CPU workers (gloo)."""
+through the real trainer on 2 CPU workers (gloo). The ZeRO-3 GRPO learning run is also the ZeRO-3 export round trip
+(``hybridflow export``; tests/e2e/test_deepspeed_export.py: ZeRO-1, bf16 and the reference)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import shutil
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
+import torch
+from export_probe import hf_log_probs, same_weights, train_and_probe
 
+from hybridflow.errors import CheckpointError
+from hybridflow.export import main as export_main
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
@@ -34,23 +42,81 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+#: the ZeRO-3 GRPO run: ZERO3_STEPS steps, checkpointed every ZERO3_STEPS // 2 (the export test exports both)
+ZERO3_STEPS = 40
+
+
+class Zero3Run(NamedTuple):
+    run_dir: Path
+    trainer_export: Path  # the trainer's own export_hf of the actor at the end
+    history: list[dict[str, float]]
+    probes: dict[str, Any]  # tests/e2e/export_probe.py's probe rows and the actor engine's log-probs of them
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> Zero3Run:  # type: ignore[no-untyped-def]
+    """The README's GRPO job, seeded, with a ZeRO-3 actor, checkpointed halfway and at the end, probed and exported
+    by the trainer at its end."""
+    run_dir, trainer_export = tmp_path_factory.mktemp("grpo"), tmp_path_factory.mktemp("grpo_trainer_export")
+    history, probes = train_and_probe(
+        tiny_config(run_dir, "actor.engine=deepspeed", "actor.extra.zero_stage=3", f"trainer.total_steps={ZERO3_STEPS}",
+                    f"trainer.checkpoint_every={ZERO3_STEPS // 2}", "trainer.keep_checkpoints=2", "trainer.seed=0"),
+        trainer_export)
+    return Zero3Run(run_dir, trainer_export, history, probes)
+
+
 @pytest.mark.slow
-def test_grpo_with_deepspeed_zero3_actor_learns(tmp_path: Path, tiny_config) -> None:  # type: ignore[no-untyped-def]
+def test_grpo_with_deepspeed_zero3_actor_learns(zero3_run: Zero3Run) -> None:
     """The README's GRPO job, seeded, with a ZeRO-3 actor: the arithmetic reward rises, and every handover moved
     exactly the lower bound (each of the 2 ranks lacked the other's partitions)."""
-    history = run(tiny_config(tmp_path / "grpo", "actor.engine=deepspeed", "actor.extra.zero_stage=3",
-                              "trainer.total_steps=40", "trainer.checkpoint_every=0", "trainer.seed=0"))
+    history = zero3_run.history
     rewards = [m["reward/mean"] for m in history]
     assert mean(rewards[-10:]) > mean(rewards[:10]) + 0.04, rewards
-    assert [m["actor/policy_version"] for m in history] == [float(step + 1) for step in range(40)]
+    assert [m["actor/policy_version"] for m in history] == [float(step + 1) for step in range(ZERO3_STEPS)]
     assert all(math.isfinite(m["grad_norm"]) for m in history)
     # each rank lacked exactly the other rank's ZeRO-3 partitions: Σ⌈n/2⌉ or Σ⌊n/2⌋ fp32 elements per parameter
     sizes = [parameter.numel() for parameter in _tiny_qwen2().parameters()]
     first_halves = sum(-(-size // 2) for size in sizes)
     expected = sorted([4 * (sum(sizes) - first_halves), 4 * first_halves])
-    ledger = read_ledger(tmp_path / "grpo")
+    ledger = read_ledger(zero3_run.run_dir)
     handovers = [next(e for e in row["edges"] if e["protocol"] == "reshard") for row in ledger]
     assert all(sorted(h["bytes_per_rank"]) == expected for h in handovers), (expected, handovers[0])
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_export_round_trip(zero3_run: Zero3Run, tmp_path: Path) -> None:
+    """The ZeRO-3 actor on 2 ranks: its checkpoint holds only flat partitions (the module's tensors are empty), and
+    the export reassembles the full model: the trainer's export_hf, tensor for tensor, and the engine's log-probs."""
+    run_dir, steps = zero3_run.run_dir, ZERO3_STEPS
+    batch, engine_log_probs = zero3_run.probes["batch"], zero3_run.probes["actor"]
+    checkpoint = run_dir / "checkpoints" / f"step-{steps}" / "actor"
+    module = torch.load(checkpoint / "deepspeed" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                        weights_only=True)["module"]
+    assert module and all(tensor.numel() == 0 for tensor in module.values())  # nothing whole on disk
+
+    out, older = tmp_path / "hf", tmp_path / "hf_older"
+    assert export_main([str(run_dir), str(out)]) == 0
+    assert export_main([str(run_dir), "--step", str(steps // 2), str(older)]) == 0
+    same_weights(out, zero3_run.trainer_export)
+    log_probs = hf_log_probs(out, batch, dtype=torch.float32)[0]
+    assert torch.allclose(log_probs, engine_log_probs, atol=1e-6, rtol=0), (log_probs - engine_log_probs).abs().max()
+    info = json.loads((out / "hybridflow_export.json").read_text())
+    assert (info["step"], info["role"], info["engine"]) == (steps, "actor", "deepspeed")
+
+    # --step: the checkpoint halfway through holds other weights
+    assert not torch.allclose(hf_log_probs(older, batch, dtype=torch.float32)[0], engine_log_probs, atol=1e-6, rtol=0)
+
+    # a rank's partitions missing: a clear error naming the ranks, not a silently half-filled model
+    from hybridflow.export import _role_spec, _run_config
+    from hybridflow_deepspeed.export import export_checkpoint
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    (damaged / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    spec = _role_spec(_run_config(json.loads((run_dir / "manifest.json").read_text()), run_dir), "actor")
+    (tmp_path / "x").mkdir()
+    with pytest.raises(CheckpointError, match=r"ranks 0\.\.1 .* it holds ranks \[0\]"):
+        export_checkpoint(checkpoint=damaged, spec=spec, out_dir=tmp_path / "x")
 
 
 def _tiny_qwen2():  # type: ignore[no-untyped-def]
