@@ -47,8 +47,8 @@ def preset_weight_bytes():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module", autouse=True)
 def _ray_session() -> None:
     """One local Ray (4 logical CPUs) for the pytest worker, started at the first module that needs it (before the
-    module's own fixtures, which may run the trainer) and reused by the next while it fits (tests/local_ray.py:
-    tests/core/controller runs a 2-CPU one)."""
+    module's own fixtures, which may run the trainer) and reused by the next while it fits (tests/local_ray.py; the
+    e2e, reliability and controller modules all ask for this shape, so a worker moving between them keeps it)."""
     from local_ray import ensure_local_ray
 
     ensure_local_ray(num_cpus=4, object_store_memory=300_000_000)

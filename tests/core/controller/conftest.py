@@ -1,8 +1,7 @@
-"""The local Ray of the controller's test modules (2 logical CPUs: pools prove fractional placement).
-
-The Ray an earlier module left up on the same pytest worker is reused when it has 2 CPUs, all free; otherwise (the
-e2e session's, with 4 CPUs) it is shut down and a 2-CPU one started (``tests/local_ray.py``). The e2e and reliability
-fixtures do the same with 4 CPUs when their next module needs theirs.
+"""The local Ray of the controller's test modules: 4 logical CPUs on the 2-core box (pools of 0.25-CPU slots prove
+fractional placement), the same shape as the e2e and reliability modules' Ray, so a pytest worker going from one
+of those modules to a controller module keeps the Ray it has (``tests/local_ray.py`` reuses a Ray with the CPUs asked
+for, all free, and restarts it otherwise: a restart costs seconds of wall time and ~10 CPU-seconds of Ray processes).
 """
 
 from __future__ import annotations
@@ -19,5 +18,5 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def ray_session() -> Iterator[None]:
     from local_ray import ensure_local_ray
 
-    ensure_local_ray(num_cpus=2, object_store_memory=200_000_000)
+    ensure_local_ray(num_cpus=4, object_store_memory=300_000_000)
     yield

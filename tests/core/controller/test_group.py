@@ -29,7 +29,7 @@ from hybridflow.errors import ConfigError, UnknownNameError, VersionMismatchErro
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers unpickle these classes by value
 
-CPUS = 0.25  # 8 workers on a 2-CPU Ray
+CPUS = 0.25  # fractional slots: 6 workers hold 1.5 of the Ray's 4 logical CPUs
 
 
 class Actor(Worker):
