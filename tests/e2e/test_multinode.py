@@ -111,7 +111,14 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def test_joining_without_the_token_is_a_config_error_that_says_how(head: LoopbackCluster) -> None:
-    code = ("import sys; from hybridflow.controller import init_ray\n"
+    # the driver runs hybridflow.controller's init_ray without the package's __init__ (its worker-group modules pull
+    # in torch: ~8 CPU-seconds a process, nothing this refusal touches); security first, before Ray, as the package
+    # itself imports them
+    code = ("import sys, types\nfrom pathlib import Path\nimport hybridflow\n"
+            "package = types.ModuleType('hybridflow.controller')\n"
+            "package.__path__ = [str(Path(hybridflow.__file__).parent / 'controller')]\n"
+            "sys.modules['hybridflow.controller'] = package\n"
+            "import hybridflow.controller.security\nfrom hybridflow.controller.runtime import init_ray\n"
             f"init_ray({head.address!r})\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
     env["RAY_AUTH_MODE"] = "disabled"
