@@ -43,7 +43,7 @@ class Collective(Worker):
 @pytest.fixture
 def group(ray_session: None) -> Iterator[WorkerGroup]:
     pool = ResourcePool("fail-fast", [2], cpus_per_worker=0.25)
-    worker_group = WorkerGroup(pool, Collective, name="collective", deadline_s=90)
+    worker_group = WorkerGroup(pool, Collective, name="collective", deadline_s=90, setup_deadline_s=300)
     yield worker_group
     worker_group.shutdown()
     pool.release()

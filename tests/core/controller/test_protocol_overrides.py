@@ -69,9 +69,9 @@ def pool(ray_session: None) -> Iterator[ResourcePool]:
 def test_override_replaces_the_declared_protocol_and_keeps_the_rest(pool: ResourcePool,
                                                                       protocol: LastRankOnly) -> None:
     batch = Batch({"x": torch.arange(6)})
-    with WorkerGroup(pool, {"rows": Rows}, name="declared", deadline_s=60) as declared:
+    with WorkerGroup(pool, {"rows": Rows}, name="declared", deadline_s=60, setup_deadline_s=300) as declared:
         assert declared.rows.tag_rows(batch)["rank"].tolist() == [0, 0, 0, 1, 1, 1]  # dp_compute as declared
-    with WorkerGroup(pool, {"rows": Rows}, name="overridden", deadline_s=60,
+    with WorkerGroup(pool, {"rows": Rows}, name="overridden", deadline_s=60, setup_deadline_s=300,
                      protocols={"rows": {"tag_rows": "test_last_rank_only"}}) as group:
         assert group.rows.tag_rows(batch)["rank"].tolist() == [1] * 6  # every row ran on the last rank
         assert group.call(Rows.tag_rows, batch)["rank"].tolist() == [1] * 6  # the typed call path too
