@@ -30,6 +30,7 @@ import yaml
 from export_probe import fit_and_export
 from safetensors.torch import load_file
 
+from hybridflow.config import load_config
 from hybridflow.ledger import read_ledger
 from hybridflow.reliability import audit_ledger
 from hybridflow.trainer import Trainer
@@ -46,13 +47,25 @@ SMALL = ("data.batch_size=4", "rollout.max_new_tokens=6", "trainer.checkpoint_ev
 UNCOMPARED = ("time/", "throughput/", "timing_s/", "perf/", "async/")  # timings, and what async adds
 
 
+#: the k = 0 run on the rollout pool: 3 steps of SMALL, generated on ``gen`` (fp32)
+K0_SPLIT = (*SMALL, "trainer.total_steps=3", "rollout.pool=gen")
+
+
+@pytest.fixture(scope="module")
+def k0_split(tmp_path_factory: pytest.TempPathFactory,
+             tiny_config: Any) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """The K0_SPLIT run's metrics per step and final weights: compared with the colocated loop bit for bit, and the
+    fp32 run whose weight syncs the bf16 run halves (shared by both tests)."""
+    root = tmp_path_factory.mktemp("k0")
+    return fit_and_export(tiny_config(root / "split", *K0_SPLIT), root / "hf-split")
+
+
 @pytest.mark.slow
-def test_max_staleness_0_on_a_rollout_pool_is_the_synchronous_loop_bit_for_bit(tmp_path: Path,
-                                                                                 tiny_config: Any) -> None:
+def test_max_staleness_0_on_a_rollout_pool_is_the_synchronous_loop_bit_for_bit(
+        tmp_path: Path, tiny_config: Any, k0_split: tuple[list[dict[str, Any]], dict[str, torch.Tensor]]) -> None:
     colocated, colocated_weights = fit_and_export(tiny_config(tmp_path / "colocated", *SMALL, "trainer.total_steps=3"),
                                                   tmp_path / "hf-colocated")
-    split, split_weights = fit_and_export(tiny_config(tmp_path / "split", *SMALL, "trainer.total_steps=3",
-                                                      "rollout.pool=gen"), tmp_path / "hf-split")
+    split, split_weights = k0_split
     assert len(colocated) == len(split) == 3
     for step, (expected, got) in enumerate(zip(colocated, split)):
         compared = {key: value for key, value in expected.items() if not key.startswith(UNCOMPARED)}
@@ -333,7 +346,9 @@ def test_a_rollout_rank_killed_inside_the_collective_broadcast_restarts_the_roll
 
 
 #: the driver-kill run: k = 1 over 5 steps, a checkpoint every 2, trainer.resume=auto (its first start is fresh); the
-#: CLI in a child process with a local Ray of its own, as a user runs it
+#: run killed is the CLI in a child process with a local Ray of its own, as a user runs it; the rerun trains the same
+#: config file in this process as the CLI does (Trainer.fit, then close), on the tests' Ray (a second CLI start would
+#: add its own Ray and driver imports, ~16 CPU-s, and prove nothing the in-process rerun does not)
 DRIVER = (*K1, "trainer.total_steps=5", "trainer.checkpoint_every=2", "trainer.resume=auto", "ray.num_cpus=4",
           "ray.object_store_memory=150000000")
 
@@ -351,12 +366,12 @@ def _prompt_uids(row: dict[str, Any]) -> list[str]:
 @pytest.mark.slow
 def test_a_killed_driver_reruns_from_its_checkpoint_and_resyncs_the_rollout_pool(
         tmp_path: Path, tiny_config: Any, preset_weight_bytes: Any) -> None:
-    """``hybridflow train`` of the k = 1 run SIGKILLed once its checkpoint of step 2 is published, then run again
-    (``trainer.resume=auto``): the rerun continues at the checkpoint's step S, syncs the restored weights to its
-    fresh rollout pool (whose log-probs are then the actor's), trains each remaining prompt once (the prompts the
-    killed run drew for those steps, none consumed twice over the run) and holds the bound; its first k steps train
-    at staleness 0 (the queue refilled under the restored weights, docs/guide/async.md), the uninterrupted run's at
-    1."""
+    """``hybridflow train`` of the k = 1 run SIGKILLed once its checkpoint of step 2 is published, then its config run
+    again (``trainer.resume=auto``, in this process): the rerun continues at the checkpoint's step S, syncs the
+    restored weights to its fresh rollout pool (whose log-probs are then the actor's), trains each remaining prompt
+    once (the prompts the killed run drew for those steps, none consumed twice over the run) and holds the bound; its
+    first k steps train at staleness 0 (the queue refilled under the restored weights, docs/guide/async.md), the
+    uninterrupted run's at 1."""
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, *DRIVER)
     command = _train_command(config, tmp_path / "run.yaml")
@@ -380,12 +395,10 @@ def test_a_killed_driver_reruns_from_its_checkpoint_and_resyncs_the_rollout_pool
     resumed_at = steps[-1]  # 2, unless the killed run published step 4 in the meantime
     killed_ledger = read_ledger(run_dir)
     killed_metrics = read_metrics(run_dir)
-    try:
-        rerun = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False,
-                               start_new_session=True)
+    try:  # what `hybridflow train run.yaml` runs, from the file the killed driver was started with
+        fit_and_close(Trainer(load_config(tmp_path / "run.yaml"), progress=False))
     finally:
         _end_session(first.pid)  # what is left of the killed driver's own Ray (its reaper normally ends it)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
 
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(5)), [row["step"] for row in rows]
@@ -564,18 +577,19 @@ def test_killed_workers_under_partial_rollout_recover_within_the_bound(tmp_path:
 
 
 @pytest.mark.slow
-def test_a_bf16_actor_syncs_its_weights_to_the_rollout_pool_in_bf16(tmp_path: Path, tiny_config: Any,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bf16_actor_syncs_its_weights_to_the_rollout_pool_in_bf16(
+        tmp_path: Path, tiny_config: Any, monkeypatch: pytest.MonkeyPatch,
+        k0_split: tuple[list[dict[str, Any]], dict[str, torch.Tensor]]) -> None:
     """``mixed_precision: auto`` resolved to bf16 (the threshold lowered so the 77K model qualifies, the CPU probe
     replaced by a double answering "native bf16") generates in bf16 on ``rollout.pool`` too: every weight sync moves
-    exactly half the bytes of the same run in fp32, and training goes on (finite losses)."""
+    exactly half the bytes of the same run in fp32 (the k = 0 test's split run), and training goes on (finite
+    losses)."""
     from hybridflow import precision
 
-    config = ("trainer.total_steps=3", "rollout.pool=gen")
-    fp32, _ = fit_and_export(tiny_config(tmp_path / "fp32", *SMALL, *config), tmp_path / "hf-fp32")
+    fp32, _ = k0_split  # set up before the patches below: resolved to fp32
     monkeypatch.setattr(precision, "AUTO_BF16_MIN_PARAMETERS", 0)
     monkeypatch.setattr(precision, "native_bf16", lambda device: True)
-    bf16, _ = fit_and_export(tiny_config(tmp_path / "bf16", *SMALL, *config), tmp_path / "hf-bf16")
+    bf16, _ = fit_and_export(tiny_config(tmp_path / "bf16", *K0_SPLIT), tmp_path / "hf-bf16")
     synced = [(a["async/weight_sync_bytes"], b["async/weight_sync_bytes"]) for a, b in zip(fp32, bf16, strict=True)]
     assert any(full > 0 for full, _ in synced), synced
     assert all(half * 2 == full for full, half in synced), synced
