@@ -6,13 +6,15 @@ late and suddenly (this seed's train loss 0.86 at step 120, 0.45 by 160, 0.29 at
 GRPO run collapsed or saw reward 0, failing every assertion below). A higher lr did not make it earlier (seed 1 at
 lr 0.01 on one rank: no drop by step 210, vs 160-180 at the shipped 0.003 on two) and one rank was not faster per
 step (1.33 s vs 0.72 s for two ranks, run side by side; each measured once on the loaded 2-core box).
-The hf run has 16 GRPO steps, validated on the 32 held-out prompts (data.val_files, 8 samples each) at steps 0, 8 and
-16. The runs do not repeat bit for bit (the held-out reading of the same SFT config differs in the third decimal from
-run to run), so the held-out rise is asserted on the better of the two later readings. Measured on the AVX-512 box:
-held-out mean@8 (steps 0 -> 8 -> 16) 0.457 -> 0.738 -> 0.789, 0.445 -> 0.691 -> 0.742, 0.453 -> 0.719 -> 0.684, and
-after 8 steps only 0.453 -> 0.566 and 0.461 -> 0.449 (the reason for the 16); tool-call rate 0.70 at step 1 -> 0.95-1.0
-over steps 13-16; an earlier box: 0.254 -> 0.754 in 8 steps (per-step rewards swing by ±0.2: the held-out rise is the
-assertion that carries the claim). Over 3 seeds x 2 engines of the shipped 30-step run, bench/tool_calc_learning.py
+The hf run has 16 GRPO steps, validated on the 32 held-out prompts (data.val_files, 8 samples each) before the first
+update and after the last (steps 0 and 16: a validation is 288 conversations, 4.5 steps' worth of rollouts, and a
+reading at step 8 decided nothing the one at 16 does not; validation samples with its own seeds, so leaving it out does
+not change the training run). The runs do not repeat bit for bit (the held-out reading of the same SFT config differs
+in the third decimal from run to run). Measured on the AVX-512 box with a step-8 reading as well: held-out mean@8
+(steps 0 -> 8 -> 16) 0.457 -> 0.738 -> 0.789, 0.445 -> 0.691 -> 0.742, 0.453 -> 0.719 -> 0.684, and after 8 steps only
+0.453 -> 0.566 and 0.461 -> 0.449 (the reason for the 16); tool-call rate 0.70 at step 1 -> 0.95-1.0 over steps 13-16;
+an earlier box: 0.254 -> 0.754 in 8 steps (per-step rewards swing by ±0.2: the held-out rise is the assertion that
+carries the claim). Over 3 seeds x 2 engines of the shipped 30-step run, bench/tool_calc_learning.py
 measures the rise. The vllm engine runs 2 steps of the same job from the same SFT model.
 """
 
@@ -31,6 +33,9 @@ from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.sft import SFTTrainer, load_sft_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+#: the shipped jobs run on two CPU workers; a test whose claim is not about data parallelism or learning starts one
+#: (each worker process costs ~8 CPU-seconds of imports before its first step)
+ONE_RANK = ("resource_pools.main.devices_per_node=[1]",)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +69,11 @@ def test_the_python_tool_is_kernel_isolated_on_the_trainers_path(sft_model: Path
     from hybridflow.errors import SandboxUnavailableError
     from hybridflow.tools import isolation
 
-    # the python tool's schema joins the calculator's in the system turn: the prompts grow past the shipped 200
-    tools = ('rollout.multi_turn.tools=["calculator", "python"]', "data.max_prompt_length=400")
+    # the python tool's schema joins the calculator's in the system turn: the prompts grow past the shipped 200. The
+    # claim is the boundary on the trainer's path, not learning: one rank (one worker process to start, not two) and
+    # one step of 2 prompts x 2 samples of up to 16 tokens a turn
+    tools = ('rollout.multi_turn.tools=["calculator", "python"]', "data.max_prompt_length=400", *ONE_RANK,
+             "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16")
     isolation.isolation_status.cache_clear()
     try:
         with monkeypatch.context() as patch:
@@ -85,17 +93,19 @@ def test_the_python_tool_is_kernel_isolated_on_the_trainers_path(sft_model: Path
 def test_grpo_raises_held_out_score_and_tool_use(sft_model: Path, tmp_path: Path) -> None:
     """The learning run (hf engine): the held-out mean@8 and the tool-call rate rise, the reward holds a floor."""
     # validated before the first update and after the last
-    trainer = Trainer(_tool_calc_config(sft_model, tmp_path / "run", "hf", 16, val_every=8), progress=False)
+    trainer = Trainer(_tool_calc_config(sft_model, tmp_path / "run", "hf", 16, val_every=16), progress=False)
     history = fit_and_close(trainer)
     held_out = [row[f"val-core/{DATA_SOURCE}/acc/mean@8"] for row in trainer.validation_history]
-    assert [row["step"] for row in trainer.validation_history] == [0.0, 8.0, 16.0]
+    assert [row["step"] for row in trainer.validation_history] == [0.0, 16.0]
     tool_rate = [metrics["tool_call_counts/mean"] for metrics in history]
     reward = [metrics["reward/mean"] for metrics in history]
     # measured 2026-12-04 (17 runs from the same SFT model, 6 of them two at a time): held-out 0.45-0.46 -> 0.63-0.73
-    # -> 0.68-0.81 in all 17; one further run (the first pytest run on a fresh box) read 0.46 -> 0.48 -> 0.45, whose
-    # per-step history was not kept: the message below keeps it
-    # the best of the two later readings: a run that is slow by step 8 (measured once: 0.46 -> 0.45) has 8 more steps
-    assert max(held_out[1:]) >= held_out[0] + 0.2, (held_out, reward, tool_rate)
+    # (step 8) -> 0.68-0.81 (step 16) in all 17, a rise of 0.22-0.35 at step 16; one further run (the first pytest
+    # run on a fresh box) read 0.46 -> 0.48 -> 0.45, whose per-step history was not kept: the message below keeps it.
+    # Validated at 0 and 16 only (2026-12-07, two runs side by side from one SFT model, load ~25): 0.344 -> 0.699 and
+    # 0.348 -> 0.773; tool-call rate 0.83 at step 1 -> late median 0.99 in both.
+    # A learner that does not learn moves its reading by the sampling noise of 256 answers (sd ≈ 0.03 a reading)
+    assert held_out[-1] >= held_out[0] + 0.15, (held_out, reward, tool_rate)
     # the rate rises by 0.1, or by half the way to 1 from a start above 0.8 (the agent loop batches conversations as
     # their tool calls return, so under load the same seeds sample differently: from 0.875 it reached 0.973 in one
     # CI run and 0.996 alone; a policy whose tool use does not rise stays near its start and fails either way). Read
@@ -105,10 +115,8 @@ def test_grpo_raises_held_out_score_and_tool_use(sft_model: Path, tmp_path: Path
     assert late_rate >= tool_rate[0] + min(0.1, (1 - tool_rate[0]) / 2), tool_rate
     assert late_rate >= 0.85, tool_rate
     # the training reward holds a floor (no collapse): it swings by ±0.2 a step, and one CI run read a late median of
-    # 0.461 against 0.516 over the first four steps while its held-out score rose; the rise is the held-out check's,
-    # and the held-out score after the last update stays above the start too
+    # 0.461 against 0.516 over the first four steps while its held-out score rose; the rise is the held-out check's
     assert late_reward >= 0.75 * median(reward[:4]) and late_reward >= 0.35, reward
-    assert held_out[-1] >= held_out[0] + 0.1, held_out
 
 
 @pytest.mark.slow
@@ -132,33 +140,35 @@ def test_vllm_engine_runs_the_tool_conversations_and_updates(sft_model: Path, tm
 def test_grpo_through_an_openai_client_agent_raises_held_out_score(sft_model: Path, tmp_path: Path) -> None:
     """The same learning run with the built-in loop swapped for a user's agent (examples/agents/tool_calc_agent.py:
     the openai client, function calling, the calculator run by the agent) behind the endpoint (rollout.agent); the
-    margins are the built-in loop's above. The tokens trained are the endpoint's records: the rollout log-probs
-    match the actor's recomputation of the trained rows. Measured once (2026-12-07, load ~25 on the 2-core box, GRPO
-    part 5.8 min after the SFT fixture): held-out mean@8 0.379 -> 0.676 -> 0.734, tool-call rate 0.83 at step 1 ->
-    0.94-0.98 over steps 9-16, no failed agent, rollout_probs_diff_max <= 8e-6. An earlier run, whose calls past the
-    context got a 400 instead of a cut completion, lost ~1 agent in 64 on 3 of its first 7 steps."""
+    margins are the built-in loop's above (validated at steps 0 and 16 as there). The tokens trained are the
+    endpoint's records: the rollout log-probs match the actor's recomputation of the trained rows. Measured
+    2026-12-07 (load ~25 on the 2-core box, GRPO part 5.8 min after the SFT fixture, with a step-8 validation):
+    held-out mean@8 0.379 -> 0.676 -> 0.734, tool-call rate 0.83 at step 1 -> 0.94-0.98 over steps 9-16, no failed
+    agent, rollout_probs_diff_max <= 8e-6; validated at 0 and 16 only (two runs side by side, load ~30-55, another
+    SFT model): 0.371 -> 0.730 and 0.402 -> 0.688, tool-call rate 0.67 and 0.77 at step 1 -> late median 0.955 and
+    0.95, 0 and 1 failed agents, diff max <= 1e-5. An earlier run, whose calls past the context got a 400 instead of
+    a cut completion, lost ~1 agent in 64 on 3 of its first 7 steps."""
     data = EXAMPLES / "data"
     config = load_config(EXAMPLES / "grpo_tool_calc_agent.yaml", [
         f"model.path={sft_model}", f"trainer.run_dir={tmp_path / 'run'}",
         f"rollout.agent.entry={EXAMPLES / 'agents' / 'tool_calc_agent.py'}:run",
         f"data.train_files=[{json.dumps(str(data / 'tool_calc_train.jsonl'))}]",
         f"data.val_files=[{json.dumps(str(data / 'tool_calc_val.jsonl'))}]",
-        "trainer.total_steps=16", "trainer.val_every=8", "trainer.val_n=8", "trainer.checkpoint_every=0",
+        "trainer.total_steps=16", "trainer.val_every=16", "trainer.val_n=8", "trainer.checkpoint_every=0",
         "trainer.progress=false", "trainer.tensorboard=false", "trainer.resume=never",
         "actor.recompute_log_probs=true"])
     trainer = Trainer(config, progress=False)
     history = fit_and_close(trainer)
     held_out = [row[f"val-core/{DATA_SOURCE}/acc/mean@8"] for row in trainer.validation_history]
-    assert [row["step"] for row in trainer.validation_history] == [0.0, 8.0, 16.0]
+    assert [row["step"] for row in trainer.validation_history] == [0.0, 16.0]
     tool_rate = [metrics["tool_call_counts/mean"] for metrics in history]
     reward = [metrics["reward/mean"] for metrics in history]
     failed = [metrics["agent/num_failed"] for metrics in history]
-    assert max(held_out[1:]) >= held_out[0] + 0.2, (held_out, reward, tool_rate, failed)
+    assert held_out[-1] >= held_out[0] + 0.15, (held_out, reward, tool_rate, failed)
     late_rate, late_reward = median(tool_rate[len(tool_rate) // 2:]), median(reward[len(reward) // 2:])
     assert late_rate >= tool_rate[0] + min(0.1, (1 - tool_rate[0]) / 2), tool_rate
     assert late_rate >= 0.85, tool_rate
     assert late_reward >= 0.75 * median(reward[:4]) and late_reward >= 0.35, reward
-    assert held_out[-1] >= held_out[0] + 0.1, held_out
     # every agent's calls fit its context (a call is cut to the room left); an agent past its timeout on a loaded box
     # is a failed sample scored 0 by design, and more than two of the run's 1,024 agents failing is the endpoint's fault
     assert sum(failed) <= 2, failed
