@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from hybridflow.config import load_config
 from hybridflow.errors import ConfigError
 from hybridflow.ledger import read_ledger
+from hybridflow.reliability import faults as faults_module
 from hybridflow.reliability.faults import (
     ENV_VAR,
     FaultPlan,
@@ -146,10 +147,14 @@ def test_driver_point_hands_the_kill_to_the_caller(tmp_path: Path) -> None:
 
 def test_kill_is_a_hard_exit_that_leaves_the_marker(tmp_path: Path) -> None:
     plan = FaultPlan.from_sources(["actor.update@0"], tmp_path, environ={})
-    code = ("import sys; from hybridflow.reliability.faults import FaultPlan, maybe_fail; "
-            "maybe_fail('actor.update', iteration=0, rank=0, plan=FaultPlan.from_json(sys.argv[1])); print('survived')")
-    done = subprocess.run([sys.executable, "-c", code, plan.to_json()], capture_output=True, text=True, timeout=120,
-                          check=False)
+    # the fresh process loads faults.py alone (it imports only hybridflow.errors): the package's __init__ pulls in
+    # torch, seconds of CPU that show nothing here
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('faults', sys.argv[2]); "
+            "faults = sys.modules['faults'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(faults); "
+            "faults.maybe_fail('actor.update', iteration=0, rank=0, plan=faults.FaultPlan.from_json(sys.argv[1])); "
+            "print('survived')")
+    done = subprocess.run([sys.executable, "-c", code, plan.to_json(), faults_module.__file__], capture_output=True,
+                          text=True, timeout=120, check=False)
     assert done.returncode == 17 and "survived" not in done.stdout and "Traceback" not in done.stderr
     assert plan.fired() == ["actor.update@0:kill:rank=0"]
 

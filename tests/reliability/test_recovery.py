@@ -81,8 +81,10 @@ def test_faults_recover_with_lookahead_on(tmp_path: Path) -> None:
 
 
 def test_hang_stops_the_run_within_its_deadline_when_policy_says_stop(tmp_path: Path) -> None:
-    config = short_config(tmp_path / "stop", "reliability.on_hang=stop", faults=["actor.update@0:hang"],
-                          deadlines={"actor.update_policy": STOP_DEADLINE_S}, steps=1, every=0)
+    # one rank: the stop needs no peer, and each worker process costs seconds of CPU to start
+    config = short_config(tmp_path / "stop", "reliability.on_hang=stop", "resource_pools.main.devices_per_node=[1]",
+                          faults=["actor.update@0:hang"], deadlines={"actor.update_policy": STOP_DEADLINE_S}, steps=1,
+                          every=0)
     trainer = Trainer(config, progress=False)
     try:
         trainer.start()
