@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,6 +57,15 @@ def fit_and_export(config: Any, export_dir: Path) -> tuple[list[dict[str, float]
     finally:
         trainer.close()
     return history, load_file(str(export_dir / "model.safetensors"))
+
+
+class ProbedRun(NamedTuple):
+    """A module's trainer run that a learning test reads and an export round trip exports (``train_and_probe``)."""
+
+    run_dir: Path
+    trainer_export: Path  # the trainer's own export_hf of the actor at the end
+    history: list[dict[str, float]]
+    probes: dict[str, Any]  # the probe rows and the actor engine's log-probs of them
 
 
 def train_and_probe(config: Any, trainer_export: Path, *, reference: bool = False

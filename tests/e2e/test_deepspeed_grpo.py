@@ -9,11 +9,10 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import pytest
 import torch
-from export_probe import hf_log_probs, same_weights, train_and_probe
+from export_probe import ProbedRun, hf_log_probs, same_weights, train_and_probe
 
 from hybridflow.errors import CheckpointError
 from hybridflow.export import main as export_main
@@ -46,15 +45,8 @@ def mean(values: list[float]) -> float:
 ZERO3_STEPS = 40
 
 
-class Zero3Run(NamedTuple):
-    run_dir: Path
-    trainer_export: Path  # the trainer's own export_hf of the actor at the end
-    history: list[dict[str, float]]
-    probes: dict[str, Any]  # tests/e2e/export_probe.py's probe rows and the actor engine's log-probs of them
-
-
 @pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> Zero3Run:  # type: ignore[no-untyped-def]
+def zero3_run(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> ProbedRun:  # type: ignore[no-untyped-def]
     """The README's GRPO job, seeded, with a ZeRO-3 actor, checkpointed halfway and at the end, probed and exported
     by the trainer at its end."""
     run_dir, trainer_export = tmp_path_factory.mktemp("grpo"), tmp_path_factory.mktemp("grpo_trainer_export")
@@ -62,11 +54,11 @@ def zero3_run(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> Zero3Run
         tiny_config(run_dir, "actor.engine=deepspeed", "actor.extra.zero_stage=3", f"trainer.total_steps={ZERO3_STEPS}",
                     f"trainer.checkpoint_every={ZERO3_STEPS // 2}", "trainer.keep_checkpoints=2", "trainer.seed=0"),
         trainer_export)
-    return Zero3Run(run_dir, trainer_export, history, probes)
+    return ProbedRun(run_dir, trainer_export, history, probes)
 
 
 @pytest.mark.slow
-def test_grpo_with_deepspeed_zero3_actor_learns(zero3_run: Zero3Run) -> None:
+def test_grpo_with_deepspeed_zero3_actor_learns(zero3_run: ProbedRun) -> None:
     """The README's GRPO job, seeded, with a ZeRO-3 actor: the arithmetic reward rises, and every handover moved
     exactly the lower bound (each of the 2 ranks lacked the other's partitions)."""
     history = zero3_run.history
@@ -84,7 +76,7 @@ def test_grpo_with_deepspeed_zero3_actor_learns(zero3_run: Zero3Run) -> None:
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_export_round_trip(zero3_run: Zero3Run, tmp_path: Path) -> None:
+def test_deepspeed_zero3_export_round_trip(zero3_run: ProbedRun, tmp_path: Path) -> None:
     """The ZeRO-3 actor on 2 ranks: its checkpoint holds only flat partitions (the module's tensors are empty), and
     the export reassembles the full model: the trainer's export_hf, tensor for tensor, and the engine's log-probs."""
     run_dir, steps = zero3_run.run_dir, ZERO3_STEPS

@@ -7,10 +7,9 @@ import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import pytest
-from export_probe import check_round_trip, train_and_probe
+from export_probe import ProbedRun, check_round_trip, train_and_probe
 
 from hybridflow.trainer import Trainer
 from hybridflow.trainer.cli import fit_and_close
@@ -44,25 +43,18 @@ def test_grpo_with_megatron_actor_learns(tp1_history: list[dict[str, float]]) ->
     assert [m["actor/policy_version"] for m in tp1_history] == [float(step + 1) for step in range(LEARN_STEPS)]
 
 
-class Run(NamedTuple):
-    run_dir: Path
-    trainer_export: Path  # the trainer's own export_hf of the actor at the end
-    history: list[dict[str, float]]
-    probes: dict[str, Any]  # tests/e2e/export_probe.py's probe rows and the actor engine's log-probs of them
-
-
 @pytest.fixture(scope="module")
-def tp2_run(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> Run:  # type: ignore[no-untyped-def]
+def tp2_run(tmp_path_factory: pytest.TempPathFactory, tiny_config) -> ProbedRun:  # type: ignore[no-untyped-def]
     """The t = 2 run of 2 steps, checkpointed at its end, probed and exported by the trainer."""
     run_dir, trainer_export = tmp_path_factory.mktemp("tp2"), tmp_path_factory.mktemp("tp2_trainer_export")
     history, probes = train_and_probe(
         tiny_config(run_dir, "actor.engine=megatron", H16, "actor.parallel.tensor_parallel_size=2",
                     "trainer.total_steps=2", "trainer.checkpoint_every=2"), trainer_export)
-    return Run(run_dir, trainer_export, history, probes)
+    return ProbedRun(run_dir, trainer_export, history, probes)
 
 
 def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(
-        tp2_run: Run, tp1_history: list[dict[str, float]]) -> None:
+        tp2_run: ProbedRun, tp1_history: list[dict[str, float]]) -> None:
     history = tp2_run.history
     one_rank = tp1_history[:2]
     assert [m["actor/policy_version"] for m in history] == [1.0, 2.0]
@@ -77,7 +69,7 @@ def test_megatron_tensor_parallel_actor_trains_through_the_mesh_protocol(
     assert all(m["grad_norm"] > 0 for m in history if m["reward/max"] > 0) and history[-1]["reward/max"] > 0
 
 
-def test_megatron_tensor_parallel_export_round_trip(tp2_run: Run, tmp_path: Path) -> None:
+def test_megatron_tensor_parallel_export_round_trip(tp2_run: ProbedRun, tmp_path: Path) -> None:
     """The t = 2 actor's checkpoint shards (one tensor-parallel half per rank) are reassembled offline into the HF
     model: it computes the engine's log-probs and the logits of the trainer's own export."""
     run_dir, out = tp2_run.run_dir, tmp_path / "hf"
