@@ -47,13 +47,19 @@ def calculate(expression: str) -> str:
 
 
 def run(base_url: str, api_key: str, sample: dict[str, Any], *, max_turns: int = 2) -> None:
-    """Ask, call the calculator when the model asks for it, up to ``max_turns`` model turns; None: the trainer's
-    reward function scores the final answer."""
+    """Ask, call the calculator when the model asks for it, up to ``max_turns`` model turns, ending early when the
+    conversation no longer fits the model's context (``context_length_exceeded``); None: the trainer's reward
+    function scores the final answer."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = list(sample["prompt"])
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR],
-                                               temperature=1.0, max_tokens=40)
+        try:
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR],
+                                                   temperature=1.0, max_tokens=40)
+        except openai.BadRequestError as error:
+            if error.code != "context_length_exceeded":
+                raise
+            break  # the conversation filled the model's context: it ends here, as any chat client's would
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

@@ -13,6 +13,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -286,6 +287,27 @@ def test_bad_requests_get_openai_error_bodies(endpoint: OpenAIEndpoint) -> None:
     assert len(endpoint.close_session("errors")) == 2
     with pytest.raises(openai.AuthenticationError):  # a closed session's key stops working
         client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+
+
+def test_the_example_agent_ends_its_conversation_when_the_context_is_full(endpoint: OpenAIEndpoint) -> None:
+    """examples/agents/tool_calc_agent.py ends on ``context_length_exceeded`` instead of failing its sample (a
+    conversation whose tool turns outgrow the context is a finished trajectory, scored by the reward function);
+    any other 400 still raises."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "agents" / "tool_calc_agent.py"
+    spec = importlib.util.spec_from_file_location("tool_calc_agent", path)
+    assert spec is not None and spec.loader is not None
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    session = endpoint.open_session("full", max_calls=4)
+    assert agent.run(endpoint.base_url, session.api_key, {"prompt": [{"role": "user", "content": "x " * 1200}]}) is None
+    assert endpoint.close_session("full") == []
+    session = endpoint.open_session("bad", max_calls=4)
+    with pytest.raises(openai.BadRequestError) as error:
+        agent.run(endpoint.base_url, session.api_key, {"prompt": [{"role": "robot", "content": "x"}]})
+    assert error.value.param == "messages[0]"
+    endpoint.close_session("bad")
 
 
 def test_streamed_pieces_hold_a_character_split_over_tokens_until_it_is_whole() -> None:
