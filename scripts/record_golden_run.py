@@ -42,8 +42,33 @@ def run_job(run_dir: Path) -> list[dict[str, float]]:
     result = subprocess.run(command, capture_output=True, text=True, timeout=1200, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return _rows(run_dir)
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [computed({k: v for k, v in row.items() if k != "step"}) for row in rows if "reward/mean" in row]
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    """The pid of every rank of every pool the run's manifest records (its placement section)."""
+    placement = json.loads((run_dir / "manifest.json").read_text())["placement"]
+    return [rank["pid"] for pool in sorted(placement) for rank in placement[pool]["ranks"]]
+
+
+def run_jobs_in_one_driver(run_dirs: list[Path]) -> list[list[dict[str, float]]]:
+    """Run the job once per run dir, one after another in one fresh interpreter (``hybridflow train`` called in a
+    loop, as a notebook or a sweep does: the later runs start on the worker processes the earlier ones parked,
+    hybridflow.controller.park), and read each run's rows."""
+    runs = [["train", "--no-progress", str(EXAMPLE), f"trainer.run_dir={run_dir}", *OVERRIDES] for run_dir in run_dirs]
+    code = ("import json, sys\nfrom hybridflow.cli import main\n"
+            "for argv in json.loads(sys.argv[1]):\n    code = main(argv)\n    if code:\n        sys.exit(code)\n")
+    result = subprocess.run([sys.executable, "-c", code, json.dumps(runs)], capture_output=True, text=True,
+                            timeout=1200, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{len(runs)} runs of {EXAMPLE.name} in one driver failed ({result.returncode}):\n"
+                           f"{result.stderr[-4000:]}")
+    return [_rows(run_dir) for run_dir in run_dirs]
 
 
 def main(argv: list[str]) -> int:

@@ -620,6 +620,14 @@ class TrainingEngineInfo:
     #: ``mixed_precision: auto`` may pick bf16 for this engine (fp32 master weights, bf16 compute; the fsdp engine's
     #: measured switch point, hybridflow.precision); engines without it resolve ``auto`` to ``none``
     auto_mixed_precision: bool = False
+    #: the worker process may host the roles of a later run in this driver once this engine's role is closed. It
+    #: promises that the engine leaves no process-wide state the next engine would see after its role is dropped
+    #: and the host has destroyed torch.distributed's process groups and restored the environment, ``sys.path``,
+    #: torch's global flags and its default RNG seed: no module-level registry it fills, no thread or server left
+    #: running, no global parallel state such as Megatron's ``parallel_state`` (an engine with something to stop
+    #: implements ``close()``, which its role calls first). Off unless declared: such an engine's runs start fresh
+    #: worker processes (hybridflow.controller.park keeps the others' for the next run)
+    reusable_process: bool = False
 
     def __post_init__(self) -> None:
         _check_names(self.capabilities, TRAINING_CAPABILITIES, "TrainingEngineInfo")
@@ -645,6 +653,8 @@ class RolloutEngineInfo:
     weights_target: str = "hf"
     vocab_multiple: int = 1
     tensor_parallel_world: Literal["any", "whole"] = "any"
+    #: as :attr:`TrainingEngineInfo.reusable_process`
+    reusable_process: bool = False
 
     def __post_init__(self) -> None:
         _check_names(self.capabilities, ROLLOUT_CAPABILITY_PROTOCOLS, "RolloutEngineInfo")

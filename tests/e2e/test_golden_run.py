@@ -25,16 +25,29 @@ def _script() -> Any:
     return module
 
 
-@pytest.mark.slow
-def test_the_seeded_job_gives_the_recorded_metrics_bit_for_bit(tmp_path: Path) -> None:
-    golden = json.loads(GOLDEN.read_text())["rows"]
-    rows = _script().run_job(tmp_path / "run")
+def _assert_golden(rows: list[dict[str, float]], golden: list[dict[str, float]], run: str) -> None:
     assert len(rows) == len(golden) == 3
     for step, (want, got) in enumerate(zip(golden, rows)):
         missing = sorted(set(want) - set(got))
-        assert not missing, f"step {step}: metrics the recorded run had are gone: {missing}"
+        assert not missing, f"{run}, step {step}: metrics the recorded run had are gone: {missing}"
         changed = {key: (value, got[key]) for key, value in want.items() if got[key] != value}
-        assert not changed, f"step {step}: (recorded, now) differ: {changed}"
+        assert not changed, f"{run}, step {step}: (recorded, now) differ: {changed}"
+
+
+@pytest.mark.slow
+def test_the_seeded_job_gives_the_recorded_metrics_bit_for_bit_on_fresh_and_on_parked_processes(
+        tmp_path: Path) -> None:
+    """The job twice in one driver (``hybridflow train`` in a loop): the first run starts its worker processes, the
+    second runs on the ones the first parked (hybridflow.controller.park: the same pids) and both give the recorded
+    metrics bit for bit, so a reused process carries nothing of the earlier run into the numbers."""
+    golden = json.loads(GOLDEN.read_text())["rows"]
+    script = _script()
+    first, second = tmp_path / "first", tmp_path / "second"
+    fresh, parked = script.run_jobs_in_one_driver([first, second])
+    _assert_golden(fresh, golden, "fresh processes")
+    _assert_golden(parked, golden, "parked processes")
+    pids = script.worker_pids(first)
+    assert len(pids) == 2 and script.worker_pids(second) == pids
 
 
 def test_measured_metrics_are_left_out_and_computed_ones_kept() -> None:

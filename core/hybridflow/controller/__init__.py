@@ -10,6 +10,7 @@ from hybridflow.controller import security as _security  # noqa: F401  (must run
 from hybridflow.controller.decorator import DISPATCH_ATTRIBUTE, Dispatch, dispatch_of, register
 from hybridflow.controller.future import BatchFuture
 from hybridflow.controller.group import BoundMethod, RoleHandle, WorkerGroup
+from hybridflow.controller.park import release_parked
 from hybridflow.controller.pool import ResourcePool
 from hybridflow.controller.records import CallObserver, CallRecord
 from hybridflow.controller.runtime import DEFAULT_OBJECT_STORE_BYTES, init_ray, shutdown_ray
@@ -18,6 +19,7 @@ from hybridflow.controller.worker import Worker, WorkerContext, current_context
 __all__ = [
     "init_ray",
     "shutdown_ray",
+    "release_parked",
     "DEFAULT_OBJECT_STORE_BYTES",
     "ResourcePool",
     "WorkerGroup",

@@ -8,7 +8,7 @@ the errors of a failed call are :mod:`hybridflow.controller.call_errors`'.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,6 +54,8 @@ class CallHandle:
     stack_dump_dir: str | None = None
     observers: Sequence[CallObserver] = ()
     rank_zero_only: bool = False
+    #: called once the call is known to have failed (the group then does not park its processes)
+    on_failure: Callable[[], None] | None = None
     results: dict[int, RankResult] | None = None
     failure: BaseException | None = None
     fetched: dict[int, Any] | None = None
@@ -188,6 +190,8 @@ class CallHandle:
         raise self.failure
 
     def _emit(self, results: dict[int, RankResult], *, ok: bool) -> None:
+        if not ok and self.on_failure is not None:
+            self.on_failure()
         finished = max((result.finished_at for result in results.values()), default=time.time())
         record = CallRecord(
             group=self.group, role=self.role, method=self.method, protocol=self.protocol_name,

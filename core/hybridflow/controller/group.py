@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -18,6 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from hybridflow.batch import Batch, check_versions
+from hybridflow.controller import park
 from hybridflow.controller.decorator import Dispatch, dispatch_of
 from hybridflow.controller.future import FAILURE_GRACE_S, BatchFuture, CallHandle
 from hybridflow.controller.handles import BoundMethod, RoleHandle, check_protocol_overrides, registered_methods
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup", "RoleHandle", "BoundMethod"]
 
 _group_ids = itertools.count()
+_LOG = logging.getLogger(__name__)
+#: how long :meth:`WorkerGroup.close` waits for its hosts to park before it kills them
+PARK_TIMEOUT_S = 30.0
 
 
 class WorkerGroup:
@@ -108,6 +113,9 @@ class WorkerGroup:
         #: the driver waits for it
         self.before_block: Callable[[str, str], None] | None = None
         self._mesh: dict[str, list[MeshInfo]] = {}
+        self._failed = False  # a call failed or a rank was killed since the start: close() does not park
+        #: why the last :meth:`close` did not park the processes (empty when it did or has not run)
+        self.park_refusal = ""
         self._start()
 
     # --- lifecycle ------------------------------------------------------------------------------------------
@@ -118,9 +126,12 @@ class WorkerGroup:
     def _start(self) -> None:
         self.pool.wait_placed()  # after a node died: its bundles re-reserved elsewhere, or PlacementError saying so
         slots = self.pool.slots()
-        actor_class = cast("ActorClass[WorkerHost]", WorkerHost)  # @ray.remote made it one; mypy keeps the class
-        self._hosts = [actor_class.options(**slot.options).remote(self.name, slot.rank, len(slots), slot.local_rank)
-                       for slot in slots]
+        self._failed = False
+        self._hosts = self._parked_hosts(slots)
+        if not self._hosts:
+            actor_class = cast("ActorClass[WorkerHost]", WorkerHost)  # @ray.remote made it one; mypy keeps the class
+            self._hosts = [actor_class.options(**slot.options).remote(self.name, slot.rank, len(slots),
+                                                                      slot.local_rank) for slot in slots]
         self._mesh = {}
         started = time.time()
         hosts = dict(enumerate(self._hosts))
@@ -164,6 +175,22 @@ class WorkerGroup:
             with contextlib.suppress(RayError):  # asked again (and its error raised) when a call needs it
                 self._mesh[role] = list(ray.get(refs, timeout=self.setup_deadline_s))
 
+    def _parked_hosts(self, slots: list[Any]) -> list[Any]:
+        """A closed group's parked hosts on this pool, rebound to this group's slots (rank for rank, the same
+        bundles); [] when none is parked or one fails to rebind (all of them are then killed)."""
+        hosts = self.pool.take_hosts()
+        if hosts is None:
+            return []
+        try:
+            ray.get([host.rebind.remote(self.name, slot.rank, len(slots), slot.local_rank)
+                     for host, slot in zip(hosts, slots)], timeout=min(60.0, self.setup_deadline_s))
+        except (GetTimeoutError, RayError):
+            for host in hosts:
+                with contextlib.suppress(RayError):
+                    ray.kill(host, no_restart=True)
+            return []
+        return list(hosts)
+
     @staticmethod
     def _wait_for_setups(setups: dict[int, Any], *, until: float) -> dict[int, tuple[str, str]]:
         """Wait for the ranks' ``setup`` reports until ``until``, or until one reports a failure (then a short grace
@@ -197,6 +224,39 @@ class WorkerGroup:
                 ray.kill(host, no_restart=True)
         self._hosts = []
 
+    def close(self) -> bool:
+        """End this group, parking its worker processes in its pool for the next group of the same shape
+        (hybridflow.controller.park) when every call succeeded and every host parks (closes its roles and restores
+        its process within :data:`PARK_TIMEOUT_S`); otherwise as :meth:`shutdown`. Returns whether it parked."""
+        hosts, self._hosts = self._hosts, []
+        self._ahead.clear()
+        if not hosts:
+            return False
+        refused: list[str] = []
+        if self._failed:
+            refused.append("a call failed or a rank was killed")
+        elif not park.enabled():
+            refused.append(f"{park.ENV}=0")
+        else:
+            try:  # behind any call still running there: a rank stuck in one is not waited for past the timeout
+                reports = ray.get([host.park.remote() for host in hosts], timeout=PARK_TIMEOUT_S)
+            except (GetTimeoutError, RayError) as exc:
+                reports = [(False, f"parking failed or took over {PARK_TIMEOUT_S:.0f} s ({type(exc).__name__})")]
+            refused = [f"rank {rank}: {why}" for rank, (ok, why) in enumerate(reports) if not ok]
+        if refused:
+            self.park_refusal = "; ".join(refused)
+            _LOG.debug("%s: worker processes not parked: %s", self.name, self.park_refusal)
+            self._hosts = hosts
+            self.shutdown()
+            return False
+        self.park_refusal = ""
+        self.pool.park_hosts(hosts)
+        return True
+
+    def _call_failed(self) -> None:
+        """A call of this group failed: its processes are not parked (their state is unknown)."""
+        self._failed = True
+
     def restart(self) -> None:
         """Kill and recreate every worker with the same classes and constructor arguments (fresh processes)."""
         self.shutdown()
@@ -204,6 +264,7 @@ class WorkerGroup:
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (fault injection); later calls touching it raise WorkerError."""
+        self._failed = True
         ray.kill(self._hosts[rank], no_restart=True)
 
     @property
@@ -375,7 +436,7 @@ class WorkerGroup:
             context=context, hosts=dict(enumerate(self._hosts)), pids=dict(self._pids), data_refs=data_refs,
             info_refs=info_refs, collect_ranks=collect_ranks, started_at=started, deadline_s=limit,
             world_size=self.world_size, stack_dump_dir=self.stack_dump_dir, observers=self.observers,
-            rank_zero_only=dispatch.execute == "rank_zero",
+            rank_zero_only=dispatch.execute == "rank_zero", on_failure=self._call_failed,
         )
         future = BatchFuture(handle)
         if dispatch.blocking and self.before_block is not None:

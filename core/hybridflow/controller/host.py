@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from hybridflow.batch import PADDING_KEY, Batch
+from hybridflow.controller import process_state
 from hybridflow.controller.worker import WorkerContext, set_context
 from hybridflow.engines import MeshInfo
 from hybridflow.errors import is_deterministic
@@ -209,6 +210,47 @@ class WorkerHost:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         except ImportError:  # pragma: no cover - torch is a core dependency
             pass
+        #: what a fresh process looks like, put back when the host is parked (hybridflow.controller.park)
+        self._baseline = process_state.capture()
+        self._threads_before: set[int] = set()
+        #: groups this process has hosted (1 on a fresh process)
+        self.hosted = 0
+
+    def rebind(self, group: str, rank: int, world_size: int, local_rank: int) -> int:
+        """Take a slot of a new group (a parked host, reused); returns this process's pid."""
+        if self.roles:
+            raise RuntimeError(f"rank {self.context.rank} of {self.context.group} still hosts roles "
+                               f"{sorted(self.roles)}; expected a parked host (park() first)")
+        self.context = WorkerContext(group=group, rank=rank, world_size=world_size, local_rank=local_rank)
+        return os.getpid()
+
+    def park(self) -> tuple[bool, str]:
+        """Close and drop every role, then put the process back as a fresh one (process_state.restore);
+        ``(True, "")`` when it may host another group's roles, else ``(False, why not)``. A role says no through
+        ``reusable_process()`` (core roles: their engines' info records); its ``close()`` runs either way."""
+        reasons = []
+        for name, role in self.roles.items():
+            ask = getattr(role, "reusable_process", None)
+            try:
+                if callable(ask) and not ask():
+                    reasons.append(f"role {name} ({type(role).__qualname__}) says reusable_process() is False")
+            except Exception as exc:  # noqa: BLE001 - the process is then not reused
+                reasons.append(f"role {name}'s reusable_process() raised {type(exc).__name__}: {exc}")
+        if reasons:  # the driver kills this process: nothing to close
+            return False, "; ".join(reasons)
+        for name, role in self.roles.items():
+            close = getattr(role, "close", None)
+            try:
+                if callable(close):
+                    close()
+            except Exception as exc:  # noqa: BLE001 - the process is then not reused
+                reasons.append(f"closing role {name} failed: {type(exc).__name__}: {exc}")
+        self.roles = {}
+        if self._port_reservation is not None:
+            self._port_reservation.close()
+            self._port_reservation = None
+        reasons += process_state.restore(self._baseline, self._threads_before)
+        return not reasons, "; ".join(reasons)
 
     def reserve_master_address(self, loopback: bool) -> tuple[str, int]:
         """This node's IP (127.0.0.1 on a single-machine Ray) and a free TCP port, for rank 0's rendezvous.
@@ -231,6 +273,8 @@ class WorkerHost:
         self.context = WorkerContext(group=context.group, rank=context.rank, world_size=context.world_size,
                                      local_rank=context.local_rank, master_addr=master_addr, master_port=master_port)
         set_context(self.context)
+        self._threads_before = process_state.python_threads()
+        self.hosted += 1
         try:
             for role, cls in role_classes.items():
                 self.roles[role] = cls(**init_kwargs.get(role, {}))

@@ -25,6 +25,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridflow.controller import park
 from hybridflow.errors import ConfigError, PlacementError
 
 __all__ = ["ResourcePool", "SlotOptions"]
@@ -88,6 +89,13 @@ class ResourcePool:
         #: one placement group per ``devices_per_node`` entry (a single one for a one-node pool)
         self.placement_groups: list[PlacementGroup] = []
         self._released = False
+        #: hosts of closed groups, parked for the next group on this pool (hybridflow.controller.park)
+        self._parked_hosts: list[list[Any]] = []
+        adopted = park.take_pool(self.shape) if park.enabled() else None
+        if adopted is not None:  # a released pool of this shape: its bundles and its groups' parked processes
+            self.placement_groups = adopted.placement_groups
+            self._parked_hosts = adopted.host_sets
+            return
         try:
             if len(counts) == 1:
                 self.placement_groups.append(placement_group([dict(bundle) for _ in range(counts[0])], strategy="PACK",
@@ -180,6 +188,25 @@ class ResourcePool:
     def world_size(self) -> int:
         return sum(self.devices_per_node)
 
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        """What a parked pool must match to be adopted: slots per node, device, CPUs per slot, colocation."""
+        return (self.devices_per_node, self.device, self.cpus_per_worker, self.max_colocated)
+
+    def park_hosts(self, hosts: list[Any]) -> None:
+        """Keep a closed group's parked hosts (one per rank, in rank order) for the next group on this pool."""
+        if len(hosts) != self.world_size:
+            raise ValueError(f"expected {self.world_size} hosts (one per rank), got {len(hosts)}")
+        self._parked_hosts.append(list(hosts))
+
+    def take_hosts(self) -> list[Any] | None:
+        """A parked group's hosts (one per rank, in rank order), or None when none is parked here."""
+        return self._parked_hosts.pop() if self._parked_hosts else None
+
+    def parked_host_sets(self) -> int:
+        """How many closed groups' hosts are parked on this pool."""
+        return len(self._parked_hosts)
+
     def slots(self) -> list[SlotOptions]:
         """Per-rank actor options: the node's placement group and bundle, fractional CPU (and GPU) share."""
         out: list[SlotOptions] = []
@@ -199,9 +226,17 @@ class ResourcePool:
         return out
 
     def release(self) -> None:
-        """Free the placement groups (kill the groups on them first)."""
+        """Free the placement groups (close or kill the groups on them first); a pool holding parked hosts is
+        parked instead, bundles and hosts, for the next pool of its shape (hybridflow.controller.park)."""
         if not self._released:
             self._released = True
+            if self._parked_hosts and park.enabled() and ray.is_initialized():
+                park.park_pool(park.ParkedPool(
+                    key=self.shape, placement_groups=self.placement_groups, host_sets=self._parked_hosts,
+                    session=park.session(),
+                    resources={name: amount * self.world_size for name, amount in self.bundle.items()}))
+                self._parked_hosts = []
+                return
             for group in self.placement_groups:
                 remove_placement_group(group)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from hybridflow.controller import park
 from hybridflow.controller.security import check_remote_address
 from hybridflow.errors import ConfigError
 
@@ -89,6 +90,7 @@ def init_ray(
 
 
 def shutdown_ray() -> None:
-    """Stop the Ray this process started or joined (no-op when none)."""
+    """Stop the Ray this process started or joined (no-op when none), with the worker processes parked in it."""
+    park.forget_parked()
     if ray.is_initialized():
         ray.shutdown()

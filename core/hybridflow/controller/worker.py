@@ -80,3 +80,16 @@ class Worker:
     def mesh_info(self) -> MeshInfo:
         """This rank's position for protocol ``mesh``; default: pure data parallel, every rank collected."""
         return MeshInfo(dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
+
+    def reusable_process(self) -> bool:
+        """Whether this process may host another group's roles once this role is closed (a finished group's
+        processes are parked for the next group on the same pool shape: :mod:`hybridflow.controller.park`). Default
+        yes: the host drops the role, destroys torch.distributed's process groups and restores the environment,
+        ``sys.path``, torch's global flags and default RNG seed. Return False when the role leaves other
+        process-wide state behind (a module-level registry it filled, a global it set); the group then kills the
+        process as it would without parking. A plain class without this method counts as reusable."""
+        return True
+
+    def close(self) -> None:
+        """Stop what this role started that outlives it (threads, servers, subprocesses); called by the host
+        before it parks the process, never on a process about to be killed. Default: nothing to stop."""

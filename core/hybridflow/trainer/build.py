@@ -379,9 +379,10 @@ def build_resource_pool(name: str, pool: PoolConfig) -> ResourcePool:
 
 
 def release_worker_group(group: Any, pool: Any) -> None:
-    """Shut down a worker group, then release its resource pool (either may be None: never built)."""
+    """Close a worker group (its processes parked for the next run when it ended cleanly), then release its
+    resource pool (either may be None: never built)."""
     if group is not None:
-        group.shutdown()
+        group.close()
     if pool is not None:
         pool.release()
 
@@ -403,8 +404,10 @@ class Groups:
         return self.by_pool[self.role_pool[role]]
 
     def shutdown(self) -> None:
+        """Close every group (processes parked for the next run when it ended cleanly: WorkerGroup.close), then
+        release the pools."""
         for group in self.by_pool.values():
-            group.shutdown()
+            group.close()
         for pool in self.pools.values():
             pool.release()
         self.by_pool.clear()

@@ -16,7 +16,14 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Worker, register
-from hybridflow.engines import MeshInfo, RolloutEngineConfig, SamplingParams, TrainingEngine, TrainingEngineConfig
+from hybridflow.engines import (
+    MeshInfo,
+    RolloutEngineConfig,
+    SamplingParams,
+    TrainingEngine,
+    TrainingEngineConfig,
+    training_engine_info,
+)
 from hybridflow.errors import VersionMismatchError
 from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, maybe_fail
 
@@ -24,7 +31,7 @@ from hybridflow.reliability.faults import FaultPlan, iteration_of_checkpoint, ma
 #: driver's ``mean_over_ranks`` turns the ranks' values into verl's ``global_seqlen/min|max|minmax_diff|mean``
 RANK_TOKENS_METRIC = "global_seqlen/rank"
 
-__all__ = ["RANK_TOKENS_METRIC", "RoleSpec"]
+__all__ = ["RANK_TOKENS_METRIC", "RoleSpec", "close_engine"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +70,13 @@ def _build_training_engine(spec: RoleSpec) -> TrainingEngine:
     return engine
 
 
+def close_engine(engine: object) -> None:
+    """Call the engine's ``close()`` when it has one (what it started that outlives it: threads, servers)."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
+
+
 def _iteration(batch: Batch) -> int | None:
     value = batch.meta.get("iteration")
     return None if value is None else int(value)
@@ -86,6 +100,13 @@ class _TrainingRole(Worker):
 
     def mesh_info(self) -> MeshInfo:
         return self.engine.mesh_info()
+
+    def reusable_process(self) -> bool:
+        """The training engine declared ``reusable_process`` (its info record: hybridflow.engines)."""
+        return training_engine_info(self.spec.engine).reusable_process
+
+    def close(self) -> None:
+        close_engine(self.engine)
 
     @register(protocol="one_to_all", idempotent=True)
     def save_checkpoint(self, path: str) -> None:

@@ -40,7 +40,7 @@ from hybridflow.engines import (
 )
 from hybridflow.errors import ConfigError, EngineContractError, EngineError, LayoutError, VersionMismatchError
 from hybridflow.reliability.faults import maybe_fail
-from hybridflow.workers.base import RANK_TOKENS_METRIC, RoleSpec, _iteration, _only, _TrainingRole
+from hybridflow.workers.base import RANK_TOKENS_METRIC, RoleSpec, _iteration, _only, _TrainingRole, close_engine
 
 if TYPE_CHECKING:
     from hybridflow.agent.code_agent import CodeAgentRollout
@@ -302,6 +302,17 @@ class ActorRolloutWorker(_TrainingRole):
             self.rollout.sleep()
             self._asleep = True
         return out
+
+    def reusable_process(self) -> bool:
+        """Both engines declared ``reusable_process`` (their info records)."""
+        return super().reusable_process() and self.rollout_info.reusable_process
+
+    def close(self) -> None:
+        """Stop rollout.agent's endpoint (a server thread), then the engines."""
+        if self._code_agent is not None:
+            self._code_agent.close()
+        close_engine(self.rollout)
+        super().close()
 
     def _agent_rollout(self) -> AgentRollout:
         """The multi-turn agent loop over this worker's rollout engine (hybridflow.agent.worker), built once."""

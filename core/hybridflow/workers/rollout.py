@@ -21,9 +21,16 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.controller import Worker, register
-from hybridflow.engines import KVCacheReuseEngine, RolloutEngine, SamplingParams, TokenContinuationEngine
+from hybridflow.engines import (
+    KVCacheReuseEngine,
+    RolloutEngine,
+    SamplingParams,
+    TokenContinuationEngine,
+    rollout_engine_info,
+)
 from hybridflow.errors import EngineError, VersionMismatchError
 from hybridflow.reliability.faults import FaultPlan, maybe_fail
+from hybridflow.workers.base import close_engine
 from hybridflow.workers.partial_rollout import SEGMENT_SEED_STRIDE, SegmentedRollout, unpadded_prompts
 from hybridflow.workers.roles import ActorRolloutWorker, RoleSpec
 from hybridflow.workers.weight_sync import (
@@ -32,6 +39,7 @@ from hybridflow.workers.weight_sync import (
     WeightBucket,
     WeightReceiver,
     broadcast_weights,
+    close_sync_groups,
     pack_weight_buckets,
     unpack_weight_buckets,
 )
@@ -55,6 +63,10 @@ class WeightsRef:
 class WeightExportingActor(ActorRolloutWorker):
     """The actor worker of a run with ``rollout.pool``: the hybrid engine plus :meth:`export_generation_weights`
     (``rollout.weight_sync: object_store``) and :meth:`broadcast_generation_weights` (``collective``)."""
+
+    def close(self) -> None:
+        close_sync_groups()
+        super().close()
 
     @register(protocol="one_to_all", idempotent=True)
     def export_generation_weights(self, bucket_bytes: int = BUCKET_BYTES) -> tuple[int, list[WeightBucket]] | None:
@@ -249,6 +261,15 @@ class RolloutWorker(Worker):
         self.bytes_received += receiver.bytes
         self.synced = True
         return stats
+
+    def reusable_process(self) -> bool:
+        """The rollout engine declared ``reusable_process`` (its info record)."""
+        assert self.spec.rollout_engine is not None
+        return rollout_engine_info(self.spec.rollout_engine).reusable_process
+
+    def close(self) -> None:
+        close_sync_groups()
+        close_engine(self.rollout)
 
     @register(protocol="one_to_all", idempotent=True)
     def weights_version(self) -> int:

@@ -29,7 +29,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from hybridflow.errors import EngineError, VersionMismatchError
 
 __all__ = ["BUCKET_BYTES", "WeightBucket", "iter_weight_buckets", "pack_weight_buckets", "unpack_weight_buckets",
-           "SyncGroupSpec", "SyncRendezvous", "broadcast_weights", "WeightReceiver"]
+           "SyncGroupSpec", "SyncRendezvous", "broadcast_weights", "WeightReceiver", "close_sync_groups"]
 
 #: default bound of one bucket of a weight sync between pools (``rollout.weight_sync_bucket_bytes``)
 BUCKET_BYTES = 32 * 1024 * 1024
@@ -171,6 +171,13 @@ def _group(spec: SyncGroupSpec, rank: int) -> Any:
         else:
             raise EngineError(f"weight sync backend must be gloo or nccl, got {spec.backend!r}")
     return _GROUPS[key]
+
+
+def close_sync_groups() -> None:
+    """Forget this process's sync group members and failed epochs (its roles are closing: the process may host the
+    next run's, whose driver starts its own store)."""
+    _GROUPS.clear()
+    _FAILED.clear()
 
 
 def _drop(spec: SyncGroupSpec, rank: int) -> None:

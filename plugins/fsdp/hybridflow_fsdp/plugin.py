@@ -50,7 +50,7 @@ def hybridflow_register_training_engines(registry: Any) -> None:
         "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights",
         "replays_routing", "hands_over_adapters"}),
         features=frozenset({"lora", "bf16", "gradient_checkpointing", "token_budget_micro_batches"}),
-        auto_mixed_precision=True))
+        auto_mixed_precision=True, reusable_process=True))
 
 
 @hookimpl
@@ -63,7 +63,7 @@ def hybridflow_register_rollout_engines(registry: Any) -> None:
     registry.register("hf", build_hf_rollout_engine, info=RolloutEngineInfo(capabilities=frozenset({
         "binds_generation_weights", "generates_tensor_parallel", "holds_weights", "records_routing",
         "loads_adapters"}),
-        weights_target="hf"))
+        weights_target="hf", reusable_process=True))
 
 
 @hookimpl

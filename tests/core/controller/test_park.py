@@ -1,0 +1,157 @@
+"""Parked worker processes (hybridflow.controller.park) over a real local Ray: a closed group's processes host the
+next group of the same pool shape, put back as fresh ones; a group whose call failed, a role that is not reusable,
+a role that leaves a thread running and ``HYBRIDFLOW_REUSE_WORKERS=0`` each get their processes killed instead; a
+pool of another shape releases what is parked."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import ray
+import ray.cloudpickle
+import torch
+
+from hybridflow.controller import ResourcePool, Worker, WorkerGroup, park, register
+from hybridflow.errors import WorkerError
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers unpickle these classes by value
+
+CPUS = 0.25
+MARK = "HYBRIDFLOW_TEST_PARK_MARK"
+
+
+class Leaver(Worker):
+    """Leaves process-wide state behind: an env var, a sys.path entry, torch's default dtype and RNG, a process
+    group; writes ``closed`` into ``marker_dir`` when closed."""
+
+    def __init__(self, value: float, marker_dir: str) -> None:
+        import torch.distributed as dist
+
+        self.value = value
+        self.marker_dir = marker_dir
+        # what this process looked like before this role touched it
+        self.found = {"mark": os.environ.get(MARK), "path": "/nonexistent/park" in sys.path,
+                      "dtype": str(torch.get_default_dtype()), "rand": float(torch.rand(1)),
+                      "initialized": dist.is_initialized()}
+        os.environ[MARK] = "left"
+        sys.path.append("/nonexistent/park")
+        torch.set_default_dtype(torch.float64)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._stop.wait, name="leaver-helper", daemon=True)
+        self._thread.start()
+
+    @register(protocol="one_to_all")
+    def report(self) -> tuple[int, dict[str, object], float]:
+        import torch.distributed as dist
+
+        tensor = torch.tensor([self.value * (self.rank + 1)], dtype=torch.float32)
+        dist.all_reduce(tensor)  # over this group's own rendezvous
+        return os.getpid(), self.found, float(tensor.item())
+
+    def close(self) -> None:
+        self._stop.set()
+        Path(self.marker_dir, f"closed-{self.rank}-{os.getpid()}").write_text("closed")
+
+
+class Failing(Worker):
+    @register(protocol="one_to_all")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(protocol="one_to_all")
+    def fail(self) -> None:
+        raise ValueError("a call that fails")
+
+
+class NotReusable(Failing):
+    def reusable_process(self) -> bool:
+        return False
+
+
+class ThreadLeaver(Failing):
+    def __init__(self) -> None:
+        threading.Thread(target=threading.Event().wait, name="never-stopped", daemon=True).start()
+
+
+@pytest.fixture(autouse=True)
+def _empty_park(ray_session: None) -> None:
+    park.release_parked()
+
+
+def _group(pool: ResourcePool, workers: type, **kwargs: object) -> WorkerGroup:
+    return WorkerGroup(pool, workers, init_kwargs=kwargs, deadline_s=120, setup_deadline_s=300)
+
+
+def test_a_closed_groups_processes_host_the_next_group_as_fresh_ones(tmp_path: Path) -> None:
+    pool = ResourcePool("park", [2], cpus_per_worker=CPUS)
+    first = _group(pool, Leaver, value=1.0, marker_dir=str(tmp_path))
+    pids, found, total = zip(*first.report())
+    assert total == (3.0, 3.0)
+    assert first.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"closed-{rank}-{pid}" for rank, pid in enumerate(pids))
+    pool.release()
+    assert park.parked_pools() == 1 and park.parked_resources() == {"CPU": 2 * CPUS}
+
+    again = ResourcePool("park-again", [2], cpus_per_worker=CPUS)  # the same shape: adopts the parked pool
+    assert park.parked_pools() == 0 and again.parked_host_sets() == 1
+    started = time.monotonic()
+    second = _group(again, Leaver, value=10.0, marker_dir=str(tmp_path))
+    assert time.monotonic() - started < 5.0  # no process to start (a fresh one costs ~7 CPU-seconds of imports)
+    pids_again, found_again, total_again = zip(*second.report())
+    assert pids_again == pids and total_again == (30.0, 30.0)  # the same processes, a new rendezvous
+    # nothing of the first role is left: env, sys.path, default dtype, process group; the RNG as fresh
+    assert found_again == found
+    assert found[0]["mark"] is None and found[0]["path"] is False and found[0]["dtype"] == "torch.float32"
+    assert found[0]["initialized"] is False
+    assert second.close()
+    again.release()
+
+    other = ResourcePool("park-other", [1], cpus_per_worker=CPUS)  # another shape: the parked pool is released
+    assert park.parked_pools() == 0 and other.parked_host_sets() == 0
+    deadline = time.monotonic() + 30.0
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+    other.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[-1].startswith("Z"))
+
+
+@pytest.mark.parametrize("case", ["failed call", "not reusable", "thread left running", "parking off"])
+def test_processes_that_are_not_fit_are_killed_not_parked(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ResourcePool("unfit", [1], cpus_per_worker=CPUS)
+    workers = {"not reusable": NotReusable, "thread left running": ThreadLeaver}.get(case, Failing)
+    group = _group(pool, workers)
+    (pid,) = group.pid()
+    if case == "failed call":
+        with pytest.raises(WorkerError, match="a call that fails"):
+            group.fail()
+    if case == "parking off":
+        monkeypatch.setenv(park.ENV, "0")
+    assert group.close() is False
+    why = {"failed call": "a call failed or a rank was killed", "not reusable": "reusable_process() is False",
+           "thread left running": "threads the roles started are still running: ['never-stopped']",
+           "parking off": "HYBRIDFLOW_REUSE_WORKERS=0"}[case]
+    assert why in group.park_refusal, group.park_refusal
+    pool.release()
+    assert park.parked_pools() == 0
+    monkeypatch.delenv(park.ENV, raising=False)
+    fresh = ResourcePool("unfit-next", [1], cpus_per_worker=CPUS)
+    group = _group(fresh, Failing)
+    assert group.pid() != [pid]
+    group.shutdown()
+    fresh.release()
