@@ -231,6 +231,9 @@ class RecordingGroup:
     def shutdown(self) -> None:
         pass
 
+    def close(self) -> bool:
+        return False
+
 
 class RecordingPool:
     """Test double for ResourcePool: records its construction (placement groups need a Ray cluster)."""

@@ -136,9 +136,11 @@ def test_deepspeed_forward_matches_transformers(family_dir: tuple[str, Path]) ->
     """The deepspeed actor (ZeRO at its default stage, HF's modules for every family) scores the rows as
     transformers does, and one optimizer step moves its log-probs (the engine trains this family)."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (bash scripts/setup.sh --all)")
+    from deepspeed_in_process import release_stale_deepspeed_groups
     from hybridflow.testing.contracts.training import sequence_mean_nll
     from hybridflow_deepspeed.training import DeepSpeedTrainingEngine
 
+    release_stale_deepspeed_groups()  # built in this pytest process, after whatever ran here before
     family, path = family_dir
     engine = DeepSpeedTrainingEngine(role="actor", config=TrainingEngineConfig(model=ModelSpec(path=str(path))))
     batch = shared_prompt_batch()

@@ -52,13 +52,9 @@ def build_actor(config: Config) -> Any:
 
     load_plugins()  # builtin algorithms and the engines' plugins, as the trainer loads them
     if config.actor.engine == "deepspeed":
-        # this pytest process may have run another module's DeepSpeed engine in a torch.distributed world that a
-        # later module destroyed with torch's own destroy_process_group: DeepSpeed still holds groups of that world
-        # (its cloned world group), which the next engine would use. Release its references (not the world), as
-        # deepspeed.comm.destroy_process_group does after a teardown; a worker process never needs this.
-        from deepspeed.utils import groups
+        from deepspeed_in_process import release_stale_deepspeed_groups
 
-        groups._release_process_group_references(None)
+        release_stale_deepspeed_groups()
     return _build_training_engine(_role_spec(config, ROLE))
 
 

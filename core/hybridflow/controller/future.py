@@ -54,8 +54,9 @@ class CallHandle:
     stack_dump_dir: str | None = None
     observers: Sequence[CallObserver] = ()
     rank_zero_only: bool = False
-    #: called once the call is known to have failed (the group then does not park its processes)
-    on_failure: Callable[[], None] | None = None
+    #: called once the call is known to have failed, with whether every rank is alive and idle (each reported:
+    #: none died, hung or was left running); the group then does not park its processes
+    on_failure: Callable[[bool], None] | None = None
     results: dict[int, RankResult] | None = None
     failure: BaseException | None = None
     fetched: dict[int, Any] | None = None
@@ -107,6 +108,7 @@ class CallHandle:
                 if final:
                     self.failure = exc
                 raise
+        died = False
         try:
             if not results:  # waited rank by rank: the reports and wanted outputs now in one round trip
                 values = ray.get(refs + wanted, timeout=max(10.0, self.deadline_s))
@@ -118,11 +120,12 @@ class CallHandle:
                 try:
                     results[rank] = ray.get(ref, timeout=10.0)
                 except (RayActorError, RayError, GetTimeoutError) as exc:
+                    died = True
                     results[rank] = RankResult(rank=rank, ok=False, remote_traceback=str(exc), finished_at=time.time(),
                                                error=f"worker process died ({type(exc).__name__})")
         self.results = results
         failed = [result for result in results.values() if not result.ok]
-        self._emit(results, ok=not failed)
+        self._emit(results, ok=not failed, idle=not died)
         if failed:
             self.failure = raised_call_error(self.node, self.method, self.role, self.world_size, failed)
             raise self.failure
@@ -189,9 +192,11 @@ class CallHandle:
         self.failure = dead_call_error(self.node, self.method, self.role, self.world_size, dead, running=running)
         raise self.failure
 
-    def _emit(self, results: dict[int, RankResult], *, ok: bool) -> None:
+    def _emit(self, results: dict[int, RankResult], *, ok: bool, idle: bool = False) -> None:
+        """Notify the observers of the finished call; ``idle``: every rank reported and is alive (a failure
+        then left no rank running, hung or dead)."""
         if not ok and self.on_failure is not None:
-            self.on_failure()
+            self.on_failure(idle and len(results) == len(self.info_refs))
         finished = max((result.finished_at for result in results.values()), default=time.time())
         record = CallRecord(
             group=self.group, role=self.role, method=self.method, protocol=self.protocol_name,

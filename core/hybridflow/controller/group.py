@@ -114,6 +114,7 @@ class WorkerGroup:
         self.before_block: Callable[[str, str], None] | None = None
         self._mesh: dict[str, list[MeshInfo]] = {}
         self._failed = False  # a call failed or a rank was killed since the start: close() does not park
+        self._ranks_lost = False  # ... and a rank died, hung or was left running: restart() starts fresh processes
         #: why the last :meth:`close` did not park the processes (empty when it did or has not run)
         self.park_refusal = ""
         self._start()
@@ -126,7 +127,7 @@ class WorkerGroup:
     def _start(self) -> None:
         self.pool.wait_placed()  # after a node died: its bundles re-reserved elsewhere, or PlacementError saying so
         slots = self.pool.slots()
-        self._failed = False
+        self._failed = self._ranks_lost = False
         self._hosts = self._parked_hosts(slots)
         if not self._hosts:
             actor_class = cast("ActorClass[WorkerHost]", WorkerHost)  # @ray.remote made it one; mypy keeps the class
@@ -253,18 +254,35 @@ class WorkerGroup:
         self.pool.park_hosts(hosts)
         return True
 
-    def _call_failed(self) -> None:
-        """A call of this group failed: its processes are not parked (their state is unknown)."""
+    def _call_failed(self, idle: bool) -> None:
+        """A call of this group failed: its processes are not parked for another group (their roles' state is
+        unknown); ``idle``: every rank reported and lives, so :meth:`restart` may rebuild the roles in them."""
         self._failed = True
+        self._ranks_lost = self._ranks_lost or not idle
 
     def restart(self) -> None:
-        """Kill and recreate every worker with the same classes and constructor arguments (fresh processes)."""
+        """Recreate every rank's roles with the same classes and constructor arguments. When every failure since
+        the start was a raised error with every rank alive and idle (none died, hung or was left running), the roles
+        are rebuilt in the same processes, each parked first (closed, dropped, the process restored as a fresh one:
+        :meth:`WorkerHost.park`); otherwise, or when a host does not park, in fresh processes."""
+        hosts = self._hosts
+        if hosts and not self._ranks_lost and park.enabled():
+            try:
+                reports = ray.get([host.park.remote() for host in hosts], timeout=PARK_TIMEOUT_S)
+            except (GetTimeoutError, RayError):
+                reports = [(False, "")]
+            if all(ok for ok, _ in reports):
+                self._ahead.clear()
+                self._hosts = []
+                self.pool.park_hosts(hosts)  # on top: the next start takes these very hosts
+                self._start()
+                return
         self.shutdown()
         self._start()
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank's process (fault injection); later calls touching it raise WorkerError."""
-        self._failed = True
+        self._failed = self._ranks_lost = True
         ray.kill(self._hosts[rank], no_restart=True)
 
     @property

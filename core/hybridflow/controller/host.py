@@ -226,14 +226,15 @@ class WorkerHost:
 
     def park(self) -> tuple[bool, str]:
         """Close and drop every role, then put the process back as a fresh one (process_state.restore);
-        ``(True, "")`` when it may host another group's roles, else ``(False, why not)``. A role says no through
-        ``reusable_process()`` (core roles: their engines' info records); its ``close()`` runs either way."""
+        ``(True, "")`` when it may host another group's roles, else ``(False, why not)``. Every role must say yes
+        through ``reusable_process()`` (core roles: their engines' info records); then each role's ``close()``
+        runs."""
         reasons = []
         for name, role in self.roles.items():
             ask = getattr(role, "reusable_process", None)
             try:
-                if callable(ask) and not ask():
-                    reasons.append(f"role {name} ({type(role).__qualname__}) says reusable_process() is False")
+                if not callable(ask) or not ask():
+                    reasons.append(f"role {name} ({type(role).__qualname__}) is not reusable_process()")
             except Exception as exc:  # noqa: BLE001 - the process is then not reused
                 reasons.append(f"role {name}'s reusable_process() raised {type(exc).__name__}: {exc}")
         if reasons:  # the driver kills this process: nothing to close

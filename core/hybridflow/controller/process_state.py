@@ -24,6 +24,9 @@ __all__ = ["ProcessBaseline", "capture", "python_threads", "restore"]
 
 #: how long :func:`restore` waits for threads the roles started to end before it calls the process unfit
 THREAD_GRACE_S = 2.0
+#: name prefixes of threads that belong to the process, not to a role: started on first use, kept for its life
+#: (hybridflow.transfer.concat's copy pool)
+PROCESS_THREADS = ("hybridflow-concat",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +53,11 @@ def capture() -> ProcessBaseline:
 
 
 def python_threads() -> set[int]:
-    """Idents of the Python-started threads alive now (Ray's own executor threads show as dummy threads: left out)."""
+    """Idents of the Python-started threads alive now, less Ray's executor threads (dummy threads) and
+    :data:`PROCESS_THREADS`."""
     return {thread.ident for thread in threading.enumerate()
             if thread.ident is not None and type(thread) is not threading._DummyThread
-            and thread is not threading.main_thread()}
+            and thread is not threading.main_thread() and not thread.name.startswith(PROCESS_THREADS)}
 
 
 def _destroy_process_groups() -> None:

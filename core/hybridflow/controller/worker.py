@@ -83,12 +83,13 @@ class Worker:
 
     def reusable_process(self) -> bool:
         """Whether this process may host another group's roles once this role is closed (a finished group's
-        processes are parked for the next group on the same pool shape: :mod:`hybridflow.controller.park`). Default
-        yes: the host drops the role, destroys torch.distributed's process groups and restores the environment,
-        ``sys.path``, torch's global flags and default RNG seed. Return False when the role leaves other
-        process-wide state behind (a module-level registry it filled, a global it set); the group then kills the
-        process as it would without parking. A plain class without this method counts as reusable."""
-        return True
+        processes are parked for the next group on the same pool shape: :mod:`hybridflow.controller.park`). The
+        host drops the role, destroys torch.distributed's process groups and restores the environment, ``sys.path``,
+        torch's global flags and default RNG seed; return True when that is all the role leaves behind (no
+        module-level registry it filled, no global of a library it set up: DeepSpeed's, Megatron's, vLLM's).
+        Default no, as for a plain class without this method: the group kills the process, as without parking. The
+        built-in roles answer from their engines' info records (``reusable_process``, hybridflow.engines)."""
+        return False
 
     def close(self) -> None:
         """Stop what this role started that outlives it (threads, servers, subprocesses); called by the host

@@ -55,15 +55,28 @@ class Leaver(Worker):
         dist.all_reduce(tensor)  # over this group's own rendezvous
         return os.getpid(), self.found, float(tensor.item())
 
+    def reusable_process(self) -> bool:
+        return True
+
     def close(self) -> None:
         self._stop.set()
         Path(self.marker_dir, f"closed-{self.rank}-{os.getpid()}").write_text("closed")
 
 
 class Failing(Worker):
+    calls = 0
+
+    def reusable_process(self) -> bool:
+        return True
+
     @register(protocol="one_to_all")
     def pid(self) -> int:
         return os.getpid()
+
+    @register(protocol="one_to_all")
+    def count(self) -> int:
+        self.calls += 1
+        return self.calls
 
     @register(protocol="one_to_all")
     def fail(self) -> None:
@@ -131,10 +144,18 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(") ", 1)[-1].startswith("Z"))
 
 
-@pytest.mark.parametrize("case", ["failed call", "not reusable", "thread left running", "parking off"])
+class PlainRole:
+    """Says nothing about its process: not reused."""
+
+    @register(protocol="one_to_all")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.parametrize("case", ["failed call", "not reusable", "silent", "thread left running", "parking off"])
 def test_processes_that_are_not_fit_are_killed_not_parked(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ResourcePool("unfit", [1], cpus_per_worker=CPUS)
-    workers = {"not reusable": NotReusable, "thread left running": ThreadLeaver}.get(case, Failing)
+    workers = {"not reusable": NotReusable, "silent": PlainRole, "thread left running": ThreadLeaver}.get(case, Failing)
     group = _group(pool, workers)
     (pid,) = group.pid()
     if case == "failed call":
@@ -143,7 +164,8 @@ def test_processes_that_are_not_fit_are_killed_not_parked(case: str, monkeypatch
     if case == "parking off":
         monkeypatch.setenv(park.ENV, "0")
     assert group.close() is False
-    why = {"failed call": "a call failed or a rank was killed", "not reusable": "reusable_process() is False",
+    why = {"failed call": "a call failed or a rank was killed", "not reusable": "is not reusable_process()",
+           "silent": "role worker (PlainRole) is not reusable_process()",
            "thread left running": "threads the roles started are still running: ['never-stopped']",
            "parking off": "HYBRIDFLOW_REUSE_WORKERS=0"}[case]
     assert why in group.park_refusal, group.park_refusal
@@ -155,3 +177,19 @@ def test_processes_that_are_not_fit_are_killed_not_parked(case: str, monkeypatch
     assert group.pid() != [pid]
     group.shutdown()
     fresh.release()
+
+
+def test_a_restart_after_a_raised_error_rebuilds_the_roles_in_the_same_processes() -> None:
+    """Every rank reported (the error was raised, none died or hung): restart() parks and rebinds the same processes
+    and builds the roles anew; after a killed rank it starts fresh ones (test_reliability's killed-rank test)."""
+    pool = ResourcePool("restart", [2], cpus_per_worker=CPUS)
+    group = _group(pool, Failing)
+    pids = group.pid()
+    assert group.count() == [1, 1] and group.count() == [2, 2]
+    with pytest.raises(WorkerError, match="a call that fails"):
+        group.fail()
+    group.restart()
+    assert group.pid() == pids and group.count() == [1, 1]  # the same processes, new roles
+    assert group.close() is True  # a restart starts clean: the failure before it does not keep the group unparked
+    pool.release()
+    park.release_parked()

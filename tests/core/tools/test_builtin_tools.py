@@ -172,14 +172,16 @@ def test_unisolated_mode_reaps_forked_children_only_with_unshare() -> None:
     tag = f"hf-fork-tag-{os.getpid()}-{time.monotonic_ns()}"
     # the audit hook would refuse fork and exec: turn it off to test the OS layer alone
     limits = SandboxLimits(allow_fork=True, audit_hook=False, isolation="unisolated")
-    outcome = run(run_sandboxed_python(_forking_code(tag), timeout_s=1.5, limits=limits))
-    assert outcome.timed_out and outcome.namespaced
+    # the call times out (its code sleeps 120 s); 6 s leaves a loaded box room to set up the namespace first (one CI
+    # run on a loaded box timed out at 1.5 s before it reported one)
+    outcome = run(run_sandboxed_python(_forking_code(tag), timeout_s=6, limits=limits))
+    assert outcome.timed_out and outcome.namespaced, outcome
     deadline = time.monotonic() + 5
     while processes_tagged(tag) and time.monotonic() < deadline:  # a SIGKILLed namespace is reaped asynchronously
         time.sleep(0.05)
     assert processes_tagged(tag) == []
     fallback = SandboxLimits(allow_fork=True, audit_hook=False, isolation="unisolated", isolate_namespaces=False)
-    outcome = run(run_sandboxed_python(_forking_code(tag), timeout_s=1.5, limits=fallback))
+    outcome = run(run_sandboxed_python(_forking_code(tag), timeout_s=6, limits=fallback))
     survivors = processes_tagged(tag)
     for pid in survivors:
         os.kill(pid, 9)
@@ -193,9 +195,10 @@ def test_a_fork_bomb_is_contained(tools: dict[str, Any]) -> None:
 
 
 def test_concurrent_calls_overlap(tools: dict[str, Any]) -> None:
-    """Four calls sleeping 0.5 s each run at the same time: every one starts before any ends (CLOCK_MONOTONIC is
-    the same clock in the children)."""
-    code = "import time\nstart = time.monotonic()\ntime.sleep(0.5)\nprint(start, time.monotonic())"
+    """Four calls sleeping 3 s each run at the same time: every one starts before any ends (CLOCK_MONOTONIC is
+    the same clock in the children). Run one after another they could not; 3 s, not 0.5 s: one CI run on a loaded
+    box started the four sandboxes more than 0.5 s apart."""
+    code = "import time\nstart = time.monotonic()\ntime.sleep(3)\nprint(start, time.monotonic())"
 
     async def many() -> list[ToolResult]:
         return list(await asyncio.gather(*[call_tool(tools, "python", {"code": code}, timeout_s=60)

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.engines import ModelSpec, RolloutEngineConfig, TrainingEngineConfig
+from hybridflow.engines import ModelSpec, RolloutEngineConfig, TrainingEngineConfig, training_engine_info
+from hybridflow.plugins import load_plugins
 from hybridflow.testing.contracts import ROLLOUT_CHECKS, TRAINING_CHECKS, check_data_parallel_matches_single
+from hybridflow.testing.contracts.training import check_process_reuse
 from hybridflow.testing.fixtures import EOS_ID, PAD_ID
 from hybridflow_fsdp.plugin import build_fsdp_training_engine
 from hybridflow_fsdp.rollout import build_hf_rollout_engine
@@ -39,3 +41,11 @@ def test_training_contract(check, workdir: Path, tmp_path: Path) -> None:
 
 def test_two_ranks_match_one_rank(workdir: Path) -> None:
     check_data_parallel_matches_single(build_fsdp_training_engine, workdir, world_size=2, steps=3, atol=1e-5)
+
+
+def test_the_declared_process_reuse_holds(workdir: Path, tmp_path: Path) -> None:
+    """fsdp declares reusable_process: a second engine in the same process, restored as a parked host restores it,
+    trains bit for bit as the first."""
+    load_plugins()
+    assert training_engine_info("fsdp").reusable_process
+    check_process_reuse(make_training_engine, tmp_path)

@@ -28,6 +28,7 @@ __all__ = [
     "check_train_step_lowers_loss",
     "check_roles_compute_columns",
     "check_checkpoint_resume_is_bit_identical",
+    "check_process_reuse",
     "check_data_parallel_matches_single",
     "data_parallel_failures",
 ]
@@ -149,6 +150,37 @@ def check_checkpoint_resume_is_bit_identical(make_engine: TrainingEngineMaker, w
     assert first["loss"] == second["loss"], f"resumed loss {second['loss']} ≠ {first['loss']}"
     for name, tensor in actor.generation_weights():
         assert torch.equal(tensor, weights[name]), f"{name} differs after resume"
+
+
+def check_process_reuse(make_engine: TrainingEngineMaker, workdir: Path) -> None:
+    """For an engine that declares ``reusable_process`` (TrainingEngineInfo): two steps on an engine, the engine
+    closed (its ``close()`` if it has one) and this process restored as a parked worker host restores it
+    (hybridflow.controller.process_state), then the same two steps on a new engine in this process give the same
+    losses and weights bit for bit, and the first engine left no thread running. Not in :data:`TRAINING_CHECKS`:
+    run it for the engines you declare it for."""
+    from hybridflow.controller import process_state
+
+    path = prepare_model(workdir)
+    batch = build_training_batch()
+    baseline, threads = process_state.capture(), process_state.python_threads()
+
+    def two_steps() -> tuple[list[float], dict[str, torch.Tensor]]:
+        engine = make_engine("actor", _config(path))
+        losses = [float(engine.train_step(batch, loss_fn=sequence_mean_nll)["loss"]) for _ in range(2)]
+        weights = {name: tensor.detach().clone() for name, tensor in engine.generation_weights()}
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+        return losses, weights
+
+    first_losses, first_weights = two_steps()
+    reasons = process_state.restore(baseline, threads)
+    assert not reasons, f"the process is unfit for reuse after the engine was closed: {reasons}"
+    second_losses, second_weights = two_steps()
+    process_state.restore(baseline, threads)
+    assert second_losses == first_losses, f"losses on the reused process {second_losses} ≠ fresh {first_losses}"
+    for name, tensor in first_weights.items():
+        assert torch.equal(second_weights[name], tensor), f"{name} differs on the reused process"
 
 
 ROWS, MINI_BATCH_ROWS = 8, 4
