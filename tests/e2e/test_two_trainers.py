@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hybridflow.controller import CallRecord
 from hybridflow.ledger import read_ledger
 from hybridflow.trainer import Trainer
 
 
+@pytest.mark.slow  # two trainers' worker processes at once (neither can use the other's parked ones): 44-62 s in CI
 def test_two_trainers_do_not_hear_each_others_calls(tmp_path: Path, tiny_config: Any) -> None:
     overrides = ("trainer.total_steps=1", "trainer.checkpoint_every=0")
     first, second = (Trainer(tiny_config(tmp_path / name, *overrides)) for name in ("first", "second"))

@@ -28,8 +28,10 @@ def test_a_head_whose_client_server_port_is_taken_starts_again_on_another(monkey
         monkeypatch.setattr(ray_cluster, "_unused_port", unused_port)
         cluster = start_head(num_cpus=1, object_store_bytes=80_000_000)
         try:
-            assert handed[0] == taken_port and len(handed) == 2, handed  # the head was started again, once
-            assert cluster.head.client_server_port == handed[1] != taken_port
+            # the head was started again on another number (more than once when a start also failed for a reason of
+            # its own: one CI run at load ~7 started it three times)
+            assert handed[0] == taken_port and len(handed) >= 2, handed
+            assert cluster.head.client_server_port == handed[-1] != taken_port
             assert ray_cluster._client_server_listening(cluster.head, timeout_s=5.0)
             assert cluster.port not in (0, 6379) and accepts(cluster.port)  # the GCS bound a port of its own
             assert [node["Alive"] for node in cluster.nodes()] == [True]
