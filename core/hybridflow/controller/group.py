@@ -239,11 +239,7 @@ class WorkerGroup:
         elif not park.enabled():
             refused.append(f"{park.ENV}=0")
         else:
-            try:  # behind any call still running there: a rank stuck in one is not waited for past the timeout
-                reports = ray.get([host.park.remote() for host in hosts], timeout=PARK_TIMEOUT_S)
-            except (GetTimeoutError, RayError) as exc:
-                reports = [(False, f"parking failed or took over {PARK_TIMEOUT_S:.0f} s ({type(exc).__name__})")]
-            refused = [f"rank {rank}: {why}" for rank, (ok, why) in enumerate(reports) if not ok]
+            refused = self._park_each(hosts)
         if refused:
             self.park_refusal = "; ".join(refused)
             _LOG.debug("%s: worker processes not parked: %s", self.name, self.park_refusal)
@@ -253,6 +249,17 @@ class WorkerGroup:
         self.park_refusal = ""
         self.pool.park_hosts(hosts)
         return True
+
+    @staticmethod
+    def _park_each(hosts: list[Any]) -> list[str]:
+        """Ask every host to park (:meth:`WorkerHost.park`); why those that did not, did not ([]: all parked).
+        The request queues behind any call still running there: a rank stuck in one is not waited for past
+        :data:`PARK_TIMEOUT_S`."""
+        try:
+            reports = ray.get([host.park.remote() for host in hosts], timeout=PARK_TIMEOUT_S)
+        except (GetTimeoutError, RayError) as exc:
+            return [f"parking failed or took over {PARK_TIMEOUT_S:.0f} s ({type(exc).__name__})"]
+        return [f"rank {rank}: {why}" for rank, (ok, why) in enumerate(reports) if not ok]
 
     def _call_failed(self, idle: bool) -> None:
         """A call of this group failed: its processes are not parked for another group (their roles' state is
@@ -267,11 +274,8 @@ class WorkerGroup:
         :meth:`WorkerHost.park`); otherwise, or when a host does not park, in fresh processes."""
         hosts = self._hosts
         if hosts and not self._ranks_lost and park.enabled():
-            try:
-                reports = ray.get([host.park.remote() for host in hosts], timeout=PARK_TIMEOUT_S)
-            except (GetTimeoutError, RayError):
-                reports = [(False, "")]
-            if all(ok for ok, _ in reports):
+            self.park_refusal = "; ".join(self._park_each(hosts))
+            if not self.park_refusal:
                 self._ahead.clear()
                 self._hosts = []
                 self.pool.park_hosts(hosts)  # on top: the next start takes these very hosts

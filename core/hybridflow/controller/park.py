@@ -109,7 +109,7 @@ def _release(parked: ParkedPool) -> None:
             with contextlib.suppress(RayError):
                 ray.kill(host, no_restart=True)
     for group in parked.placement_groups:
-        with contextlib.suppress(RayError, Exception):
+        with contextlib.suppress(Exception):  # already removed, or its cluster is going
             remove_placement_group(group)
 
 
