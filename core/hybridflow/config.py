@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hybridflow.config_checks import check_async, check_generation_layout, check_pool_batches, check_registered_names
+from hybridflow.config_env import EnvSection, check_env_conflicts
 from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
 from hybridflow.config_sections import (
     ActorConfig,
@@ -97,6 +98,8 @@ class RolloutConfig(_Section):
     multi_turn: MultiTurnSection = MultiTurnSection()
     # agents as code: an OpenAI-compatible endpoint per actor worker, a user's agent function per sample (None: off)
     agent: AgentSection | None = None
+    # an environment served over reset/step (OpenEnv's shape): its observations are the turns, its rewards the score
+    env: EnvSection | None = None
     # a pool of its own for generation (split rollout, docs/guide/async.md): None = the actor generates on its own ranks
     pool: str | None = None
     # how the actor's weights reach rollout.pool (docs/guide/async.md): through Ray's object store, or broadcast over a
@@ -127,6 +130,7 @@ class RolloutConfig(_Section):
                 f"rollout.agent serves its endpoint from the actor's own rollout engine at tensor_parallel_size = 1; "
                 f"got pool={self.pool!r}, tensor_parallel_size={self.tensor_parallel_size}. Fix: remove rollout.pool "
                 "and set rollout.tensor_parallel_size=1")})
+        check_env_conflicts(self)
         return self
 
 

@@ -17,11 +17,13 @@ import torch
 from hybridflow.agent.loop import Conversation
 from hybridflow.batch import Batch
 
-__all__ = ["build_rollout_batch", "summarize_agent_metrics", "AGENT_COLUMNS", "AGENT_STATUSES"]
+__all__ = ["build_rollout_batch", "summarize_agent_metrics", "AGENT_COLUMNS", "AGENT_STATUSES", "ENV_STATUSES"]
 
 AGENT_COLUMNS = ("num_turns", "tool_call_counts", "tool_error_counts")
 #: how an agent run by ``rollout.agent`` ended (``agent_status`` holds the index): ``ok`` or why its sample failed
 AGENT_STATUSES = ("ok", "error", "timeout", "no_calls", "bad_return")
+#: how an episode run by ``rollout.env`` ended (``env_status`` holds the index): ``ok`` or why its sample failed
+ENV_STATUSES = ("ok", "error", "timeout", "bad_response")
 
 
 def build_rollout_batch(prompts: Batch, conversations: Sequence[Conversation], *, width: int, pad_token_id: int,
@@ -70,7 +72,9 @@ def summarize_agent_metrics(batch: Batch) -> dict[str, float]:
     ``tool_error_counts/{min,max,mean}``; with agents as code (``rollout.agent``) also ``agent/num_failed``,
     ``agent/failed_ratio``, ``agent/<status>`` per failure kind (error, timeout, no_calls, bad_return),
     ``agent/calls/mean``, ``agent/split_sequences`` (sequences beyond one per sample, not trained) and
-    ``agent/truncated``; empty when the batch has no agent columns."""
+    ``agent/truncated``; with environments (``rollout.env``) ``env/num_failed``, ``env/failed_ratio``,
+    ``env/<status>`` per failure kind (error, timeout, bad_response), ``env/truncated``, ``env/steps/mean`` and
+    ``env/reward/mean``; empty when the batch has no agent columns."""
     metrics: dict[str, float] = {}
     if "agent_failed" in batch and len(batch) > 0:
         metrics["agent/num_failed"] = float(batch["agent_failed"].sum())
@@ -80,6 +84,14 @@ def summarize_agent_metrics(batch: Batch) -> dict[str, float]:
         metrics["agent/calls/mean"] = float(batch["agent_calls"].float().mean())
         metrics["agent/split_sequences"] = float((batch["agent_sequences"] - 1).clamp(min=0).sum())
         metrics["agent/truncated"] = float(batch["agent_truncated"].sum())
+    if "env_failed" in batch and len(batch) > 0:
+        metrics["env/num_failed"] = float(batch["env_failed"].sum())
+        metrics["env/failed_ratio"] = float(batch["env_failed"].float().mean())
+        for code, status in enumerate(ENV_STATUSES[1:], start=1):
+            metrics[f"env/{status}"] = float((batch["env_status"] == code).sum())
+        metrics["env/truncated"] = float(batch["env_truncated"].sum())
+        metrics["env/steps/mean"] = float(batch["env_steps"].float().mean())
+        metrics["env/reward/mean"] = float(batch["agent_rewards"].float().mean())
     for name in AGENT_COLUMNS:
         if name not in batch or len(batch) == 0:
             continue

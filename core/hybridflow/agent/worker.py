@@ -30,7 +30,11 @@ def multi_turn_enabled(extra: Mapping[str, Any]) -> bool:
 
 
 def prompt_tool_schemas(config: Any) -> list[dict[str, Any]] | None:
-    """The function schemas of a run's ``rollout.multi_turn.tools`` for its chat prompts (None when off)."""
+    """The function schemas of a run's ``rollout.multi_turn.tools`` (or ``rollout.env.tools``) for its chat prompts
+    (None when off)."""
+    env = getattr(config.rollout, "env", None)
+    if env is not None:  # rollout.env: the environment runs the calls; the prompts only show their schemas
+        return [dict(tool.description) for tool in build_tools(list(env.tools)).values()] if env.tools else None
     section = config.rollout.multi_turn
     if not section.enable or not section.tools:
         return None

@@ -223,6 +223,8 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
             else rollout.max_new_tokens
         if rollout.agent is not None:  # rollout.agent: a call's prompt holds up to agent.max_tokens earlier ids
             max_response = rollout.max_new_tokens + rollout.agent.max_tokens
+        if rollout.env is not None:  # rollout.env: a turn's prefix holds up to env.max_tokens earlier ids
+            max_response = rollout.max_new_tokens + rollout.env.max_tokens
         # seq-mean-token-sum-norm's constant divisor (Dr. GRPO): the key's, else the longest response possible
         loss_scale_factor = None if getattr(section, "loss_agg", None) != "seq-mean-token-sum-norm" else (
             section.loss_scale_factor or float(max_response))
@@ -246,7 +248,7 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
                 "sampling": SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                            top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed),
                 "extra": {"multi_turn": _multi_turn_options(config, tokenizer),
-                          **_agent_options(config, tokenizer)}}
+                          **_agent_options(config, tokenizer), **_env_options(config, tokenizer)}}
         elif kind == "critic":
             options = {"loss": make_critic_loss_fn(ValueLossConfig(clip_range=section.value_clip or None,
                                                                    loss_agg=section.loss_agg,
@@ -275,7 +277,7 @@ def _router_options(config: Config, section: Any) -> dict[str, Any]:
         require_capability("training", section.engine, "replays_routing", needed_for=f"actor.{used[0]}",
                            fix=f"use actor.engine=fsdp, or remove actor.{used[0]}")
     if mode == "R3":
-        if config.rollout.multi_turn.enable or config.rollout.agent is not None:
+        if config.rollout.multi_turn.enable or config.rollout.agent is not None or config.rollout.env is not None:
             raise ConfigError("actor.router_replay.mode=R3 replays the experts the rollout engine recorded in "
                               "generate; multi-turn and agent rollouts assemble their rows from several calls and "
                               "record none. Fix: set actor.router_replay.mode=disabled, or run single-turn rollouts")
@@ -355,6 +357,23 @@ def _agent_options(config: Config, tokenizer: Any) -> dict[str, Any]:
         options["entry"] = f"{Path(target).expanduser().resolve()}:{name}"
     load_agent_entry(options["entry"])
     return {"agent": options}
+
+
+def _env_options(config: Config, tokenizer: Any) -> dict[str, Any]:
+    """``rollout.env`` as the actor worker's environment path reads it (hybridflow.agent.env_rollout); an entry
+    class is imported once here, so a run whose environment cannot load fails before any worker starts."""
+    section = config.rollout.env
+    if section is None:
+        return {}
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("rollout.env needs a tokenizer with a chat template (it writes the environment's turns); "
+                          "the model's tokenizer has none. Fix: set actor.model.path to an HF model directory saved "
+                          "with a chat tokenizer")
+    if section.entry is not None:
+        from hybridflow.agent.environment import load_environment_class
+
+        load_environment_class(section.entry)
+    return {"env": section.model_dump()}
 
 
 def start_ray(ray: RayConfig) -> None:

@@ -44,6 +44,7 @@ from hybridflow.workers.base import RANK_TOKENS_METRIC, RoleSpec, _iteration, _o
 
 if TYPE_CHECKING:
     from hybridflow.agent.code_agent import CodeAgentRollout
+    from hybridflow.agent.env_rollout import EnvRollout
     from hybridflow.agent.worker import AgentRollout
     from hybridflow.resharding import GenerationLayout
 
@@ -95,6 +96,7 @@ class ActorRolloutWorker(_TrainingRole):
         self._mid_step = False
         self._agent: AgentRollout | None = None  # rollout.multi_turn's agent loop, built on first use
         self._code_agent: CodeAgentRollout | None = None  # rollout.agent's endpoint and entry, built on first use
+        self._env: EnvRollout | None = None  # rollout.env's server (or url) and episode loop, built on first use
         # the trainer always passes trainer.seed; an engine without the "seed" capability samples unseeded instead
         self._seeded = spec.sampling.seed is not None and "seed" in self.rollout.capabilities
         if spec.sampling.seed is not None and not self._seeded and self.rank == 0:
@@ -285,6 +287,8 @@ class ActorRolloutWorker(_TrainingRole):
                                       seed=sampling.seed + 1000 * iteration + self.generation_replica)
         if self.spec.extra.get("agent"):  # rollout.agent: the user's agents call this rank's endpoint
             out = self._code_agent_rollout().generate(prompts, sampling, greedy=greedy)
+        elif self.spec.extra.get("env"):  # rollout.env: episodes against an environment server
+            out = self._env_rollout().generate(prompts, sampling)
         elif self.spec.extra.get("multi_turn", {}).get("enable"):  # rollout.multi_turn: its own code path
             out = self._agent_rollout().generate(prompts, sampling)
         else:
@@ -311,6 +315,8 @@ class ActorRolloutWorker(_TrainingRole):
         """Stop rollout.agent's endpoint (a server thread), then the engines."""
         if self._code_agent is not None:
             self._code_agent.close()
+        if self._env is not None:
+            self._env.close()
         close_engine(self.rollout)
         super().close()
 
@@ -322,6 +328,16 @@ class ActorRolloutWorker(_TrainingRole):
             assert self.spec.rollout_config is not None
             self._agent = AgentRollout(self.rollout, self.spec.rollout_config, self.spec.extra["multi_turn"])
         return self._agent
+
+    def _env_rollout(self) -> EnvRollout:
+        """rollout.env's episode loop over this worker's rollout engine (hybridflow.agent.env_rollout), built once;
+        an entry's server starts with the first generate."""
+        if self._env is None:
+            from hybridflow.agent.env_rollout import EnvRollout
+
+            assert self.spec.rollout_config is not None
+            self._env = EnvRollout(self.rollout, self.spec.rollout_config, self.spec.extra["env"])
+        return self._env
 
     def _code_agent_rollout(self) -> CodeAgentRollout:
         """rollout.agent's OpenAI endpoint over this worker's rollout engine and the user's agent entry
