@@ -38,7 +38,6 @@ class EnvSection(_Section):
     max_tokens: int = Field(default=256, gt=0)  # response ids per episode (model + observation turns): its width
     timeout_s: float = Field(default=30.0, gt=0)  # per environment call (connect, reset, step); past it: failed
     max_batch_rows: int = Field(default=0, ge=0)  # episodes per generate call (0: all ready ones)
-    max_sessions: int = Field(default=0, ge=0)  # open sessions per worker at once (0: no cap)
     host: str = "127.0.0.1"  # entry's server address (loopback: only this machine's processes reach it)
     port: int = Field(default=0, ge=0, le=65535)  # entry's server port (0: a free port per worker)
 

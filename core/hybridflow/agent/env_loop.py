@@ -59,11 +59,10 @@ class EnvLoop(AgentLoop):
     environment call (connect, reset, step)."""
 
     def __init__(self, engine: TokenContinuationEngine, chat_format: ChatFormat, config: MultiTurnConfig, *,
-                 base_url: str, timeout_s: float, max_sessions: int = 0) -> None:
+                 base_url: str, timeout_s: float) -> None:
         super().__init__(engine, {}, chat_format, config)
         self.base_url = base_url
         self.timeout_s = timeout_s
-        self.max_sessions = max_sessions
 
     def run_episodes(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                      reset_kwargs: Sequence[Mapping[str, Any]]) -> list[EnvEpisode]:
@@ -81,8 +80,9 @@ class EnvLoop(AgentLoop):
             return pool.submit(asyncio.run, work).result()
 
     async def _run_episodes(self, episodes: list[EnvEpisode], sampling: SamplingParams) -> list[EnvEpisode]:
-        connector = aiohttp.TCPConnector(limit=self.max_sessions)
-        async with aiohttp.ClientSession(connector=connector) as http:
+        # every episode holds its session from reset to its end: no connection-pool cap, which would park a reset
+        # behind sessions that end only after the resets
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             try:
                 await asyncio.gather(*[self._reset(episode, http) for episode in episodes])
                 await self._run_turns([episode for episode in episodes if not episode.ended], sampling)

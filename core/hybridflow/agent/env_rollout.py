@@ -110,8 +110,7 @@ class EnvRollout:
         if self.loop is None:
             assert isinstance(self.engine, TokenContinuationEngine)
             self.loop = EnvLoop(self.engine, self.chat_format, self.config, base_url=self.base_url(),
-                                timeout_s=float(self.options["timeout_s"]),
-                                max_sessions=int(self.options.get("max_sessions", 0)))
+                                timeout_s=float(self.options["timeout_s"]))
         rows = prompts.repeat_interleave(sampling.n) if sampling.n > 1 else prompts
         ids, mask = rows["input_ids"], rows["attention_mask"]
         prefixes = [ids[row][mask[row].bool()].tolist() for row in range(len(rows))]
