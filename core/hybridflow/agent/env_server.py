@@ -6,6 +6,7 @@
 Loopback by default, on a free port; every route sits under a per-server random token (``/<token>/ws``), so the
 base URL is the secret (OpenEnv's client sends no headers: the token rides in the URL path). Driving episodes for
 rollouts is :mod:`hybridflow.agent.env_loop`'s; what an environment implements is :mod:`hybridflow.agent.environment`'s.
+``python -m hybridflow.agent.env_server package.module:Class`` serves a class until interrupted, printing its base URL.
 Stability: experimental.
 """
 
@@ -25,7 +26,7 @@ from aiohttp import WSMsgType, web
 from hybridflow.agent.environment import EnvResponseError, filter_kwargs, parse_step
 from hybridflow.errors import EngineError
 
-__all__ = ["EnvServer"]
+__all__ = ["EnvServer", "main"]
 
 
 async def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -239,3 +240,34 @@ class EnvServer:
         except Exception as exc:  # noqa: BLE001 - the environment's failure, as OpenEnv reports it
             return _error(f"{type(exc).__name__}: {exc}", "EXECUTION_ERROR")
         return _error(f"Unknown message type: {kind}", "UNKNOWN_TYPE")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hybridflow.agent.env_server package.module:Class [--host H] [--port P] [--token T]
+    [--options JSON]``: serve until interrupted; the first line printed is the base URL (``rollout.env.url``)."""
+    import argparse
+
+    from hybridflow.agent.environment import load_environment_class
+
+    parser = argparse.ArgumentParser(prog="python -m hybridflow.agent.env_server", description=(
+        "Serve an environment class over OpenEnv's protocol (/ws sessions; /reset, /step, /state, /health)."))
+    parser.add_argument("entry", help="package.module:Class (reset/step/state)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
+    parser.add_argument("--token", default=None, help="the URL path token (default: a random one; '' for none)")
+    parser.add_argument("--options", default="{}", help="the class's constructor keyword arguments, as JSON")
+    args = parser.parse_args(argv)
+    server = EnvServer(load_environment_class(args.entry, key="entry"), json.loads(args.options), host=args.host,
+                       port=args.port, token=args.token)
+    print(server.start(), flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

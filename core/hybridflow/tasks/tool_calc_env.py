@@ -3,7 +3,7 @@ question "a*b"; each step takes the model's turn as ``{"message": text}``, runs 
 it (the built-in loop's parsing, limits and tool-output texts) and answers them as ``tool`` messages, and a turn
 without a call ends the episode with :func:`~hybridflow.tasks.tool_calc.tool_calc_reward` of its text.
 
-Serve it with ``python -m hybridflow.agent.env_server_cli hybridflow.tasks.tool_calc_env:ToolCalcEnv`` or name it in
+Serve it with ``python -m hybridflow.agent.env_server hybridflow.tasks.tool_calc_env:ToolCalcEnv`` or name it in
 ``rollout.env.entry``. The task's data and reward are :mod:`hybridflow.tasks.tool_calc`'s. Stability: experimental.
 """
 

@@ -147,3 +147,22 @@ def test_our_rollout_loop_runs_on_openenvs_own_server(server: EnvServer) -> None
     assert [e.reward for e in on_openenv] == [e.reward for e in on_ours] and sum(e.reward for e in on_ours) == 3
     assert [e.conversation.response_ids for e in on_openenv] == [e.conversation.response_ids for e in on_ours]
     assert [e.truncated for e in on_openenv] == [e.truncated for e in on_ours]
+
+
+def test_the_command_serves_a_class_until_interrupted() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "hybridflow.agent.env_server",
+                                "hybridflow.tasks.tool_calc_env:ToolCalcEnv", "--options", '{"tool_timeout_s": 2}'],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:") and len(url.rsplit("/", 1)[1]) >= 24  # loopback, a token
+        assert _get(f"{url}/health") == (200, {"status": "healthy"})
+        assert _get(f"{url}/reset", {"question": "3*4"})[1]["observation"]["messages"][0]["content"] == "3*4"
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
