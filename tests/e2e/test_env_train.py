@@ -22,6 +22,7 @@ from hybridflow.trainer.cli import fit_and_close
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+@pytest.mark.slow  # one FSDP rank, 2 steps: 42 s wall on the loaded 2-core box (19 s of it Ray's start)
 def test_grpo_steps_run_against_an_environment_server(tmp_path: Path) -> None:
     model = save_tiny_chat_model(tmp_path / "model")
     server = EnvServer(ToolCalcEnv)
