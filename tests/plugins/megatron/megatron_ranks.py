@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -311,14 +312,19 @@ SCENARIOS: dict[str, Callable[[dict], dict]] = {"train": scenario_train, "logits
                                                 "park_steps": scenario_park_steps, "cases": scenario_cases}
 
 
+def run_rank(rank: int, world: int, scenario: str, out_dir: str, args: dict[str, Any]) -> None:
+    """Rank ``rank`` of ``scenario`` (RANK/WORLD_SIZE/MASTER_* set by the caller): writes OUT_DIR/rank_<RANK>.pt."""
+    torch.set_num_threads(1)
+    result = SCENARIOS[scenario](args)
+    torch.save(result, os.path.join(out_dir, f"rank_{rank}.pt"))
+
+
 def main() -> None:
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
-    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
                       LOCAL_RANK=rank, OMP_NUM_THREADS="1")
-    result = SCENARIOS[scenario](args)
-    torch.save(result, os.path.join(out_dir, f"rank_{rank}.pt"))
+    run_rank(int(rank), int(world), scenario, out_dir, args)
     import torch.distributed as dist
 
     dist.barrier()

@@ -1,9 +1,9 @@
-"""Run a function on N spawned processes forming a gloo process group, with a bounded wait and the children's
-tracebacks surfaced; what the function does is the caller's business."""
+"""Run a function on N local processes forming a gloo process group, with a bounded wait and the children's
+tracebacks surfaced; what the function does is the caller's business. The processes start with torch and transformers
+imported (:mod:`hybridflow.controller.preloaded`)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 import time
@@ -41,8 +41,8 @@ def _child(function: Callable[..., Any], rank: int, world_size: int, port: int, 
 def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
            workdir: Path) -> tuple[list[Any], list[str], socket.socket]:
     from hybridflow.controller.host import reserve_port
+    from hybridflow.controller.preloaded import preloaded_process
 
-    context = multiprocessing.get_context("spawn")
     # rank 0's port held until the run ends (its TCPStore still binds it, no other process can), so another run
     # starting meanwhile, e.g. on the other pytest-xdist worker, cannot take it
     reservation = reserve_port("127.0.0.1")
@@ -51,7 +51,7 @@ def _start(function: Callable[..., Any], world_size: int, args: tuple[Any, ...],
     for rank in range(world_size):
         error_file = str(workdir / f"rank{rank}_{port}.error")
         error_files.append(error_file)
-        process = context.Process(target=_child, args=(function, rank, world_size, port, error_file, args))
+        process = preloaded_process(_child, (function, rank, world_size, port, error_file, args))
         process.start()
         processes.append(process)
     return processes, error_files, reservation
