@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hybridflow.config_checks import check_async, check_generation_layout, check_pool_batches, check_registered_names
 from hybridflow.config_env import EnvSection, check_env_conflicts
+from hybridflow.config_genrm import GenRMRolloutSection, GenRMSection
 from hybridflow.config_io import apply_overrides, explain_errors, read_yaml_mapping
 from hybridflow.config_sections import (
     ActorConfig,
@@ -38,7 +39,8 @@ from hybridflow.errors import ConfigError
 # config_sections; they are re-exported here, where callers have always imported them
 __all__ = ["Config", "load_config", "apply_overrides", "read_yaml_mapping", "config_hash", "check_registered_names",
            "check_pool_batches", "RayConfig", "PoolConfig", "ModelConfig", "ParallelSection", "OptimSection",
-           "LoraSection", "ActorConfig", "AgentSection", "CriticConfig", "RoleSection", "ReferenceConfig"]
+           "LoraSection", "ActorConfig", "AgentSection", "CriticConfig", "RoleSection", "ReferenceConfig",
+           "GenRMSection", "GenRMRolloutSection"]
 
 
 class MultiTurnSection(_Section):
@@ -134,7 +136,10 @@ class RolloutConfig(_Section):
         return self
 
 
-class RewardConfig(_Section):
+class _ScoreSection(_Section):
+    """What the reward and the cost sections share: a rule function (in the driver, a pool or an endpoint) and a
+    scalar-head model role."""
+
     function: str | None = "arithmetic"
     model: ModelConfig | None = None
     engine: str = "fsdp"
@@ -147,7 +152,7 @@ class RewardConfig(_Section):
     endpoint: str | None = None  # http://host:port/path scoring each batch in place of `function`
 
     @model_validator(mode="after")
-    def _endpoint_or_function(self) -> RewardConfig:
+    def _endpoint_or_function(self) -> _ScoreSection:
         if self.endpoint is not None and "function" in self.model_fields_set and self.function is not None:
             raise ValueError(f"endpoint={self.endpoint!r} replaces the rule function, but function={self.function!r} "
                              "is set too; set function: null, or drop endpoint")
@@ -156,7 +161,23 @@ class RewardConfig(_Section):
         return self
 
 
-class CostConfig(RewardConfig):
+class RewardConfig(_ScoreSection):
+    # a generative reward model (LLM-as-judge): its verdicts score each response; it replaces the default function
+    # (set reward.function as well to add a rule score to the verdicts')
+    genrm: GenRMSection | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _judge_replaces_the_default_function(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("genrm") is not None and "function" not in data:
+            return {**data, "function": None}
+        return data
+
+
+class CostConfig(_ScoreSection):
+    rejected_keys: ClassVar[dict[str, str]] = {"genrm": (
+        "a generative reward model scores the reward only (reward.genrm), not a Safe-RLHF cost. Fix: move it to "
+        "reward.genrm, or score the cost with cost.function, cost.endpoint or cost.model")}
     function: str | None = "response_length_cost"
     limit: float = 1.0
     lagrange_lr: float = Field(default=0.05, gt=0)
@@ -335,14 +356,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _anchor_reward_functions(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """``reward.function``/``cost.function`` as the config file means them: relative ``file.py:function`` paths and
-    modules sitting next to the file become absolute file paths (as verl's ``custom_reward_function.path``)."""
+    """``reward.function``/``cost.function``/``reward.genrm.parser`` as the config file means them: relative
+    ``file.py:function`` paths and modules sitting next to the file become absolute file paths (as verl's
+    ``custom_reward_function.path``)."""
     from hybridflow.rewards import resolve_function_path
 
     for section in ("reward", "cost"):
         part = data.get(section)
         if isinstance(part, dict) and isinstance(part.get("function"), str):
             data[section] = {**part, "function": resolve_function_path(part["function"], base_dir)}
+    part = data.get("reward")
+    judge = part.get("genrm") if isinstance(part, dict) else None
+    if isinstance(part, dict) and isinstance(judge, dict) and isinstance(judge.get("parser"), str):
+        data["reward"] = {**part, "genrm": {**judge, "parser": resolve_function_path(judge["parser"], base_dir)}}
     return data
 
 

@@ -205,6 +205,8 @@ def check_registered_names(config: Any) -> None:
     checks += [(f"{key}.protocols.{method}", registries.transfer_protocols, protocol)
                for key, section in sections.items() if section is not None
                for method, protocol in section.protocols.items()]
+    if config.reward.genrm is not None:
+        checks.append(("reward.genrm.rollout.name", registries.rollout_engines, config.reward.genrm.rollout.name))
     if config.rollout.multi_turn.enable:
         checks += [(f"rollout.multi_turn.tools[{index}]", registries.tools, name)
                    for index, name in enumerate(config.rollout.multi_turn.tools)]
@@ -234,8 +236,8 @@ def check_pool_batches(config: Any, sections: dict[str, Any], *, error: type[Exc
             raise error(f"{key}.pool is {pool_name!r}, not one of resource_pools ({', '.join(config.resource_pools)})"
                         f"; add the pool or change {key}.pool")
         world = pool.world_size
-        parallel = section.parallel
-        model_parallel = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        parallel = getattr(section, "parallel", None)  # None: a role without model parallelism (reward.genrm)
+        model_parallel = 1 if parallel is None else parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         if world % model_parallel:
             raise error(f"{key}.parallel: tensor × pipeline = {model_parallel} does not divide the {world} devices of "
                         f"pool {pool_name!r}; fix: set resource_pools.{pool_name}.devices_per_node to a multiple of "

@@ -102,12 +102,13 @@ def _role_spec(config: Config, role: str) -> RoleSpec:
     """The spec the run built the role's engine from (same planning as the trainer, no workers)."""
     from hybridflow import registries
     from hybridflow.trainer.build import build_tokenizer, plan_roles
+    from hybridflow.workers import RoleSpec
 
     algorithm = registries.algorithms.get(config.algorithm.name)
     tokenizer = build_tokenizer(config.role_model(config.actor))
     plans = plan_roles(config, algorithm.roles(config), tokenizer=tokenizer, algorithm=algorithm)
     for plan in plans:
-        if plan.role == role:
+        if plan.role == role and isinstance(plan.spec, RoleSpec):  # (a judge has no training engine to export)
             return plan.spec
     raise CheckpointError(f"role {role!r} is not a role of algorithm {config.algorithm.name!r} "
                           f"(its roles: {', '.join(p.role for p in plans)})")

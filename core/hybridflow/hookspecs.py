@@ -114,6 +114,17 @@ def hybridflow_register_rewards(registry: Registry[Any]) -> None:
 
 
 @hookspec(historic=True)
+def hybridflow_register_verdict_parsers(registry: Registry[Any]) -> None:
+    """Register parsers of a generative reward model's verdicts (``reward.genrm.parser``) by name.
+
+    Runs once at plugin load, in the driver and in each judge worker. Each entry is a callable
+    ``parser(text: str) -> float | None``: the judge's generated text in, its score out, or None when the text
+    holds no verdict (the sample is then scored as failed and counted in ``reward/genrm_parse_failures``); see
+    :mod:`hybridflow.genrm`.
+    """
+
+
+@hookspec(historic=True)
 def hybridflow_register_algorithms(registry: Registry[Any]) -> None:
     """Register algorithm drivers (optional; PPO, GRPO, ... ship with the core).
 

@@ -37,7 +37,7 @@ ENTRY_POINT_GROUP = "hybridflow"
 DISABLE_ENV = "HYBRIDFLOW_DISABLE_PLUGINS"
 CORE_OWNER = "hybridflow (core)"
 #: the core's own hook implementations, registered before any plugin
-CORE_PLUGIN_MODULES = ("hybridflow.builtins", "hybridflow.rewards", "hybridflow.algorithms.drivers")
+CORE_PLUGIN_MODULES = ("hybridflow.builtins", "hybridflow.rewards", "hybridflow.genrm", "hybridflow.algorithms.drivers")
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ __all__ = [
     "algorithms",
     "checkpoint_exporters",
     "tools",
+    "verdict_parsers",
     "ALL",
 ]
 
@@ -124,6 +125,7 @@ rewards: Registry[Any] = Registry("reward function")
 algorithms: Registry[Any] = Registry("algorithm")
 checkpoint_exporters: Registry[Any] = Registry("checkpoint exporter")
 tools: Registry[Any] = Registry("tool")
+verdict_parsers: Registry[Any] = Registry("verdict parser")
 
 #: hook name → registry it fills
 ALL: dict[str, Registry[Any]] = {
@@ -136,4 +138,5 @@ ALL: dict[str, Registry[Any]] = {
     "hybridflow_register_algorithms": algorithms,
     "hybridflow_register_checkpoint_exporters": checkpoint_exporters,
     "hybridflow_register_tools": tools,
+    "hybridflow_register_verdict_parsers": verdict_parsers,
 }

@@ -248,6 +248,8 @@ def _with_model_source(key: str) -> list[str]:
     """Overrides that make the model section around ``key`` valid (model.config replaces the preset)."""
     if key.endswith("model.config"):
         return [f"{key.removesuffix('.config')}.preset=null"]
+    if key.startswith("reward.genrm."):  # the judge section needs its model
+        return ["reward.genrm.model.preset=tiny-qwen2"]
     return []
 
 

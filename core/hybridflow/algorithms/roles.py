@@ -23,6 +23,7 @@ __all__ = [
     "reference_role",
     "teacher_role",
     "reward_model_role",
+    "genrm_role",
     "policy_roles",
     "check_algorithm_state",
     "load_algorithm_state",
@@ -30,6 +31,8 @@ __all__ = [
 
 #: the model kinds a training engine builds (``role`` of its factory): the head and the methods it serves
 ENGINE_ROLES: tuple[str, ...] = ("actor", "critic", "reference", "reward_model")
+#: the model kinds a rollout engine serves alone (no training engine): a generative reward model's judge
+ROLLOUT_ROLES: tuple[str, ...] = ("judge",)
 
 
 @runtime_checkable
@@ -51,7 +54,8 @@ class RoleDeclaration:
         section: the config section configuring it: ``actor``, ``critic``, ``reference``, ``reward``, ``cost``,
             ``cost_critic``, or ``roles.<key>`` (a free-form section a third-party algorithm documents).
         engine_role: the engine spec: which model the training engine builds (``actor``, ``critic`` = value head,
-            ``reference``, ``reward_model`` = score head).
+            ``reference``, ``reward_model`` = score head), or ``judge``: a rollout engine alone generating a
+            generative reward model's verdicts (:mod:`hybridflow.workers.judge`).
         output_key: the column its worker returns, when not the worker's default (a critic's ``values``, a reward
             model's ``scores``): two critics or two reward models in one run need distinct columns.
         seed_offset: added to ``trainer.seed`` for the model's initialisation (presets are random-init).
@@ -70,8 +74,8 @@ class RoleDeclaration:
         if not self.name.isidentifier() or self.name.startswith("_"):
             raise ConfigError(f"role name must be a Python identifier not starting with '_' (it becomes "
                               f"runtime.<name>), got {self.name!r}")
-        if self.engine_role not in ENGINE_ROLES:
-            raise ConfigError(f"role {self.name!r}: engine_role must be one of {list(ENGINE_ROLES)}, "
+        if self.engine_role not in ENGINE_ROLES + ROLLOUT_ROLES:
+            raise ConfigError(f"role {self.name!r}: engine_role must be one of {list(ENGINE_ROLES + ROLLOUT_ROLES)}, "
                               f"got {self.engine_role!r}")
         if not isinstance(self.worker, type):
             raise ConfigError(f"role {self.name!r}: worker must be a worker class, got {self.worker!r}")
@@ -119,16 +123,27 @@ def reward_model_role(name: str = "reward_model", *, section: str = "reward", ou
                            output_key=output_key, seed_offset=seed_offset)
 
 
+def genrm_role(name: str = "genrm", *, section: str = "reward.genrm") -> RoleDeclaration:
+    """A generative reward model's judge (``judge`` writes ``genrm_scores``): a causal LM generating verdicts
+    through a rollout engine, configured by ``reward.genrm``."""
+    from hybridflow.workers.judge import JudgeWorker
+
+    return RoleDeclaration(name=name, worker=JudgeWorker, section=section, engine_role="judge")
+
+
 def policy_roles(config: Any, *, kl_in_reward: bool, cost: bool = False,
                  critics: Sequence[RoleDeclaration] = ()) -> list[RoleDeclaration]:
     """The roles every policy-gradient driver shares: the actor (then ``critics``); the reference when something
     consumes its log-probs (the KL loss, ``actor.kl_loss_coef > 0``, or the in-reward penalty, ``kl_in_reward``);
-    the reward model when ``reward.model`` is set; with ``cost``, the cost model when ``cost.model`` is set."""
+    the reward model when ``reward.model`` is set, the judge when ``reward.genrm`` is; with ``cost``, the cost model
+    when ``cost.model`` is set."""
     roles = [actor_role(), *critics]
     if config.actor.kl_loss_coef > 0 or kl_in_reward:
         roles.append(reference_role())
     if config.reward.model is not None:
         roles.append(reward_model_role())
+    if getattr(config.reward, "genrm", None) is not None:
+        roles.append(genrm_role())
     if cost and config.cost is not None and config.cost.model is not None:
         roles.append(reward_model_role("cost_model", section="cost", output_key="costs", seed_offset=4))
     return roles

@@ -28,12 +28,27 @@ from hybridflow.batch import Batch
 from hybridflow.errors import ConfigError
 from hybridflow.rewards import score_responses
 
-__all__ = ["Runtime", "combine_chunk_reward_metrics", "compute_response_length_metrics", "compute_rollout_probs_diff",
-           "compute_zero_advantage_metrics"]
+__all__ = ["Runtime", "combine_chunk_reward_metrics", "summarize_verdicts", "compute_response_length_metrics",
+           "compute_rollout_probs_diff", "compute_zero_advantage_metrics"]
 
 
 #: reward metrics that count rows (summed over a streamed step's chunks; the others are means)
-_COUNTS = frozenset({"reward/num_failed", "cost/num_failed"})
+_COUNTS = frozenset({"reward/num_failed", "cost/num_failed", *(f"reward/genrm_{name}" for name in (
+    "parse_failures", "timeouts", "prompts_too_long", "template_failures", "failed"))})
+
+
+def summarize_verdicts(status: torch.Tensor) -> dict[str, float]:
+    """A judging call's ``genrm_status`` column as metrics: ``reward/genrm_<kind>`` rows of each failure kind
+    (:data:`hybridflow.workers.judge.STATUS_CODES`), ``reward/genrm_failed`` rows in all and
+    ``reward/genrm_failed_ratio``."""
+    from hybridflow.workers.judge import JUDGED, STATUS_CODES
+
+    metrics = {f"reward/genrm_{name}": float((status == code).sum())
+               for code, name in STATUS_CODES.items() if code != JUDGED}
+    failed = float((status != JUDGED).sum())
+    metrics["reward/genrm_failed"] = failed
+    metrics["reward/genrm_failed_ratio"] = failed / max(len(status), 1)
+    return metrics
 
 
 def combine_chunk_reward_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -101,15 +116,20 @@ class Runtime:
         kept = [[token for token, keep in zip(row, mask) if keep] for row, mask in zip(rows, masks)]
         return decode_batch(self.tokenizer, kept)
 
-    def score(self, batch: Batch, *, key: str = "scores", cost: bool = False, model_scores: Any = None) -> Batch:
-        """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model when configured.
+    def score(self, batch: Batch, *, key: str = "scores", cost: bool = False, model_scores: Any = None,
+              verdicts: Any = None) -> Batch:
+        """Add ``key`` [B]: the rule function on decoded responses, plus the reward (cost) model and, for the
+        reward, the generative reward model's verdicts (``reward.genrm``) when configured.
 
-        ``model_scores``: the model's scores already dispatched (:meth:`dispatch_scores`), else it is called now."""
+        ``model_scores`` / ``verdicts``: the model's scores / the judge's verdicts already dispatched
+        (:meth:`dispatch_scores`, :meth:`dispatch_verdicts`), else they are asked for now."""
         function = self.cost_fn if cost else self.reward_fn
         model = self.roles.get("cost_model" if cost else "reward_model")
-        if function is None and model is None:
+        judge = None if cost else self.roles.get("genrm")
+        if function is None and model is None and judge is None:
             raise ConfigError(f"no {'cost' if cost else 'reward'} configured: set {'cost' if cost else 'reward'}"
-                              ".function (a registered name or module:function), .endpoint or .model")
+                              ".function (a registered name or module:function), .endpoint or .model"
+                              f"{'' if cost else ' or .genrm'}")
         total = torch.zeros(len(batch))
         if function is not None:
             rule = score_responses(
@@ -121,6 +141,11 @@ class Runtime:
         if model is not None:
             future = model_scores if model_scores is not None else model.compute_scores(batch)
             total += future.get(timeout=self.timeout_s)["costs" if cost else "scores"].float()
+        if judge is not None:
+            judged = (verdicts if verdicts is not None else judge.judge(batch)).get(timeout=self.timeout_s)
+            total += judged["genrm_scores"].float()
+            batch.meta["reward_metrics"] = {**batch.meta.get("reward_metrics", {}),
+                                            **summarize_verdicts(judged["genrm_status"])}
         if not cost and "agent_rewards" in batch:  # rollout.agent: a reward the agent returned replaces the score
             returned = batch["agent_rewards"].float()
             total = torch.where(torch.isnan(returned), total, returned)
@@ -132,6 +157,12 @@ class Runtime:
         for :meth:`score`); None without such a model."""
         model = self.roles.get("cost_model" if cost else "reward_model")
         return None if model is None else model.compute_scores(generated)
+
+    def dispatch_verdicts(self, generated: Any) -> Any:
+        """Dispatch the generative reward model's judge on the rollout now, so it judges while the other roles
+        compute (its future, for :meth:`score`); None without ``reward.genrm``."""
+        judge = self.roles.get("genrm")
+        return None if judge is None else judge.judge(generated)
 
     def token_rewards(self, batch: Batch, key: str = "scores") -> torch.Tensor:
         """``batch[key]`` on each row's last response token minus β·KL(π_old ‖ π_ref) on every token (β from
@@ -218,8 +249,10 @@ class Runtime:
         ref = reference.compute_ref_log_probs(generated) if reference is not None else None
         value_futures = [self.roles[critic].compute_values(generated) for critic in values]
         scores = self.dispatch_scores(generated)
+        verdicts = self.dispatch_verdicts(generated)
         costs = self.dispatch_scores(generated, cost=True) if cost else None
-        batch = self.score(fill_old_log_probs(self.gather(generated, old, ref, *value_futures)), model_scores=scores)
+        batch = self.score(fill_old_log_probs(self.gather(generated, old, ref, *value_futures)), model_scores=scores,
+                           verdicts=verdicts)
         entropy = self.state.get(ENTROPY_CONTROLLER)
         if entropy is not None:  # the bonus coefficient of the update this batch feeds (actor.entropy_target)
             batch.meta[ENTROPY_COEF_KEY] = entropy.coefficient()

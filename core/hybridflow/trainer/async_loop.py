@@ -98,7 +98,10 @@ class AsyncRollout:
         self.partial = config.rollout.partial_rollout
         self._partial_claimed: dict[int, dict[str, float]] = {}  # iteration → its partial-rollout metrics
         self.loader = loader
+        from hybridflow.workers import RoleSpec
+
         actor = next(plan for plan in plans if plan.role == "actor")
+        assert isinstance(actor.spec, RoleSpec)  # the actor is planned with a training engine
         device = config.resource_pools[self.pool_name].device
         self.spec = replace(actor.spec, name="rollout", device=device, loss=None)
         self.pool: Any = None

@@ -28,6 +28,7 @@ from hybridflow.workers import RoleSpec
 if TYPE_CHECKING:
     from hybridflow.algorithms.roles import RoleDeclaration
     from hybridflow.controller import ResourcePool
+    from hybridflow.workers.judge import JudgeSpec
 
 __all__ = ["RolePlan", "plan_roles", "resolve_section", "build_model_spec", "build_tokenizer", "build_groups",
            "start_ray", "build_resource_pool", "release_worker_group"]
@@ -39,7 +40,7 @@ class RolePlan:
 
     role: str
     pool: str
-    spec: RoleSpec
+    spec: RoleSpec | JudgeSpec
     worker: type[Any]
     protocols: dict[str, str] = field(default_factory=dict)  # method → protocol: the section's overrides
 
@@ -111,6 +112,8 @@ def resolve_section(config: Config, declaration: RoleDeclaration) -> Any:
         section = config.roles.get(key)
     elif not key and head in type(config).model_fields:
         section = getattr(config, head)
+    elif head in type(config).model_fields and key in type(getattr(config, head)).model_fields:
+        section = getattr(getattr(config, head), key)  # a sub-section: reward.genrm
     else:
         raise ConfigError(f"role {declaration.name!r} is configured by section {path!r}, which is neither a "
                           f"top-level section ({', '.join(type(config).model_fields)}) nor roles.<key>")
@@ -199,6 +202,9 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
         section = sections[declaration.name]
         device = config.resource_pools[section.pool].device  # each role on its own pool's device type
         kind = declaration.engine_role
+        if kind == "judge":  # a rollout engine alone: no training engine to configure
+            plans.append(plan_judge(config, declaration, section, device=device))
+            continue
         model = build_model_spec(_section_model(config, declaration, section), seed=seed + declaration.seed_offset)
         trainable = kind in ("actor", "critic")
         precision = resolve_mixed_precision(getattr(section, "mixed_precision", "none"), engine=section.engine,
@@ -262,6 +268,41 @@ def plan_roles(config: Config, declarations: list[RoleDeclaration], *, tokenizer
     return plans
 
 
+def plan_judge(config: Config, declaration: RoleDeclaration, section: Any, *, device: str) -> RolePlan:
+    """The judge role of ``reward.genrm`` (``section``), checked on the driver before any worker starts: its
+    tokenizer loads from the judge's model, its verdict parser resolves, its chat template exists when asked for."""
+    from hybridflow.genrm import resolve_verdict_parser
+    from hybridflow.workers.judge import JudgeSpec
+
+    key = declaration.section
+    model = section.model
+    try:
+        tokenizer = build_tokenizer(model)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.{exc}") from None
+    if section.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        source = model.path or "the presets' character tokenizer"
+        raise ConfigError(f"{key}.apply_chat_template is true, but the judge's tokenizer ({source}) has no chat "
+                          f"template. Fix: set {key}.apply_chat_template=false, or point {key}.model.path at a chat "
+                          "model directory")
+    resolve_verdict_parser(section.parser, key=f"{key}.parser")
+    rollout = section.rollout
+    seed = config.trainer.seed
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    spec = JudgeSpec(
+        name=declaration.name, engine=rollout.name, device=device, threads=config.trainer.threads_per_worker,
+        rollout_config=RolloutEngineConfig(
+            model=build_model_spec(model, seed=seed + 6), max_prompt_length=rollout.prompt_length,
+            max_new_tokens=rollout.response_length, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
+            seed=seed, extra=dict(rollout.extra)),
+        sampling=SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                max_new_tokens=rollout.response_length, seed=seed),
+        template=section.template, parser=section.parser, apply_chat_template=section.apply_chat_template,
+        policy_model_path=config.role_model(config.actor).path, judge_model_path=model.path,
+        micro_batch_size=section.micro_batch_size, timeout_s=section.timeout_s, failed_score=section.failed_score)
+    return RolePlan(role=declaration.name, pool=section.pool, worker=declaration.worker, spec=spec)
+
+
 def _router_options(config: Config, section: Any) -> dict[str, Any]:
     """The actor's mixture-of-experts keys (docs/guide/moe.md) as engine options, after checking that its engines
     declare what they need: ``replays_routing`` (training) for any of them, ``records_routing`` (rollout) for R3."""
@@ -304,14 +345,15 @@ def role_mapping(config: Config, plans: list[RolePlan]) -> dict[str, dict[str, A
     ``mixed_precision: auto`` resolved to, worker class) and the rollout (engine, pool, tg, generation dtype)."""
     mapping: dict[str, dict[str, Any]] = {
         p.role: {"pool": p.pool, "devices": config.resource_pools[p.pool].world_size, "engine": p.spec.engine,
-                 "parallel": str(p.spec.engine_config.parallel),
-                 "mixed_precision": p.spec.engine_config.mixed_precision,
+                 **({"parallel": str(p.spec.engine_config.parallel),
+                     "mixed_precision": p.spec.engine_config.mixed_precision} if isinstance(p.spec, RoleSpec) else {}),
                  "worker": f"{p.worker.__module__}.{p.worker.__qualname__}", "model": p.spec.role}
         for p in plans}
     mapping["rollout"] = {"engine": config.rollout.engine, "pool": config.rollout.pool or config.actor.pool,
                           "tensor_parallel_size": config.rollout.tensor_parallel_size,
                           "dtype": next((p.spec.rollout_config.model.dtype for p in plans
-                                         if p.spec.rollout_config is not None), None)}
+                                         if isinstance(p.spec, RoleSpec) and p.spec.rollout_config is not None),
+                                        None)}
     return mapping
 
 

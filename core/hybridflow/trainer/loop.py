@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,11 @@ class Trainer:
         self.recorder = IterationRecorder()  # the ledger row of the iteration in flight
         self._last_step_end: float | None = None
         self.advisor: RunAdvisor | None = None  # trainer.advisor_every: the periodic placement check
-        self.supervisor = Supervisor(self, policy=RecoveryPolicy.from_config(config.reliability), faults=self.faults,
+        policy = RecoveryPolicy.from_config(config.reliability)
+        if config.reward.genrm is not None:  # the judge's own deadline: its timeout_s and a minute to hand rows back
+            policy = replace(policy, deadlines={"genrm.judge": config.reward.genrm.timeout_s + 60.0,
+                                                **policy.deadlines})
+        self.supervisor = Supervisor(self, policy=policy, faults=self.faults,
                                      run_dir=self.run_dir)
         #: the observers of this run's group calls (shared by its groups; append to watch them): the ledger's and
         #: recovery's. Another trainer in the process has its own list and never hears these calls.
