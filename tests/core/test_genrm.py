@@ -47,6 +47,9 @@ def test_template_fields_are_checked_and_filled() -> None:
     assert text == "1+2=|3|3|s|why"
     assert render_judge_prompt("{response}{ground_truth}", prompt="", response="x", ground_truth=None,
                                data_source="", extra_info=None) == "x"
+    # format specs work as in str.format: the sum left-aligned in two characters
+    assert render_judge_prompt(check_template("{ground_truth:<2}={response}="), prompt="", response="7",
+                               ground_truth=7, data_source="", extra_info=None) == "7 =7="
     with pytest.raises(KeyError):
         render_judge_prompt(template, prompt="", response="", ground_truth="", data_source="", extra_info={})
     for bad, message in [("{prompt}", "never shows the judge the response"),
