@@ -55,7 +55,7 @@ STEP_READS = {
 }
 #: a role section's model keys: one of path / config / preset replaces the others
 MODEL_PARENTS = ("model", "actor.model", "critic.model", "reference.model", "reward.model", "cost.model",
-                 "cost_critic.model", "roles.main.model")
+                 "cost_critic.model", "roles.main.model", "reward.genrm.model")
 
 
 # --- the schema --------------------------------------------------------------------------------------------------
@@ -166,6 +166,12 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "rollout.agent.entry": [["rollout.agent.entry=agent.py:run"]],
         "rollout.agent.host": [["rollout.agent.entry=agent.py:run", "rollout.agent.host=127.0.0.2"]],
     }
+    judge = "reward.genrm.model.preset=tiny-qwen2"  # the judge section needs its model: set one with each key
+    values.update({f"reward.genrm.{key}": [[judge, f"reward.genrm.{key}={value}"]] for key, value in (
+        ("pool", "other"), ("rollout.name", "vllm"), ("rollout.temperature", "0.5"), ("rollout.top_p", "0.5"),
+        ("rollout.top_k", "3"), ("rollout.prompt_length", "64"), ("rollout.response_length", "4"),
+        ("rollout.extra", '{"probe": 1}'), ("template", '"{response}?"'), ("apply_chat_template", "true"),
+        ("parser", "yes_no"), ("micro_batch_size", "8"), ("timeout_s", "10"), ("failed_score", "-1"))})
     for parent in MODEL_PARENTS:  # a model section needs a source: set one with the key (same preset)
         values[f"{parent}.dtype"] = [[f"{parent}.preset=tiny-qwen2", f"{parent}.dtype=bfloat16"]]
         values[f"{parent}.path"] = [[f"{parent}.preset=null", f"{parent}.path={model_dir}"]]
