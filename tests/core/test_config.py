@@ -250,6 +250,8 @@ def _with_model_source(key: str) -> list[str]:
         return [f"{key.removesuffix('.config')}.preset=null"]
     if key.startswith("reward.genrm."):  # the judge section needs its model
         return ["reward.genrm.model.preset=tiny-qwen2"]
+    if key.startswith("rollout.env."):  # options go to an environment class the section serves
+        return ["rollout.env.entry=hybridflow.tasks.tool_calc_env:ToolCalcEnv"]
     return []
 
 

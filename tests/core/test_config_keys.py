@@ -166,6 +166,12 @@ def special_values(tmp: Path) -> dict[str, list[list[str]]]:
         "rollout.agent.entry": [["rollout.agent.entry=agent.py:run"]],
         "rollout.agent.host": [["rollout.agent.entry=agent.py:run", "rollout.agent.host=127.0.0.2"]],
     }
+    env = "rollout.env.entry=hybridflow.tasks.tool_calc_env:ToolCalcEnv"  # a served environment: set one with each key
+    values["rollout.env.entry"] = [[env]]
+    values["rollout.env.url"] = [["rollout.env.url=http://127.0.0.1:9/env"]]
+    values.update({f"rollout.env.{key}": [[env, f"rollout.env.{key}={value}"]] for key, value in (
+        ("options", '{"probe": 1}'), ("tools", '["calculator"]'), ("max_turns", "2"), ("max_tokens", "64"),
+        ("timeout_s", "5"), ("max_batch_rows", "4"), ("host", "127.0.0.2"), ("port", "12345"))})
     judge = "reward.genrm.model.preset=tiny-qwen2"  # the judge section needs its model: set one with each key
     values.update({f"reward.genrm.{key}": [[judge, f"reward.genrm.{key}={value}"]] for key, value in (
         ("pool", "other"), ("rollout.name", "vllm"), ("rollout.temperature", "0.5"), ("rollout.top_p", "0.5"),
