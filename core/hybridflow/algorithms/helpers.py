@@ -1,4 +1,5 @@
-"""Small helpers the drivers share: decoding responses, π_old from the rollout, averaging per-rank metrics.
+"""Small helpers the drivers share: decoding responses (:func:`hybridflow.detokenize.decode_batch`), π_old from
+the rollout, averaging per-rank metrics.
 
 The RL math is :mod:`~hybridflow.algorithms.advantages`' and :mod:`~hybridflow.algorithms.losses`'.
 """
@@ -8,20 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.batch import Batch
+from hybridflow.detokenize import decode_batch
 
 __all__ = ["combine_chunk_metrics", "decode_batch", "fill_old_log_probs", "mean_over_chunks_and_ranks",
            "mean_over_ranks", "split_prompt_chunks", "stream_chunk_count"]
-
-
-def decode_batch(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
-    """``tokenizer.batch_decode(sequences, skip_special_tokens=True)``; for a fast tokenizer without clean-up, the
-    same text straight from its ``backend_tokenizer`` (skipping transformers' per-element input conversion, which
-    costs more than the decoding)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode_batch") and not getattr(
-            tokenizer, "clean_up_tokenization_spaces", True):
-        return list(backend.decode_batch(sequences, skip_special_tokens=True))
-    return list(tokenizer.batch_decode(sequences, skip_special_tokens=True))
 
 
 def fill_old_log_probs(batch: Batch) -> Batch:

@@ -206,7 +206,7 @@ class SFTTrainer:
         return metrics
 
     def _greedy_scores(self, padded: Batch, rows: int) -> tuple[list[str], list[str], list[float]]:
-        from hybridflow.algorithms.helpers import decode_batch
+        from hybridflow.detokenize import decode_batch
         from hybridflow.rewards import score_responses
 
         prompts = Batch({"input_ids": padded["prompts"], "attention_mask": padded["attention_mask"][:, :padded[

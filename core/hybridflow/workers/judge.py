@@ -137,7 +137,7 @@ class JudgeWorker(Worker):
 
     def _judge_prompts(self, batch: Batch) -> list[str | None]:
         """Each row's judge prompt (None where the template names an ``extra_info`` key the row lacks)."""
-        from hybridflow.algorithms.helpers import decode_batch
+        from hybridflow.detokenize import decode_batch
         from hybridflow.genrm import render_judge_prompt
 
         tokenizer = self.policy_tokenizer
@@ -174,7 +174,7 @@ class JudgeWorker(Worker):
 
     def _generate(self, prompts: list[list[int]], iteration: int | None) -> list[str]:
         """The verdict texts of left-padded ``prompts`` (judge tokenizer's special tokens skipped)."""
-        from hybridflow.algorithms.helpers import decode_batch
+        from hybridflow.detokenize import decode_batch
 
         width = max(len(ids) for ids in prompts)
         pad = self.spec.rollout_config.pad_token_id
