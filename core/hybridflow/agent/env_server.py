@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import json
 import secrets
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -244,7 +245,8 @@ class EnvServer:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hybridflow.agent.env_server package.module:Class [--host H] [--port P] [--token T]
-    [--options JSON]``: serve until interrupted; the first line printed is the base URL (``rollout.env.url``)."""
+    [--options JSON]``: serve until interrupted (SIGINT or SIGTERM); the first line printed is the base URL
+    (``rollout.env.url``)."""
     import argparse
 
     from hybridflow.agent.environment import load_environment_class
@@ -259,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = EnvServer(load_environment_class(args.entry, key="entry"), json.loads(args.options), host=args.host,
                        port=args.port, token=args.token)
+    # SIGINT and SIGTERM end it, also when it was started with SIGINT ignored (a shell's background job, a pytest-xdist
+    # worker's child), where Python installs no KeyboardInterrupt handler of its own
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.default_int_handler)
     print(server.start(), flush=True)
     try:
         threading.Event().wait()
