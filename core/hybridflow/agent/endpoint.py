@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from hybridflow.agent.format import ChatFormat, parse_tool_calls
+from hybridflow.agent.loop_thread import LoopThread
 from hybridflow.agent.trajectories import CallRecord, SessionLog
 from hybridflow.engines import SamplingParams, TokenCompletion, TokenContinuationEngine
 from hybridflow.errors import ConfigError, EngineError
@@ -102,8 +103,7 @@ class OpenAIEndpoint:
         self.sessions: dict[str, EndpointSession] = {}
         self._by_key: dict[str, EndpointSession] = {}
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._server = LoopThread("openai-endpoint")
         self._runner: web.AppRunner | None = None
         self._queue: asyncio.Queue[tuple[tuple[Any, ...], _Job]] | None = None
         self._scheduler: asyncio.Task[None] | None = None
@@ -114,47 +114,27 @@ class OpenAIEndpoint:
     # --- lifecycle ----------------------------------------------------------------------------------------------
     @property
     def base_url(self) -> str:
-        if self._thread is None:
+        if not self._server.running:
             raise EngineError("the endpoint is not started; call start() first")
         return f"http://{self.host}:{self.port}/v1"
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Bind and serve in a thread of its own; returns :attr:`base_url`."""
-        if self._thread is not None:
-            return self.base_url
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
+        if not self._server.running:
             try:
-                loop.run_until_complete(self._bind())
-            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._unbind())
-            loop.close()
-
-        self._thread = threading.Thread(target=serve, name="openai-endpoint", daemon=True)
-        self._thread.start()
-        if not ready.wait(timeout_s):
-            raise EngineError(f"the OpenAI endpoint did not bind {self.host}:{self.port} within {timeout_s} s")
-        if failure:
-            self._thread = None
-            raise EngineError(f"the OpenAI endpoint could not bind {self.host}:{self.port}: {failure[0]}. Fix: free "
-                              "the port or set rollout.agent.port=0 (any free port)") from failure[0]
+                self._server.start(self._bind, self._unbind, timeout_s)
+            except TimeoutError as exc:
+                raise EngineError(f"the OpenAI endpoint did not bind {self.host}:{self.port} within {timeout_s} s") \
+                    from exc
+            except BaseException as exc:
+                raise EngineError(f"the OpenAI endpoint could not bind {self.host}:{self.port}: {exc}. Fix: free the "
+                                  "port or set rollout.agent.port=0 (any free port)") from exc
         return self.base_url
 
     def stop(self) -> None:
-        if self._thread is None or self._loop is None:
+        if not self._server.running:
             return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._thread = None
+        self._server.stop()
         self._engine_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _bind(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from hybridflow.agent.environment import EnvResponseError, filter_kwargs, parse_step
+from hybridflow.agent.loop_thread import LoopThread
 from hybridflow.errors import EngineError
 
 __all__ = ["EnvServer", "main"]
@@ -65,14 +66,13 @@ class EnvServer:
         self.max_sessions = max_sessions
         self.sessions = 0
         self.sessions_opened = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._server = LoopThread("env-server")
         self._runner: web.AppRunner | None = None
 
     @property
     def base_url(self) -> str:
         """``http://host:port/<token>``: what an OpenEnv client's ``base_url`` is (it appends ``/ws``)."""
-        if self._thread is None:
+        if not self._server.running:
             raise EngineError("the environment server is not started; call start() first")
         return f"http://{self.host}:{self.port}{self._prefix}"
 
@@ -82,41 +82,20 @@ class EnvServer:
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Bind and serve in a daemon thread; returns :attr:`base_url`."""
-        if self._thread is not None:
-            return self.base_url
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
+        if not self._server.running:
             try:
-                loop.run_until_complete(self._bind())
-            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            if self._runner is not None:
-                loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=serve, name="env-server", daemon=True)
-        self._thread.start()
-        if not ready.wait(timeout_s) or failure:
-            self._thread = None
-            cause = failure[0] if failure else TimeoutError(f"not bound within {timeout_s} s")
-            raise EngineError(f"the environment server could not bind {self.host}:{self.port}: {cause}. Fix: free "
-                              "the port or set rollout.env.port=0 (any free port)") from cause
+                self._server.start(self._bind, self._unbind, timeout_s)
+            except BaseException as exc:
+                raise EngineError(f"the environment server could not bind {self.host}:{self.port}: {exc}. Fix: free "
+                                  "the port or set rollout.env.port=0 (any free port)") from exc
         return self.base_url
 
     def stop(self) -> None:
-        if self._thread is None or self._loop is None:
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._thread = None
+        self._server.stop()
+
+    async def _unbind(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
 
     async def _bind(self) -> None:
         app = web.Application(client_max_size=16 * 1024 * 1024)

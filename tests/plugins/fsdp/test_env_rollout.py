@@ -53,7 +53,7 @@ def test_env_entry_rollout_matches_the_builtin_loop_on_the_hf_engine(tmp_path: P
         assert rollout.base_url().startswith("http://127.0.0.1:")
     finally:
         rollout.close()
-    assert rollout.server._thread is None  # stopped
+    assert not rollout.server._server.running  # stopped
     builtin = AgentRollout(engine, config, {"max_turns": 2, "max_tokens": 32, "tool_timeout_s": 5.0,
                                             "max_tool_calls_per_turn": 4, "max_batch_rows": 0,
                                             "tools": ["calculator"]}).generate(rows, greedy)
