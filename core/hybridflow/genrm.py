@@ -122,21 +122,10 @@ def resolve_verdict_parser(spec: str, *, key: str = "reward.genrm.parser") -> Ve
         except KeyError as exc:
             raise ConfigError(f"{key}: {exc} Or give package.module:function / path/to/file.py:function") from exc
         return registered
-    from hybridflow.rewards import _import_file, _import_module, _looks_like_path
+    from hybridflow.rewards import load_function
 
-    location, _, attribute = spec.rpartition(":")
-    if not location or not attribute:
-        raise ConfigError(f'{key}: "{spec}" must be "package.module:function" or "path/to/file.py:function" with '
-                          "both parts non-empty")
-    if _looks_like_path(location):
-        module = _import_file(location, spec=spec, key=key, base_dir=None)
-    else:
-        module = _import_module(location, spec=spec, key=key, base_dir=None)
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f'{key}: "{location}" has no callable "{attribute}"; expected a function '
-                          "parser(text: str) -> float | None")
-    return function  # type: ignore[no-any-return]
+    function: VerdictParser = load_function(spec, key=key)  # a parser(text: str) -> float | None
+    return function
 
 
 @hookimpl

@@ -59,23 +59,9 @@ def resolve_reward_function(spec: str, *, key: str = "reward.function",
         ConfigError: naming ``key``, what was expected and what was found.
     """
     if ":" in spec:
-        location, _, attribute = spec.rpartition(":")
-        if not attribute or not location:
-            raise ConfigError(f'{key}: "{spec}" must be "package.module:function" or "path/to/file.py:function" '
-                              "with both parts non-empty")
-        if _looks_like_path(location):
-            module = _import_file(location, spec=spec, key=key, base_dir=base_dir)
-        else:
-            module = _import_module(location, spec=spec, key=key, base_dir=base_dir)
-        function = getattr(module, attribute, None)
-        if not callable(function):
-            found = sorted(name for name, value in vars(module).items()
-                           if callable(value) and not name.startswith("_") and
-                           getattr(value, "__module__", None) == module.__name__)
-            raise ConfigError(f'{key}: "{location}" has no callable "{attribute}" (functions it defines: '
-                              f'{", ".join(found) or "none"}); check the name after ":".')
+        function = load_function(spec, key=key, base_dir=base_dir)
         _check_signature(function, key=key, spec=spec)
-        return function  # type: ignore[no-any-return]
+        return function
     from hybridflow.plugins import get_plugin_manager
 
     get_plugin_manager()  # the core's own rewards are registered with the manager (no entry points loaded)
@@ -84,6 +70,32 @@ def resolve_reward_function(spec: str, *, key: str = "reward.function",
         return registered
     except KeyError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
+
+
+def load_function(spec: str, *, key: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
+    """The callable ``"package.module:function"`` or ``"path/to/file.py:function"`` (a relative path against
+    ``base_dir``, default the working directory) names; what the reward function, GenRM verdict parser and other
+    ``:function`` config values load.
+
+    Raises:
+        ConfigError: naming ``key``: a malformed spec, a module or file that does not import, no such callable.
+    """
+    location, _, attribute = spec.rpartition(":")
+    if not attribute or not location:
+        raise ConfigError(f'{key}: "{spec}" must be "package.module:function" or "path/to/file.py:function" '
+                          "with both parts non-empty")
+    if _looks_like_path(location):
+        module = _import_file(location, spec=spec, key=key, base_dir=base_dir)
+    else:
+        module = _import_module(location, spec=spec, key=key, base_dir=base_dir)
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        found = sorted(name for name, value in vars(module).items()
+                       if callable(value) and not name.startswith("_") and
+                       getattr(value, "__module__", None) == module.__name__)
+        raise ConfigError(f'{key}: "{location}" has no callable "{attribute}" (functions it defines: '
+                          f'{", ".join(found) or "none"}); check the name after ":".')
+    return function  # type: ignore[no-any-return]
 
 
 def resolve_function_path(spec: str, base_dir: str | Path) -> str:
