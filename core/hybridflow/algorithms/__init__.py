@@ -20,7 +20,7 @@ if TYPE_CHECKING:
         build_kl_controller,
         build_kl_state,
     )
-    from hybridflow.algorithms.helpers import decode_batch, fill_old_log_probs, mean_over_ranks
+    from hybridflow.algorithms.helpers import fill_old_log_probs, mean_over_ranks
     from hybridflow.algorithms.interface import Algorithm
     from hybridflow.algorithms.roles import (
         RoleDeclaration,
@@ -34,29 +34,30 @@ if TYPE_CHECKING:
         teacher_role,
     )
     from hybridflow.algorithms.runtime import Runtime
+    from hybridflow.detokenize import decode_batch
 
-#: public name → the module defining it
+#: public name → the module defining it (decode_batch is shared with the workers, so it lives outside the package)
 _EXPORTS: dict[str, str] = {
-    "Algorithm": "interface",
-    "Runtime": "runtime",
-    "RoleDeclaration": "roles",
-    "Stateful": "roles",
-    "actor_role": "roles",
-    "critic_role": "roles",
-    "reference_role": "roles",
-    "reward_model_role": "roles",
-    "genrm_role": "roles",
-    "teacher_role": "roles",
-    "policy_roles": "roles",
-    "FixedKLController": "coefficients",
-    "AdaptiveKLController": "coefficients",
-    "AdaptiveEntropyController": "coefficients",
-    "LagrangeMultiplier": "coefficients",
-    "build_kl_controller": "coefficients",
-    "build_kl_state": "coefficients",
-    "decode_batch": "helpers",
-    "fill_old_log_probs": "helpers",
-    "mean_over_ranks": "helpers",
+    "Algorithm": "hybridflow.algorithms.interface",
+    "Runtime": "hybridflow.algorithms.runtime",
+    "RoleDeclaration": "hybridflow.algorithms.roles",
+    "Stateful": "hybridflow.algorithms.roles",
+    "actor_role": "hybridflow.algorithms.roles",
+    "critic_role": "hybridflow.algorithms.roles",
+    "reference_role": "hybridflow.algorithms.roles",
+    "reward_model_role": "hybridflow.algorithms.roles",
+    "genrm_role": "hybridflow.algorithms.roles",
+    "teacher_role": "hybridflow.algorithms.roles",
+    "policy_roles": "hybridflow.algorithms.roles",
+    "FixedKLController": "hybridflow.algorithms.coefficients",
+    "AdaptiveKLController": "hybridflow.algorithms.coefficients",
+    "AdaptiveEntropyController": "hybridflow.algorithms.coefficients",
+    "LagrangeMultiplier": "hybridflow.algorithms.coefficients",
+    "build_kl_controller": "hybridflow.algorithms.coefficients",
+    "build_kl_state": "hybridflow.algorithms.coefficients",
+    "decode_batch": "hybridflow.detokenize",
+    "fill_old_log_probs": "hybridflow.algorithms.helpers",
+    "mean_over_ranks": "hybridflow.algorithms.helpers",
 }
 
 __all__ = [
@@ -87,4 +88,4 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hybridflow.algorithms' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"hybridflow.algorithms.{module}"), name)
+    return getattr(importlib.import_module(module), name)

@@ -16,7 +16,8 @@ from hybridflow.algorithms.runtime import Runtime
 def test_every_exported_name_resolves_to_its_defining_module() -> None:
     for name in algorithms.__all__:
         value = getattr(algorithms, name)
-        assert value.__name__ == name and value.__module__.startswith("hybridflow.algorithms."), name
+        assert value.__name__ == name and value.__module__ == algorithms._EXPORTS[name], name
+        assert value.__module__.startswith(("hybridflow.algorithms.", "hybridflow.detokenize")), name
     from hybridflow.algorithms import Algorithm as A
     from hybridflow.algorithms import Runtime as R
     from hybridflow.algorithms import build_kl_state as b
