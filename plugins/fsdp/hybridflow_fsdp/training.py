@@ -345,10 +345,7 @@ class FSDPTrainingEngine(HFTrainingEngineBase):
         if norm_value is None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=self._fused or None)
             norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        # a gradient of exactly 0 (GRPO: every group's rewards alike, so every advantage is 0) is no step: AdamW would
-        # still move each weight along its momentum, a decaying repeat of the last updates, for a dozen steps while
-        # the batches carry no signal (a collapsed tool-calc run drifted from tool rate 0.86 to 0.03 at grad_norm 0)
-        if math.isfinite(norm_value) and norm_value > 0:
+        if math.isfinite(norm_value):
             self.optimizer.step()
             self._version += 1
         self.scheduler.step()
