@@ -33,9 +33,6 @@ from hybridflow.trainer.cli import fit_and_close
 from hybridflow.trainer.sft import SFTTrainer, load_sft_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-#: the shipped jobs run on two CPU workers; a test whose claim is not about data parallelism or learning starts one
-#: (each worker process costs ~8 CPU-seconds of imports before its first step)
-ONE_RANK = ("resource_pools.main.devices_per_node=[1]",)
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +67,9 @@ def test_the_python_tool_is_kernel_isolated_on_the_trainers_path(sft_model: Path
     from hybridflow.tools import isolation
 
     # the python tool's schema joins the calculator's in the system turn: the prompts grow past the shipped 200. The
-    # claim is the boundary on the trainer's path, not learning: one rank (one worker process to start, not two) and
-    # one step of 2 prompts x 2 samples of up to 16 tokens a turn
-    tools = ('rollout.multi_turn.tools=["calculator", "python"]', "data.max_prompt_length=400", *ONE_RANK,
+    # claim is the boundary on the trainer's path, not learning: one step of 2 prompts x 2 samples of up to 16 tokens
+    # a turn, on the shipped two ranks (the SFT fixture's parked worker processes: no process to start)
+    tools = ('rollout.multi_turn.tools=["calculator", "python"]', "data.max_prompt_length=400",
              "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16")
     isolation.isolation_status.cache_clear()
     try:

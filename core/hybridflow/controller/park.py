@@ -7,8 +7,12 @@ its roles and puts its process back as a fresh one (hybridflow.controller.proces
 in its pool, and the pool's release hands its placement groups and hosts here (:func:`park_pool`) instead of
 removing them. The next :class:`ResourcePool` of the same shape (slots per node, device, CPUs per slot, colocation)
 adopts them (:func:`take_pool`) and its groups start on the parked hosts, rank for rank on the same bundles, with no
-new process. A pool of another shape releases every parked pool first, so parked processes never hold resources a
-new pool needs.
+new process. A pool of another shape leaves the parked pools parked while the cluster (one node) has room for it
+beside them, so a driver that alternates shapes (a two-rank run, a one-rank run, a two-rank run) reuses both;
+otherwise it releases them, oldest first, until it fits (on a cluster of several nodes: all of them), and a pool
+whose bundles still cannot be reserved releases the rest before it waits again (:func:`make_room`), so parked
+processes never hold resources a new pool needs. At most :data:`MAX_PARKED` pools stay parked (each holds its
+processes' memory, and an idle Ray worker uses ~0.6 CPU-seconds a minute): parking one more releases the oldest.
 
 Never parked: a group one of whose calls failed or whose rank was killed, a host whose roles or engines do not
 declare ``reusable_process`` (hybridflow.engines), and any host that fails to park or rebind (it is killed and a
@@ -27,13 +31,15 @@ import ray
 from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-__all__ = ["ParkedPool", "enabled", "forget_parked", "park_pool", "parked_pools", "parked_resources", "release_parked",
-           "take_pool"]
+__all__ = ["MAX_PARKED", "ParkedPool", "enabled", "forget_parked", "make_room", "park_pool", "parked_pools",
+           "parked_resources", "release_parked", "take_pool"]
 
 _LOG = logging.getLogger(__name__)
 
 #: the environment variable that turns parking off (``0``)
 ENV = "HYBRIDFLOW_REUSE_WORKERS"
+#: the most released pools kept parked at once
+MAX_PARKED = 3
 
 
 @dataclass(slots=True)
@@ -82,13 +88,19 @@ def parked_resources() -> dict[str, float]:
 
 
 def park_pool(parked: ParkedPool) -> None:
-    """Keep a released pool's placement groups and hosts for :func:`take_pool`."""
+    """Keep a released pool's placement groups and hosts for :func:`take_pool` (the oldest parked pool is released
+    when more than :data:`MAX_PARKED` would be parked)."""
     _PARKED.append(parked)
+    while len(_PARKED) > MAX_PARKED:
+        oldest = _PARKED.pop(0)
+        if oldest.session == parked.session:
+            _release(oldest)
 
 
-def take_pool(key: tuple[Any, ...]) -> ParkedPool | None:
-    """The parked pool of shape ``key`` (removed from the park), or None; parked pools of this Ray session that do
-    not match are released (their processes killed, their bundles freed for the pool being built)."""
+def take_pool(key: tuple[Any, ...], need: dict[str, float] | None = None) -> ParkedPool | None:
+    """The parked pool of shape ``key`` (removed from the park), or None. On a miss, parked pools of this Ray
+    session are released, oldest first, until the cluster has ``need`` free (what the new pool reserves); all of
+    them when ``need`` is None or the cluster has several nodes (where a total says nothing of one node's room)."""
     if not _PARKED:
         return None
     here = session()
@@ -99,6 +111,15 @@ def take_pool(key: tuple[Any, ...]) -> ParkedPool | None:
         if parked.key == key:
             _PARKED.remove(parked)
             return parked
+    if need is not None and _one_node():
+        # a released pool's bundles show as free with a lag: what is released here is counted as freed at once
+        available = dict(ray.available_resources())  # type: ignore[no-untyped-call]  # unannotated in ray
+        while _PARKED and not all(available.get(name, 0.0) >= amount - 1e-9 for name, amount in need.items()):
+            oldest = _PARKED.pop(0)
+            _release(oldest)
+            for name, amount in oldest.resources.items():
+                available[name] = available.get(name, 0.0) + amount
+        return None
     release_parked()
     return None
 
@@ -111,6 +132,17 @@ def _release(parked: ParkedPool) -> None:
     for group in parked.placement_groups:
         with contextlib.suppress(Exception):  # already removed, or its cluster is going
             remove_placement_group(group)
+
+
+def _one_node() -> bool:
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]  # unannotated in ray
+    return sum(1 for node in nodes if node.get("Alive")) == 1
+
+
+def make_room() -> bool:
+    """Release every parked pool of this session (a new pool's bundles could not be reserved beside them);
+    whether there were any."""
+    return release_parked() > 0
 
 
 def release_parked() -> int:

@@ -30,6 +30,10 @@ from hybridflow.errors import ConfigError, PlacementError
 
 __all__ = ["ResourcePool", "SlotOptions"]
 
+#: how long a new pool waits for its bundles beside parked pools before it releases them (reserving free bundles
+#: takes milliseconds)
+PARKED_ROOM_WAIT_S = 2.0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlotOptions:
@@ -91,7 +95,8 @@ class ResourcePool:
         self._released = False
         #: hosts of closed groups, parked for the next group on this pool (hybridflow.controller.park)
         self._parked_hosts: list[list[Any]] = []
-        adopted = park.take_pool(self.shape) if park.enabled() else None
+        need = {key: value * sum(counts) for key, value in bundle.items()} if len(counts) == 1 else None
+        adopted = park.take_pool(self.shape, need) if park.enabled() else None
         if adopted is not None:  # a released pool of this shape: its bundles and its groups' parked processes
             self.placement_groups = adopted.placement_groups
             self._parked_hosts = adopted.host_sets
@@ -100,6 +105,10 @@ class ResourcePool:
             if len(counts) == 1:
                 self.placement_groups.append(placement_group([dict(bundle) for _ in range(counts[0])], strategy="PACK",
                                                              name=_placement_group_name(name)))
+                # parked pools were left beside it because the cluster's free resources said it fits; when its
+                # bundles are not reserved at once they hold what it needs after all: release them
+                if park.parked_pools() and not self._ready(0, PARKED_ROOM_WAIT_S):
+                    park.make_room()
                 self._wait_ready(0, self.ready_timeout_s)
             else:
                 nodes = self._pick_nodes()
@@ -147,9 +156,12 @@ class ResourcePool:
         """The first node's placement group (the only one of a one-node pool)."""
         return self.placement_groups[0]
 
-    def _wait_ready(self, index: int, timeout_s: float) -> None:
+    def _ready(self, index: int, timeout_s: float) -> bool:
         ready, _ = ray.wait([self.placement_groups[index].ready()], timeout=timeout_s)
-        if ready:
+        return bool(ready)
+
+    def _wait_ready(self, index: int, timeout_s: float) -> None:
+        if self._ready(index, timeout_s):
             return
         count, nodes = self.devices_per_node[index], len(self.devices_per_node)
         alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
