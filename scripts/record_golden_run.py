@@ -13,6 +13,7 @@ Re-record only when a change is meant to change the numbers, and say so in its c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -71,6 +72,21 @@ def run_jobs_in_one_driver(run_dirs: list[Path]) -> list[list[dict[str, float]]]
     return [_rows(run_dir) for run_dir in run_dirs]
 
 
+def machine() -> str:
+    """What decides the bits of a float kernel's result: the CPU model and its vector ISA (MKL and oneDNN pick their
+    kernels and blocking by it), e.g. ``Intel(R) Xeon(R) Processor; avx512bw avx512f amx_bf16 ...``."""
+    model, flags = "unknown CPU", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = {flag for flag in value.split() if flag.startswith(("avx", "amx", "fma", "sse4"))}
+                break
+    return f"{model}; {' '.join(sorted(flags))}"
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv else ROOT / "tests" / "data" / "golden_grpo_scratch.json"
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +94,7 @@ def main(argv: list[str]) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=False).stdout.strip()
     out.write_text(json.dumps({"recorded_at_commit": commit, "command": f"scripts/record_golden_run.py {out}",
-                               "rows": rows}, indent=1) + "\n")
+                               "machine": machine(), "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}: {len(rows)} rows, {len(rows[0]) if rows else 0} metrics each")
     return 0
 

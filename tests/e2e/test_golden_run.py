@@ -2,12 +2,19 @@
 gives every computed metric of tests/data/golden_grpo_scratch.json bit for bit (a metric added since is allowed; one
 lost or changed fails). The file was recorded on the tree before the round's refactors (the rollout-source
 interface, the GRPO driver's shape, the plugin-contract records) and checked equal after them; re-record it with the
-script only for a change meant to change the numbers."""
+script only for a change meant to change the numbers.
+
+Bit for bit holds on the CPU the file was recorded on (its ``machine``: model and vector ISA): on another one MKL and
+oneDNN pick other kernels and blockings, and the same code gives other last bits (an AMX box read step 0's entropy
+3.7747957706 for the recorded 3.7747956514, ppo_kl 8e-9 for 5e-10). There every metric must agree to
+:data:`REL_TOL` / :data:`ABS_TOL` instead, still far inside what a change of the math moves, and the fresh and the
+parked runs must still equal each other bit for bit."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "golden_grpo_scratch.json"
+#: off the recording CPU: the agreement asked of every metric (a wrong sign, clip or aggregation moves them by far more)
+REL_TOL, ABS_TOL = 1e-4, 1e-6
 
 
 def _script() -> Any:
@@ -25,13 +34,16 @@ def _script() -> Any:
     return module
 
 
-def _assert_golden(rows: list[dict[str, float]], golden: list[dict[str, float]], run: str) -> None:
+def _assert_golden(rows: list[dict[str, float]], golden: list[dict[str, float]], run: str, *, exact: bool) -> None:
     assert len(rows) == len(golden) == 3
     for step, (want, got) in enumerate(zip(golden, rows)):
         missing = sorted(set(want) - set(got))
         assert not missing, f"{run}, step {step}: metrics the recorded run had are gone: {missing}"
-        changed = {key: (value, got[key]) for key, value in want.items() if got[key] != value}
-        assert not changed, f"{run}, step {step}: (recorded, now) differ: {changed}"
+        changed = {key: (value, got[key]) for key, value in want.items()
+                   if (got[key] != value if exact else not math.isclose(got[key], value, rel_tol=REL_TOL,
+                                                                        abs_tol=ABS_TOL))}
+        how = "bit for bit (the recording CPU)" if exact else f"within rel {REL_TOL} / abs {ABS_TOL} (another CPU)"
+        assert not changed, f"{run}, step {step}: (recorded, now) differ, compared {how}: {changed}"
 
 
 @pytest.mark.slow
@@ -40,12 +52,13 @@ def test_the_seeded_job_gives_the_recorded_metrics_bit_for_bit_on_fresh_and_on_p
     """The job twice in one driver (``hybridflow train`` in a loop): the first run starts its worker processes, the
     second runs on the ones the first parked (hybridflow.controller.park: the same pids) and both give the recorded
     metrics bit for bit, so a reused process carries nothing of the earlier run into the numbers."""
-    golden = json.loads(GOLDEN.read_text())["rows"]
+    recorded = json.loads(GOLDEN.read_text())
     script = _script()
+    exact = recorded.get("machine") == script.machine()
     first, second = tmp_path / "first", tmp_path / "second"
     fresh, parked = script.run_jobs_in_one_driver([first, second])
-    _assert_golden(fresh, golden, "fresh processes")
-    _assert_golden(parked, golden, "parked processes")
+    _assert_golden(fresh, recorded["rows"], "fresh processes", exact=exact)
+    assert parked == fresh  # the same CPU: a reused process gives the fresh one's numbers bit for bit
     pids = script.worker_pids(first)
     assert len(pids) == 2 and script.worker_pids(second) == pids
 
