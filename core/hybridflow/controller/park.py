@@ -12,7 +12,8 @@ beside them, so a driver that alternates shapes (a two-rank run, a one-rank run,
 otherwise it releases them, oldest first, until it fits (on a cluster of several nodes: all of them), and a pool
 whose bundles still cannot be reserved releases the rest before it waits again (:func:`make_room`), so parked
 processes never hold resources a new pool needs. At most :data:`MAX_PARKED` pools stay parked (each holds its
-processes' memory, and an idle Ray worker uses ~0.6 CPU-seconds a minute): parking one more releases the oldest.
+processes' memory, and an idle Ray worker uses ~0.6 CPU-seconds a minute): parking one more releases the oldest,
+and a pool parked over :data:`MAX_PARKED_S` is released at the next park or take.
 
 Never parked: a group one of whose calls failed or whose rank was killed, a host whose roles or engines do not
 declare ``reusable_process`` (hybridflow.engines), and any host that fails to park or rebind (it is killed and a
@@ -24,15 +25,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-__all__ = ["MAX_PARKED", "ParkedPool", "enabled", "forget_parked", "make_room", "park_pool", "parked_pools",
-           "parked_resources", "release_parked", "take_pool"]
+__all__ = ["MAX_PARKED", "MAX_PARKED_S", "ParkedPool", "enabled", "forget_parked", "make_room", "park_pool",
+           "parked_pools", "parked_resources", "release_parked", "take_pool"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ _LOG = logging.getLogger(__name__)
 ENV = "HYBRIDFLOW_REUSE_WORKERS"
 #: the most released pools kept parked at once
 MAX_PARKED = 3
+#: a pool parked longer is released at the next park or take: an idle worker process costs ~0.6 CPU-seconds a minute,
+#: a fresh one ~8, so one not reused within minutes costs more than it saves
+MAX_PARKED_S = 300.0
 
 
 @dataclass(slots=True)
@@ -52,6 +57,8 @@ class ParkedPool:
     session: str
     #: what its placement groups reserve, e.g. ``{"CPU": 1.0}``
     resources: dict[str, float]
+    #: when it was parked (time.monotonic())
+    parked_at: float = field(default_factory=time.monotonic)
 
 
 _PARKED: list[ParkedPool] = []
@@ -90,11 +97,23 @@ def parked_resources() -> dict[str, float]:
 def park_pool(parked: ParkedPool) -> None:
     """Keep a released pool's placement groups and hosts for :func:`take_pool` (the oldest parked pool is released
     when more than :data:`MAX_PARKED` would be parked)."""
+    _release_expired()
     _PARKED.append(parked)
     while len(_PARKED) > MAX_PARKED:
         oldest = _PARKED.pop(0)
         if oldest.session == parked.session:
             _release(oldest)
+
+
+def _release_expired() -> None:
+    """Release the parked pools of this session parked for over :data:`MAX_PARKED_S`."""
+    if not _PARKED or not ray.is_initialized():
+        return
+    here, now = session(), time.monotonic()
+    for parked in [parked for parked in _PARKED if now - parked.parked_at > MAX_PARKED_S]:
+        _PARKED.remove(parked)
+        if parked.session == here:
+            _release(parked)
 
 
 def take_pool(key: tuple[Any, ...], need: dict[str, float] | None = None) -> ParkedPool | None:
@@ -107,6 +126,7 @@ def take_pool(key: tuple[Any, ...], need: dict[str, float] | None = None) -> Par
     stale = [parked for parked in _PARKED if parked.session != here]
     for parked in stale:  # its cluster is gone (ray.shutdown): the handles point nowhere
         _PARKED.remove(parked)
+    _release_expired()
     for parked in _PARKED:
         if parked.key == key:
             _PARKED.remove(parked)

@@ -167,6 +167,21 @@ def test_a_pool_with_no_room_beside_the_parked_ones_releases_them_oldest_first(m
     huge.release()
 
 
+def test_a_pool_parked_too_long_is_released_at_the_next_park_or_take() -> None:
+    """An idle parked process costs CPU every minute: past park.MAX_PARKED_S a pool is released, not kept."""
+    def parked(key: str, age_s: float) -> park.ParkedPool:  # no processes: what is released is the bookkeeping
+        return park.ParkedPool(key=(key,), placement_groups=[], host_sets=[], session=park.session(), resources={},
+                               parked_at=time.monotonic() - age_s)
+
+    park.park_pool(parked("old", park.MAX_PARKED_S + 1))
+    park.park_pool(parked("recent", 1.0))
+    assert park.parked_pools() == 1  # parking "recent" released "old"
+    park.park_pool(parked("aging", park.MAX_PARKED_S - 10))
+    assert park.take_pool(("other",), need=None) is None and park.parked_pools() == 0  # a miss releases all (no need)
+    park.park_pool(parked("old", park.MAX_PARKED_S + 1))
+    assert park.take_pool(("old",)) is None and park.parked_pools() == 0  # too old to be taken
+
+
 def _wait_dead(pids: list[int]) -> None:
     deadline = time.monotonic() + 30.0
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
