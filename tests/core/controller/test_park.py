@@ -138,6 +138,7 @@ def test_a_closed_groups_processes_host_the_next_group_as_fresh_ones(tmp_path: P
     back.release()
 
 
+@pytest.mark.slow  # three worker processes to start (~10 s each on the loaded CI box)
 def test_a_pool_with_no_room_beside_the_parked_ones_releases_them_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parked pools stay while a new pool of another shape fits beside them; one that does not fit releases the
     oldest until it does, and never more than park.MAX_PARKED stay parked (2 here: 3 processes instead of 4)."""
