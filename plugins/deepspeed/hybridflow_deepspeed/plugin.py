@@ -38,7 +38,8 @@ def export_deepspeed_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> 
 def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("deepspeed", build_deepspeed_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
         "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}),
-        features=frozenset({"bf16", "gradient_checkpointing", "token_budget_micro_batches"})))
+        features=frozenset({"bf16", "gradient_checkpointing", "token_budget_micro_batches"}),
+        reusable_process=True))
 
 
 @hookimpl

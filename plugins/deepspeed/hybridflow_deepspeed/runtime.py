@@ -6,7 +6,9 @@ Building the model and running steps are :mod:`hybridflow_deepspeed.training`'s 
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -16,7 +18,8 @@ from hybridflow.engines import TrainingEngineConfig
 from hybridflow.errors import ConfigError, EngineError
 
 __all__ = ["ZERO_STAGES", "EXTRA_KEYS", "DeepSpeedOptions", "parse_options", "build_deepspeed_config",
-           "import_deepspeed", "init_deepspeed_distributed"]
+           "import_deepspeed", "init_deepspeed_distributed", "track_engine", "close_engine",
+           "release_deepspeed_state", "forget_module"]
 
 ZERO_STAGES = (1, 2, 3)
 DEFAULT_ZERO_STAGE = 3
@@ -153,3 +156,79 @@ def init_deepspeed_distributed(device: str) -> ModuleType:
     deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo", dist_init_required=False,
                                verbose=False)
     return deepspeed
+
+
+#: the DeepSpeed engines of this process not closed yet (weakly: one dropped without ``close()`` stops counting)
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track_engine(engine: Any) -> None:
+    """Count ``engine`` among this process's live DeepSpeed engines (:func:`close_engine` releases the state they
+    share once the last one closes)."""
+    _LIVE.add(engine)
+
+
+def close_engine(engine: Any) -> bool:
+    """``engine`` is closed: release DeepSpeed's process-wide state when no other live engine of this process uses
+    it (:func:`release_deepspeed_state`); returns whether it was released."""
+    _LIVE.discard(engine)
+    if len(_LIVE):
+        gc.collect()  # an engine dropped without close() may wait in a reference cycle (its handover holds it)
+    if len(_LIVE):
+        return False
+    release_deepspeed_state()
+    return True
+
+
+def release_deepspeed_state() -> None:
+    """Put DeepSpeed's module-level state back as a fresh import has it, so that the next engine in this process
+    (after the worker host destroyed torch.distributed's world: hybridflow.controller.process_state) starts as in a
+    fresh process. Call it on every rank, with no DeepSpeed engine left in use (:func:`close_engine` does).
+
+    What ``deepspeed.initialize`` leaves behind, and what is put back here:
+
+    - ``deepspeed.comm``'s backend object ``cdb`` (bound to the world it wrapped) and ``deepspeed.utils.groups``'
+      references to the process groups it created in that world (its clone of the world group, the data/model/
+      expert/sequence-parallel groups, the device mesh, the mpu): the next engine would run its collectives on
+      groups of a destroyed world ("Group ... is not registered"). The groups themselves are torch's, destroyed with
+      the world by whoever owns it (the worker); only DeepSpeed's references go, as
+      ``deepspeed.comm.destroy_process_group`` releases them after a teardown.
+    - ZeRO-3: ``parameter_offload.FWD_MODULE_STACK``, where every engine pushes its model for good (the model stays
+      referenced, and the next engine's dangling-parameter search walks the stale modules), and the class-level
+      counters of ``zero.Init`` (the next parameter id, the persisted parameters and elements, the persistence
+      thresholds of the last engine).
+
+    Every other module-level value the engines touch is a constant, a lazily filled registry that a fresh process
+    fills the same way (the optimizers ZeRO supports) or per-engine state released by ``DeepSpeedEngine.destroy``
+    (checked by the process reuse contract: tests/plugins/deepspeed/test_deepspeed_reuse.py)."""
+    import sys
+
+    comm: Any = sys.modules.get("deepspeed.comm.comm")  # untyped: its module-level names are Any here
+    groups: Any = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups._release_process_group_references(None)
+    if comm is not None:
+        comm.cdb = None
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.FWD_MODULE_STACK.clear()
+    partition = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if partition is not None:
+        from deepspeed.runtime.config_utils import get_config_default
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        init = partition.Init
+        init.param_id = init.num_persisted_parameters = init.num_persisted_elements = 0
+        init.apply_param_persistence = False
+        for name in ("param_persistence_threshold", "model_persistence_threshold"):
+            setattr(init, name, get_config_default(DeepSpeedZeroConfig, name))
+
+
+def forget_module(module: Any) -> None:
+    """Drop ``module`` from ZeRO-3's stack of forward modules (``DeepSpeedZeRoOffload`` pushes its model there for
+    good), so a released engine's model is not kept alive by it."""
+    import sys
+
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None and module is not None:
+        offload.FWD_MODULE_STACK[:] = [entry for entry in offload.FWD_MODULE_STACK if entry is not module]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hybridflow.engines import ROLES, TrainingEngineConfig
 from hybridflow.errors import ConfigError
 from hybridflow.resharding.layout import ParallelLayout
-from hybridflow_deepspeed import checkpoint, handover
+from hybridflow_deepspeed import checkpoint, handover, runtime
 from hybridflow_deepspeed.runtime import build_deepspeed_config, init_deepspeed_distributed, parse_options
 from hybridflow_fsdp.distributed import ensure_process_group
 from hybridflow_fsdp.engine_base import LOSS_SCALE_ROWS as LOSS_SCALE_ROWS
@@ -63,10 +63,15 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         optimizer = build_optimizer(model.parameters(), config.optim) if self.trainable else None
         scheduler_factory = (lambda basic: build_scheduler(basic, config.optim)) if self.trainable else None
         self.engine: Any
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler_factory, config=ds_config,
-            dist_init_required=False,
-        )
+        try:
+            self.engine, _, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler_factory, config=ds_config,
+                dist_init_required=False,
+            )
+        except BaseException:
+            runtime.close_engine(self)  # what initialize left half-built is not the next engine's (when no other)
+            raise
+        runtime.track_engine(self)
         self.module: torch.nn.Module = self.engine.module
         self._version = 0
         self.handover = handover.WeightHandover(self, bucket_bytes=self.options.handover_bucket_bytes)
@@ -176,10 +181,21 @@ class DeepSpeedTrainingEngine(HFTrainingEngineBase):
         """Destroy the DeepSpeed engine (its ZeRO hooks and optimizer) and drop the model; the process group stays,
         it belongs to the worker. A released engine fails on its next call."""
         if getattr(self, "engine", None) is not None:
+            runtime.forget_module(getattr(self.engine, "module", None))
             self.engine.destroy()
         self.engine = None
         if hasattr(self, "module"):
             del self.module
+
+    def close(self) -> None:
+        """:meth:`release`, then, once no other DeepSpeed engine of this process is open, DeepSpeed's process-wide
+        state (its comm backend and its references to the process groups of this torch.distributed world:
+        :func:`hybridflow_deepspeed.runtime.release_deepspeed_state`), so that the worker host may restore this
+        process for another run's engines (``reusable_process``). No collective; the process group stays, it
+        belongs to the worker. Idempotent."""
+        self.release()
+        self._captured_scores = []
+        runtime.close_engine(self)
 
 
 def build_deepspeed_training_engine(*, role: str, config: TrainingEngineConfig,

@@ -20,7 +20,7 @@ import torch
 
 from hybridflow.errors import EngineError
 
-__all__ = ["activate_cpu_shim", "is_cpu_shim_active", "cpu_tensor_methods"]
+__all__ = ["activate_cpu_shim", "deactivate_cpu_shim", "is_cpu_shim_active", "cpu_tensor_methods"]
 
 #: torch factory functions whose ``device=`` megatron writes as a "cuda" literal
 _FACTORIES = (
@@ -175,6 +175,22 @@ def activate_cpu_shim(device: str) -> bool:
     _install_rng_tracker()
     _active = True
     return True
+
+
+def deactivate_cpu_shim() -> int:
+    """Undo :func:`activate_cpu_shim`: megatron's modules see the real ``torch`` again (as in a fresh process, whose
+    next CPU engine activates the shim anew); returns how many modules were restored. Call it with no megatron model
+    left in use (hybridflow_megatron.model.release_megatron_state)."""
+    global _active
+    restored = 0
+    if _PROXY is not None:
+        for name, module in list(sys.modules.items()):
+            if ((name == "megatron.core" or name.startswith("megatron.core.")) and module is not None
+                    and vars(module).get("torch") is _PROXY):
+                vars(module)["torch"] = torch
+                restored += 1
+    _active = False
+    return restored
 
 
 def is_cpu_shim_active() -> bool:

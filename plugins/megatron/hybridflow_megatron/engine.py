@@ -20,7 +20,7 @@ from hybridflow.engines import ROLES, LossFn, MeshInfo, TrainingEngineConfig, lo
 from hybridflow.errors import ConfigError, EngineError
 from hybridflow_megatron import cpu_shim, handover, persist
 from hybridflow_megatron.batching import attention_inputs, pad_rows, require_columns
-from hybridflow_megatron.model import VALUE_HEAD_ROLES, build_stage, ensure_parallel_state
+from hybridflow_megatron.model import VALUE_HEAD_ROLES, build_stage, close_engine, ensure_parallel_state, track_engine
 from hybridflow_megatron.options import check_engine_keys
 from hybridflow_megatron.spec_names import named_local_parameters, uses_transformer_engine
 
@@ -49,20 +49,25 @@ class MegatronTrainingEngine:
         extra = dict(config.extra)
         self.placement = ensure_parallel_state(config.parallel, device=device,
                                                timeout_s=float(extra.get("timeout_s", 120)), seed=config.model.seed)
-        model, self.arch, self.hf_config = build_stage(
-            config.model, role=role, placement=self.placement, device=device,
-            overrides=extra.get("transformer_overrides"), vocab_multiple=int(extra.get("vocab_multiple", 8)),
-            transformer_engine=uses_transformer_engine(device, extra),
-        )
-        self.trainable = role in TRAINABLE_ROLES
-        self.optimizer: Any = None
-        self._version = 0
-        self._step = 0
-        if self.trainable:
-            self.model, self.optimizer = self._wrap_for_training(model)
-        else:
-            model.requires_grad_(False)
-            self.model = model
+        try:
+            model, self.arch, self.hf_config = build_stage(
+                config.model, role=role, placement=self.placement, device=device,
+                overrides=extra.get("transformer_overrides"), vocab_multiple=int(extra.get("vocab_multiple", 8)),
+                transformer_engine=uses_transformer_engine(device, extra),
+            )
+            self.trainable = role in TRAINABLE_ROLES
+            self.optimizer: Any = None
+            self._version = 0
+            self._step = 0
+            if self.trainable:
+                self.model, self.optimizer = self._wrap_for_training(model)
+            else:
+                model.requires_grad_(False)
+                self.model = model
+        except BaseException:
+            close_engine(self)  # the parallel state is not the next engine's (when no other engine uses it)
+            raise
+        track_engine(self)
         self.last_handover_stats: handover.HandoverStats | None = None
         self.handover = handover.WeightHandover(
             self, bucket_bytes=int(extra.get("handover_bucket_bytes", handover.DEFAULT_BUCKET_BYTES)))
@@ -387,6 +392,15 @@ class MegatronTrainingEngine:
         """Drop the model and optimizer (the process groups stay; they belong to the worker)."""
         self.model = None
         self.optimizer = None
+
+    def close(self) -> None:
+        """:meth:`release`, then, once no other megatron engine of this process is open, megatron's process-wide
+        state (its parallel groups and memory buffers, the (t, p) this process was set up for, the model-parallel
+        RNG tracker, the CPU shim: :func:`hybridflow_megatron.model.release_megatron_state`), so that the worker
+        host may restore this process for another run's engines (``reusable_process``), of any (t, p). Every rank
+        calls it; torch.distributed stays up, it belongs to the worker. Idempotent."""
+        self.release()
+        close_engine(self)
 
 
 def build_megatron_training_engine(*, role: str, config: TrainingEngineConfig,

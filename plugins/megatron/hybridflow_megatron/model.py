@@ -6,6 +6,8 @@ micro-batching and optimizers belong to :mod:`hybridflow_megatron.engine`. Impor
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,10 +28,13 @@ from hybridflow_megatron.convert import (
 from hybridflow_megatron.spec_names import build_layer_spec, named_local_parameters
 
 __all__ = ["StagePlacement", "ValueHead", "VALUE_HEAD_ROLES", "ensure_parallel_state", "destroy_parallel_state",
-           "build_hf_model", "build_transformer_config", "build_stage", "rope_parameters"]
+           "track_engine", "close_engine", "release_megatron_state", "build_hf_model", "build_transformer_config",
+           "build_stage", "rope_parameters"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _parallel_sizes: tuple[int, int] | None = None
+#: the megatron engines of this process not closed yet (weakly: one dropped without ``close()`` stops counting)
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,6 +117,60 @@ def destroy_parallel_state() -> None:
     _parallel_sizes = None
 
 
+#: ``parallel_state`` globals that ``destroy_model_parallel`` leaves set (megatron-core 0.16): the next
+#: ``initialize_model_parallel`` overwrites them, but until then they name ranks and a group of the old world
+_KEPT_BY_DESTROY = ("_DATA_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", "_EMBEDDING_GLOBAL_RANKS",
+                    "_EXPERT_MODEL_PARALLEL_RANKS", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+                    "_MODEL_PARALLEL_GLOBAL_RANKS", "_PIPELINE_GLOBAL_RANKS", "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS")
+
+
+def track_engine(engine: Any) -> None:
+    """Count ``engine`` among this process's live megatron engines (:func:`close_engine` releases the state they
+    share once the last one closes)."""
+    _LIVE.add(engine)
+
+
+def close_engine(engine: Any) -> bool:
+    """``engine`` is closed: release megatron's process-wide state when no other live engine of this process uses
+    it (:func:`release_megatron_state`); returns whether it was released."""
+    _LIVE.discard(engine)
+    if len(_LIVE):
+        gc.collect()  # an engine dropped without close() may wait in a reference cycle (its handover holds it)
+    if len(_LIVE):
+        return False
+    release_megatron_state()
+    return True
+
+
+def release_megatron_state() -> None:
+    """Put megatron-core's process-wide state back as a fresh import has it, so that the next engine in this process
+    (after the worker host destroyed torch.distributed's world: hybridflow.controller.process_state) starts as in a
+    fresh process, with any (t, p). Call it on every rank while torch.distributed is still up, with no megatron
+    engine left in use (:func:`close_engine` does).
+
+    What the engines leave behind, and what is put back here: ``parallel_state``'s groups, ranks and global memory
+    buffers (``destroy_model_parallel``, and the rank lists and group it leaves set: :data:`_KEPT_BY_DESTROY`; the
+    groups are torch's, destroyed with the world by whoever owns it, but ``parallel_state`` would hand the next
+    engine those of a destroyed world), this module's record of the (t, p) they were built for, the model-parallel
+    RNG tracker (``tensor_parallel.random``: its forked states; the next engine's ``model_parallel_cuda_manual_seed``
+    installs and seeds a new one) and, on CPU, the shim's rebinding of ``torch`` inside megatron's modules
+    (:func:`hybridflow_megatron.cpu_shim.deactivate_cpu_shim`). Megatron's microbatch calculator and rerun state
+    machine are never set up by the engine (it passes the number of micro-batches to the schedule itself). Checked
+    by the process reuse contract (tests/plugins/megatron/test_megatron_reuse.py)."""
+    import sys
+
+    destroy_parallel_state()
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    for name in _KEPT_BY_DESTROY:  # None on import; rank lists and a group of the old world otherwise
+        if parallel_state is not None and hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
+    random: Any = sys.modules.get("megatron.core.tensor_parallel.random")  # untyped: its module names are Any here
+    if random is not None:
+        random._CUDA_RNG_STATE_TRACKER = None
+        random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    cpu_shim.deactivate_cpu_shim()
+
+
 #: roles whose model ends in a [hidden → 1] value head instead of the LM head (the critic's values, a reward model's
 #: scores); their HF form is a 1-label token classifier
 VALUE_HEAD_ROLES = ("critic", "reward_model")
@@ -123,8 +182,12 @@ def build_hf_model(spec: ModelSpec, *, role: str) -> torch.nn.Module:
     With ``spec.config`` the weights are a random init under ``spec.seed`` (identical on every rank); a critic
     loaded from a causal-LM directory gets a fresh value head from the same seed.
     """
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+    # as the fsdp engine: no bar, whose tqdm monitor thread would outlive the engine (and keep the worker process
+    # from being parked: hybridflow.controller.process_state)
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     if spec.path is not None:
         config = AutoConfig.from_pretrained(spec.path)
     else:

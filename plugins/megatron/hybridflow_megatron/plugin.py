@@ -29,7 +29,7 @@ def build_megatron_training_layout(named_shapes: Any, **options: Any) -> Any:
 def hybridflow_register_training_engines(registry: Any) -> None:
     registry.register("megatron", build_megatron_training_engine, info=TrainingEngineInfo(capabilities=frozenset({
         "reshards_generation_weights", "parks_training_weights", "reports_handover", "holds_weights"}),
-        features=frozenset({"tensor_parallel", "pipeline_parallel"})))
+        features=frozenset({"tensor_parallel", "pipeline_parallel"}), reusable_process=True))
 
 
 def export_megatron_checkpoint(*, checkpoint: Any, spec: Any, out_dir: Any) -> None:
